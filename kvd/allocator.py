@@ -1,0 +1,267 @@
+"""Page allocation for one group: physical pages, the v2p/p2v tables, and virtual-id rings.
+
+Every group is anchored at byte 0 of the arena with its own stride ``page_bytes``; physical page
+``p`` of the group covers bytes ``[p * pb, (p + 1) * pb)``. A group owns one *region*
+``[lo, hi)`` of its page ids; the pool's frontiers keep the groups' byte ranges disjoint::
+
+    byte 0                                                                    backed
+    [ sink | UP group [lo..hi) -> | gap | <- FLOAT [lo..hi) -> | gap | <- DOWN [lo..hi) ]
+
+Inside its region a group keeps a stack of *holes* (free pages); a region grows only at its
+edges, by the amounts the pool's planner assigns, and shrinks by :meth:`GroupAllocator.trim`
+(free pages at an edge go back to the shared gap) or by compaction.
+
+Tables (int32 torch tensors, ``-1`` = unbound):
+
+* ``v2p[v]`` -> physical page of virtual id ``v``. Sized by the **id owner's** id space: the
+  swa group binds the full group's ids, so its ``v2p`` must be as long as full's (seed 004).
+* ``p2v[p]`` -> virtual id bound to physical page ``p``; sized by this group's own pages.
+
+Both tables are sized once, for the whole reservation, so post-capture sizing never
+reallocates them (their ``data_ptr`` is stable for the pool's lifetime).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from kvd.errors import InternalError
+
+__all__ = ["Direction", "IdRing", "GroupAllocator", "IDX"]
+
+#: dtype of every id tensor (virtual ids, physical page ids). 2^31 pages is far above any arena.
+IDX = torch.int32
+
+
+class Direction(enum.Enum):
+    UP = "up"  # anchored at the sink, grows toward higher addresses
+    DOWN = "down"  # anchored at the top of the backing, grows toward lower addresses
+    FLOAT = "float"  # between the two; grows either way
+
+
+class IdRing:
+    """FIFO ring of free virtual ids.
+
+    Ids come off the front and freed ids go to the back, so a freed id is reused as late as
+    possible: a stale reference to it fails loudly for longer, and churn walks the whole id
+    space (the condition under which seed 004's undersized table crashed)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ring = torch.arange(size, dtype=IDX)
+        self._head = 0
+        self.count = size
+
+    def take(self, n: int) -> torch.Tensor:
+        if n > self.count:
+            raise InternalError(f"id ring: asked for {n} ids with {self.count} free; the planner should have refused")
+        idx = (torch.arange(n, dtype=torch.int64) + self._head) % self.size
+        out = self._ring[idx]
+        self._head = (self._head + n) % self.size
+        self.count -= n
+        return out
+
+    def give(self, ids: torch.Tensor) -> None:
+        n = ids.numel()
+        if self.count + n > self.size:
+            raise InternalError(f"id ring: {n} ids returned to a ring with {self.size - self.count} taken")
+        idx = (torch.arange(n, dtype=torch.int64) + self._head + self.count) % self.size
+        self._ring[idx] = ids.to(IDX)
+        self.count += n
+
+    def free_ids(self) -> torch.Tensor:
+        idx = (torch.arange(self.count, dtype=torch.int64) + self._head) % self.size
+        return self._ring[idx]
+
+    def reset(self) -> None:
+        torch.arange(self.size, dtype=IDX, out=self._ring)
+        self._head, self.count = 0, self.size
+
+
+class GroupAllocator:
+    """Physical pages of one group. Mutated only by the pool, which plans before it commits.
+
+    Methods here never fail on valid plans; a failure is an :class:`InternalError` (a bug)."""
+
+    def __init__(
+        self,
+        name: str,
+        page_bytes: int,
+        direction: Direction,
+        *,
+        sink_bytes: int,
+        table_pages: int,
+        id_space: int,
+    ) -> None:
+        self.name = name
+        self.pb = page_bytes
+        self.direction = direction
+        #: first page id above the sink: pages below it overlap bytes [0, sink) and are never used
+        self.p_min = -(-sink_bytes // page_bytes)
+        self.p2v = torch.full((table_pages,), -1, dtype=IDX)
+        self.v2p = torch.full((id_space,), -1, dtype=IDX)
+        self._holes = torch.empty(table_pages, dtype=IDX)
+        self.n_holes = 0
+        self.used = 0
+        self.p_max = self.p_min  # exclusive; set by set_capacity
+        self.lo = self.hi = self.p_min
+
+    # ---- capacity ---------------------------------------------------------------------------
+    def set_capacity(self, backed_bytes: int) -> None:
+        """Re-derive the usable page range from the backed size. Only on an empty group."""
+        if self.used:
+            raise InternalError(f"{self.name}: set_capacity with {self.used} pages in use")
+        self.p_max = max(self.p_min, min(backed_bytes // self.pb, self.p2v.numel()))
+        self.collapse()
+
+    @property
+    def capacity(self) -> int:
+        """Pages this group could hold if it had the whole backed arena to itself."""
+        return self.p_max - self.p_min
+
+    def collapse(self) -> None:
+        """Empty group: shrink the region to zero width at its anchor and forget its holes."""
+        if self.used:
+            raise InternalError(f"{self.name}: collapse with {self.used} pages in use")
+        if self.direction is Direction.UP:
+            self.lo = self.hi = self.p_min
+        elif self.direction is Direction.DOWN:
+            self.lo = self.hi = self.p_max
+        else:
+            self.hi = self.lo
+        self.n_holes = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.hi == self.lo
+
+    # ---- bind / unbind ----------------------------------------------------------------------
+    def bind(self, vids: torch.Tensor, grow_lo: int, grow_hi: int, new_lo: int | None = None) -> torch.Tensor:
+        """Bind ``vids`` to pages: holes first, then ``grow_lo`` pages below the region and
+        ``grow_hi`` above it. ``new_lo`` re-anchors an empty float first. Returns the pages,
+        in the order of ``vids``."""
+        n = vids.numel()
+        from_holes = n - grow_lo - grow_hi
+        if new_lo is not None:
+            if not self.empty:
+                raise InternalError(f"{self.name}: re-anchor of a non-empty region")
+            self.lo = self.hi = new_lo
+        if from_holes < 0 or from_holes > self.n_holes:
+            raise InternalError(f"{self.name}: plan takes {from_holes} holes of {self.n_holes}")
+        parts = []
+        if from_holes:
+            parts.append(self._holes[self.n_holes - from_holes : self.n_holes].flip(0))
+            self.n_holes -= from_holes
+        if grow_lo:
+            parts.append(torch.arange(self.lo - 1, self.lo - 1 - grow_lo, -1, dtype=IDX))
+            self.lo -= grow_lo
+        if grow_hi:
+            parts.append(torch.arange(self.hi, self.hi + grow_hi, dtype=IDX))
+            self.hi += grow_hi
+        if self.lo < self.p_min or self.hi > self.p_max:
+            raise InternalError(f"{self.name}: region [{self.lo}, {self.hi}) left [{self.p_min}, {self.p_max})")
+        pages = torch.cat(parts) if len(parts) != 1 else parts[0]
+        if n and bool((self.v2p[vids] != -1).any()):
+            raise InternalError(f"{self.name}: binding virtual ids that are already bound")
+        self.p2v[pages] = vids.to(IDX)
+        self.v2p[vids] = pages
+        self.used += n
+        return pages
+
+    def unbind(self, vids: torch.Tensor) -> torch.Tensor:
+        """Unbind ``vids``; their pages become holes. Returns the pages."""
+        if vids.numel() == 0:
+            return vids
+        pages = self.v2p[vids]
+        if bool((pages < 0).any()):
+            raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
+        self.p2v[pages] = -1
+        self.v2p[vids] = -1
+        self.used -= vids.numel()
+        if self.used == 0:
+            self.collapse()
+        else:
+            self._holes[self.n_holes : self.n_holes + pages.numel()] = pages
+            self.n_holes += pages.numel()
+        return pages
+
+    # ---- edges ------------------------------------------------------------------------------
+    def trimmed_bounds(self) -> tuple[int, int]:
+        """The region after :meth:`trim`, without changing anything."""
+        if self.used == 0:
+            anchor = {Direction.UP: self.p_min, Direction.DOWN: self.p_max}.get(self.direction, self.lo)
+            return anchor, anchor
+        if self.n_holes == 0:
+            return self.lo, self.hi
+        bound = (self.p2v[self.lo : self.hi] != -1).nonzero()
+        first, last = int(bound[0]) + self.lo, int(bound[-1]) + self.lo + 1
+        if self.direction is Direction.UP:
+            return self.lo, last
+        if self.direction is Direction.DOWN:
+            return first, self.hi
+        return first, last
+
+    def trim(self) -> int:
+        """Give free pages at the region's edges back to the gap. Returns pages given back."""
+        lo, hi = self.trimmed_bounds()
+        given = (self.hi - self.lo) - (hi - lo)
+        if given:
+            if self.used == 0:
+                self.collapse()
+            else:
+                holes = self._holes[: self.n_holes]
+                keep = holes[(holes >= lo) & (holes < hi)]
+                self.n_holes = keep.numel()
+                self._holes[: self.n_holes] = keep
+                self.lo, self.hi = lo, hi
+        return given
+
+    # ---- compaction -------------------------------------------------------------------------
+    def plan_compaction(self, fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Moves ``(src, dst)`` that pack live pages toward the anchor end (float: toward lo).
+
+        ``fixed`` is a bool mask over the region's pages that must not move; pass None to plan
+        as if nothing were pinned. Sources are live pages from the far end, destinations the
+        holes nearest the anchor; each pair moves a page strictly toward the anchor."""
+        region = self.p2v[self.lo : self.hi]
+        live = region != -1
+        holes = (~live).nonzero().flatten().to(IDX) + self.lo
+        movable = live if fixed is None else live & ~fixed
+        src = movable.nonzero().flatten().to(IDX) + self.lo
+        if self.direction is Direction.DOWN:
+            holes = holes.flip(0)  # highest holes first; sources lowest first
+            k = min(holes.numel(), src.numel())
+            ok = holes[:k] > src[:k]
+        else:
+            src = src.flip(0)  # highest sources first; holes lowest first
+            k = min(holes.numel(), src.numel())
+            ok = holes[:k] < src[:k]
+        m = int(ok.sum())  # a prefix: holes move away from the anchor while sources move toward it
+        return src[:m], holes[:m]
+
+    def apply_moves(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rebind the virtual ids of pages ``src`` to pages ``dst`` (bytes already copied), then
+        rebuild the hole stack and trim. Virtual ids never change."""
+        if src.numel():
+            vids = self.p2v[src]
+            self.p2v[dst] = vids
+            self.p2v[src] = -1
+            self.v2p[vids] = dst
+        self.rebuild_holes()
+        self.trim()
+
+    def rebuild_holes(self) -> None:
+        """Recompute the hole stack from ``p2v`` (ordered so the pages nearest the anchor pop first)."""
+        holes = (self.p2v[self.lo : self.hi] == -1).nonzero().flatten().to(IDX) + self.lo
+        if self.direction is not Direction.DOWN:
+            holes = holes.flip(0)
+        self.n_holes = holes.numel()
+        self._holes[: self.n_holes] = holes
+
+    def holes(self) -> torch.Tensor:
+        return self._holes[: self.n_holes]
+
+    def bytes_range(self) -> tuple[int, int]:
+        return self.lo * self.pb, self.hi * self.pb

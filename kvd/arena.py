@@ -1,0 +1,201 @@
+"""Arenas: one contiguous byte region, reserved and backed separately.
+
+An arena reserves ``reserved`` bytes of address space at a base address that never changes,
+and backs a prefix ``[0, backed)`` of it with real memory. The pool hands out pages only inside
+the backed prefix; :meth:`Arena.set_backed` grows (or shrinks) the backing in place.
+
+    base                          backed                                reserved
+     |<---------- real memory ---------->|<------ address space only ------->|
+     [ sink | pages of every group ...   |  (touching this is a fault)       ]
+
+Implementations:
+
+* :class:`ShmArena` -- a shared-memory file (``/dev/shm`` by default, or any tmpfs directory),
+  mapped at full reservation and grown by ``ftruncate``. Another process maps it by path
+  (:func:`map_shared`). The embedded default; runs anywhere.
+* a CUDA virtual-memory arena (reserve a VA range, map physical chunks, export fds) implements
+  the same interface on GPU nodes.
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import mmap
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from kvd.errors import InvalidArgument
+
+__all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared"]
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaHandle:
+    """What another process needs to map an arena: its kind, a path or fd name, and sizes."""
+
+    kind: str  # "shm" (a file on tmpfs) or "cuda-vmm"
+    path: str  # file to map (shm); empty for fd-passing kinds
+    backed: int  # bytes the peer may map now
+    region_id: str  # stable name of the region for the arena's lifetime
+
+
+class Arena(abc.ABC):
+    """A reserved byte region with a backed prefix. The base address never changes.
+
+    Contract: :meth:`tensor` returns a ``uint8`` tensor over ``[0, backed)`` whose
+    ``data_ptr()`` equals :attr:`base`; it stays valid until :meth:`close`, across
+    :meth:`set_backed` calls that do not shrink below the bytes the caller touches.
+    """
+
+    region_id: str
+
+    @property
+    @abc.abstractmethod
+    def reserved(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def backed(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def base(self) -> int:
+        """Address of byte 0 (host address for CPU arenas, device address for CUDA ones)."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abc.abstractmethod
+    def set_backed(self, nbytes: int) -> None:
+        """Back exactly ``[0, nbytes)``, in place. Shrinking releases the tail's memory."""
+
+    @abc.abstractmethod
+    def tensor(self) -> torch.Tensor:
+        """A ``uint8`` view of the backed prefix; never copies."""
+
+    @abc.abstractmethod
+    def handle(self) -> ArenaHandle:
+        """How another process maps this arena (only the backed prefix is exported)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the memory. Views taken from :meth:`tensor` must be dropped first."""
+
+    def _check_size(self, nbytes: int) -> None:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise InvalidArgument(f"arena size must be an int byte count, got {nbytes!r}")
+        if nbytes < 0 or nbytes > self.reserved:
+            raise InvalidArgument(
+                f"arena backing of {nbytes:,d} bytes is outside [0, reserved={self.reserved:,d}]; "
+                "reserve more address space or ask for less"
+            )
+
+
+class ShmArena(Arena):
+    """A shared-memory file mapped once at full reservation; backing grows by ``ftruncate``.
+
+    The file lives in ``directory`` (a tmpfs: ``/dev/shm`` by default) and is unlinked by
+    :meth:`close`. Reserving is free: the mapping covers ``reserved`` bytes of address space,
+    but memory is consumed only for the backed prefix that is touched. Access past
+    ``backed`` raises SIGBUS, like unmapped device memory would fault.
+    """
+
+    def __init__(self, reserved: int, backed: int = 0, *, directory: str = "/dev/shm", name: str | None = None):
+        if not isinstance(reserved, int) or reserved <= 0:
+            raise InvalidArgument(f"arena reservation must be a positive byte count, got {reserved!r}")
+        if not os.path.isdir(directory):
+            raise InvalidArgument(f"arena directory {directory!r} does not exist; set arena_dir to a tmpfs directory")
+        self._reserved = reserved
+        self.region_id = name or f"kvd-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join(directory, self.region_id)
+        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # Python's mmap refuses a length beyond the file size, so size the (sparse) file to the
+            # reservation for the mmap call, then cut it back to the backed prefix.
+            os.ftruncate(self._fd, reserved)
+            self._mm = mmap.mmap(self._fd, reserved, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.ftruncate(self._fd, 0)
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(self.path)
+            raise
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self._full = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._backed = 0
+        self.set_backed(backed)
+
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def backed(self) -> int:
+        return self._backed
+
+    @property
+    def base(self) -> int:
+        return self._base
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def set_backed(self, nbytes: int) -> None:
+        self._check_size(nbytes)
+        # On tmpfs, truncating a file frees the pages past its new end, so shrinking gives the
+        # memory back; growing only extends the file (pages are allocated when first touched).
+        os.ftruncate(self._fd, nbytes)
+        self._backed = nbytes
+
+    def tensor(self) -> torch.Tensor:
+        return self._full[: self._backed]
+
+    def handle(self) -> ArenaHandle:
+        return ArenaHandle(kind="shm", path=self.path, backed=self._backed, region_id=self.region_id)
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._full = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            # Someone still holds a view; leave the mapping to the garbage collector but free the name.
+            pass
+        os.close(self._fd)
+        self._fd = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __del__(self) -> None:  # best effort: never leave a file in /dev/shm behind
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def map_shared(handle: ArenaHandle) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map another process's shm arena; returns the mapping (keep it alive) and a uint8 view.
+
+    Only ``handle.backed`` bytes are mapped: that is all the owner promises to keep backed.
+    """
+    if handle.kind != "shm":
+        raise InvalidArgument(f"map_shared maps shm arenas only, not {handle.kind!r}")
+    fd = os.open(handle.path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size < handle.backed:
+            raise InvalidArgument(
+                f"arena file {handle.path} holds {size:,d} bytes, less than the {handle.backed:,d} announced"
+            )
+        mm = mmap.mmap(fd, handle.backed, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8)
