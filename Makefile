@@ -7,7 +7,7 @@ BIN        = $(VENV)/bin
 # The CPU build of torch that lies on these machines' disk; any other version pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test bench clean
+.PHONY: venv test bench clean proto
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,3 +26,9 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# Regenerate the committed gRPC stubs (python, grpc, typed .pyi) from proto/.
+# tests/test_proto_stubs.py fails when the committed stubs differ from what this produces.
+proto: venv
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. \
+		--mypy_out=. --mypy_grpc_out=. proto/kvd/v1/kvd.proto

@@ -426,13 +426,17 @@ class Pool:
             seen.add(rid)
         steps = [self._extend_step(self._requests[rid], add) for rid, add in items]
         plan = self._fit(steps, f"extension of {len(items)} request(s)")
-        out = []
-        for (rid, add), step in zip(items, steps):
+        # Release every step's old SWA pages before binding any: the plan counts them as holes
+        # for the whole batch, so an earlier request may bind pages a later one releases.
+        for (rid, _), step in zip(items, steps):
             r = self._requests[rid]
             if step.swa_release:
                 old = r.full[r.swa_first : r.swa_first + step.swa_release]
                 self.groups[SWA].unbind(old)
                 r.swa_first += step.swa_release
+        out = []
+        for (rid, add), step in zip(items, steps):
+            r = self._requests[rid]
             r.base_tokens = r.tokens
             r.tokens += add
             self._bind_step(r, step, plan)

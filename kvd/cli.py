@@ -1,0 +1,113 @@
+"""``kvd`` command line: ``serve`` runs a daemon, ``status`` prints a daemon's pool as a table.
+
+Every ``serve`` option maps to a :class:`kvd.config.Settings` field (and a ``KVD_*`` variable);
+``kvd serve --help`` lists them with their descriptions and defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvd.config import Settings, load_settings
+from kvd.errors import KvdError
+
+__all__ = ["main"]
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run a kvd daemon in the foreground",
+        description="Run a kvd daemon. Settings come from --config FILE (YAML or TOML), KVD_* environment "
+        "variables, and these flags (highest precedence). Stops on SIGTERM after draining in-flight calls.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML or TOML settings file (also KVD_CONFIG_FILE)")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"KVD_{name.upper()}"
+        help_text = f"{field.description} [env {env}]"
+        ann = field.annotation
+        if ann is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_text + f" (default {field.default})")
+        else:
+            p.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=help_text + f" (default {field.default!r})")
+
+
+def _status_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="print a daemon's pool: groups, pages used/free, leases, epoch",
+        description="Connect to a running daemon and print its pool as a table.",
+    )
+    p.add_argument("--address", default="unix:/tmp/kvd.sock", help="daemon address: unix:/path or host:port (default: %(default)s)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvd.server.app import serve
+
+    overrides = {k: getattr(args, k) for k in Settings.model_fields if getattr(args, k, None) is not None}
+    settings = load_settings(args.config, **overrides)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve(settings)
+    return 0
+
+
+def format_status(st) -> str:
+    """A readable table of a :class:`kvd.node.NodeStats`."""
+    p = st.pool
+    lines = [
+        f"kvd  layout={st.layout_name}  boot={p.boot_id}  epoch={p.epoch}  "
+        f"{'finalized' if p.finalized else 'NOT finalized (post-capture: call Finalize)'}",
+        f"arena  reserved={_h(p.reserved_bytes)}  backed={_h(p.backed_bytes)}  gap={_h(p.gap_bytes)}  sink={_h(p.sink_bytes)}",
+        "",
+        f"{'group':<7}{'dir':<6}{'page':>10}{'used':>10}{'free':>10}{'holes':>8}{'used bytes':>12}  region",
+    ]
+    for g in p.groups:
+        lines.append(
+            f"{g.name:<7}{g.direction:<6}{_h(g.page_bytes):>10}{g.used_pages:>10,d}{g.free_pages:>10,d}{g.hole_pages:>8,d}"
+            f"{_h(g.used_pages * g.page_bytes):>12}  [{_h(g.region_lo_bytes)}, {_h(g.region_hi_bytes)})"
+        )
+    lines += [
+        "",
+        f"requests  live={p.requests_live}  offloaded={p.requests_offloaded}    sessions live={st.sessions_live} "
+        f"expired={st.sessions_expired_total}",
+        f"leases    live={st.leases_live}  expired={st.leases_expired_total}    stale refusals={st.stale_refusals_total}",
+        f"compaction done={p.compactions_done}  refused={p.compactions_refused}  moved={_h(p.bytes_moved)}",
+    ]
+    return "\n".join(lines)
+
+
+def _h(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from kvd.client import Client
+
+    with Client.connect(args.address, name="kvd-status", timeout=5) as kv:
+        print(format_status(kv.stats()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvd", description="kvd: per-node KV-cache daemon for disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _serve_parser(sub)
+    _status_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return {"serve": cmd_serve, "status": cmd_status}[args.cmd](args)
+    except KvdError as exc:
+        print(f"kvd {args.cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

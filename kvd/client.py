@@ -1,0 +1,349 @@
+"""The engine-side library: a synchronous and an asyncio client with one surface.
+
+Every call is written once, in :class:`_Surface`: it builds the request message and names a
+parser for the reply. The two transports differ only in ``_call``: :class:`Client` returns the
+parsed value, :class:`AsyncClient` returns an awaitable of it. gRPC errors come back as kvd's
+own exception classes (:func:`kvd.status.from_rpc_error`)::
+
+    with Client.connect("unix:/tmp/kvd.sock", name="decode-0") as kv:
+        vec = kv.allocate("req-1", 4096, receive=True)
+        lease = kv.acquire_lease("req-1", "recv")      # lease.ticket -> the prefill side
+        kv.attach().views["full"][0].k[vec.full]       # KV of layer 0, in place
+
+    async with await AsyncClient.connect(addr) as kv:
+        vec = await kv.allocate("req-2", 128)
+
+A session is opened on connect and kept alive by a background heartbeat; if the engine dies,
+the daemon frees its requests after the session TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+import grpc
+import torch
+
+from kvd.errors import InvalidArgument
+from kvd.layout import Layout
+from kvd.leases import LeaseKind
+from kvd.node import NodeStats
+from kvd.pool import AllocSpec, CompactionResult, Envelope, IndexVectors
+from kvd.stats import GroupStats, PoolStats
+from kvd.status import from_rpc_error
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+from kvd.views import LayerKV, all_views
+from kvd.wire import SESSION_KEY, envelope_from_pb, lease_kind_to_pb, vectors_from_pb
+
+__all__ = ["Client", "AsyncClient", "PoolInfo", "LeaseInfo", "Attachment"]
+
+T = TypeVar("T")
+
+
+class PoolInfo(NamedTuple):
+    boot_id: str
+    epoch: int
+    layout: Layout
+    envelopes: list[Envelope]
+    backend: str
+    capabilities: list[str]
+    finalized: bool
+    reserved_bytes: int
+    version: str
+    peer_address: str
+
+
+class LeaseInfo(NamedTuple):
+    lease_id: int
+    rid: str
+    kind: LeaseKind
+    boot_id: str
+    epoch: int
+    expires_in: float
+    ticket: bytes  # RECV leases: hand these bytes to the prefill side unchanged
+
+
+@dataclass
+class Attachment:
+    """The daemon's arena mapped into this process, with per-group per-layer views.
+
+    ``views[group][layer]`` is a :class:`~kvd.views.LayerKV`; index its tensors with physical
+    page ids. Keep the attachment alive as long as the views are used; :meth:`close` unmaps."""
+
+    layout: Layout
+    region_id: str
+    tensor: torch.Tensor
+    views: dict[str, list[LayerKV]]
+    _mm: mmap.mmap
+
+    def close(self) -> None:
+        self.views.clear()
+        self.tensor = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the GC unmaps it later
+
+
+def _attach(r: pb.AttachResponse) -> Attachment:
+    from kvd.arena import ArenaHandle, map_shared
+
+    if r.kind != "shm":
+        raise InvalidArgument(f"attach: arena kind {r.kind!r} needs the GPU attach path, not shared memory")
+    layout = Layout.model_validate_json(r.layout_json)
+    mm, t = map_shared(ArenaHandle(r.kind, r.path, r.backed_bytes, r.region_id))
+    return Attachment(layout, r.region_id, t, all_views(layout, t), mm)
+
+
+def _info(r: pb.PoolInfo) -> PoolInfo:
+    return PoolInfo(
+        r.boot_id, r.epoch, Layout.model_validate_json(r.layout_json), [envelope_from_pb(e) for e in r.envelopes],
+        r.backend, list(r.capabilities), r.finalized, r.reserved_bytes, r.version, r.peer_address,
+    )
+
+
+def _lease(r: pb.Lease) -> LeaseInfo:
+    kind = LeaseKind.SEND if r.kind == pb.SEND else LeaseKind.RECV
+    return LeaseInfo(r.lease_id, r.rid, kind, r.boot_id, r.epoch, r.expires_in_seconds, bytes(r.ticket))
+
+
+def _stats(r: pb.Stats) -> NodeStats:
+    groups = [GroupStats(**{f: getattr(g, f) for f in GroupStats.__slots__}) for g in r.groups]
+    pool = PoolStats(
+        r.boot_id, r.epoch, r.reserved_bytes, r.backed_bytes, r.sink_bytes, r.gap_bytes, r.finalized, r.requests_live,
+        r.requests_offloaded, r.compactions_done, r.compactions_refused, r.pages_moved, r.bytes_moved, groups,
+    )
+    return NodeStats(pool, r.layout_name, r.leases_live, r.leases_expired_total, r.stale_refusals_total, r.sessions_live, r.sessions_expired_total)
+
+
+def _specs(specs: Sequence[AllocSpec | tuple]) -> list[pb.AllocSpec]:
+    out = []
+    for s in specs:
+        s = s if isinstance(s, AllocSpec) else AllocSpec(*s)
+        out.append(pb.AllocSpec(rid=s.rid, tokens=s.tokens, receive=s.receive))
+    return out
+
+
+def _kind(kind: LeaseKind | str) -> int:
+    try:
+        return lease_kind_to_pb(kind if isinstance(kind, LeaseKind) else LeaseKind(str(kind).lower()))
+    except ValueError as exc:
+        raise InvalidArgument(f"lease kind must be 'send' or 'recv', got {kind!r}") from exc
+
+
+class _Surface:
+    """The engine-facing API, once. ``_call`` is the transport's (sync value or awaitable)."""
+
+    def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- description --
+    def info(self) -> PoolInfo:
+        return self._call("GetInfo", pb.GetInfoRequest(), _info)
+
+    def stats(self) -> NodeStats:
+        return self._call("GetStats", pb.GetStatsRequest(), _stats)
+
+    def attach(self) -> Attachment:
+        """Map the daemon's arena into this process (same host) and build per-layer views."""
+        return self._call("Attach", pb.AttachRequest(), _attach)
+
+    def echo(self, payload: bytes = b"") -> bytes:
+        return self._call("Echo", pb.EchoRequest(payload=payload), lambda r: r.payload)
+
+    # -- requests --
+    def allocate(self, rid: str, tokens: int, *, receive: bool = False) -> IndexVectors:
+        req = pb.AllocateRequest(requests=_specs([AllocSpec(rid, tokens, receive)]))
+        return self._call("Allocate", req, lambda r: vectors_from_pb(r.vectors[0]))
+
+    def allocate_many(self, specs: Sequence[AllocSpec | tuple]) -> list[IndexVectors]:
+        """All or nothing; CapacityError carries ``shortfall_bytes``."""
+        return self._call("Allocate", pb.AllocateRequest(requests=_specs(specs)), lambda r: [vectors_from_pb(v) for v in r.vectors])
+
+    def shortfall(self, specs: Sequence[AllocSpec | tuple]) -> int:
+        """Bytes missing to allocate ``specs`` now (0: it fits). Changes nothing."""
+        return self._call("CanAllocate", pb.CanAllocateRequest(requests=_specs(specs)), lambda r: r.shortfall_bytes)
+
+    def extend(self, rid: str, tokens: int) -> IndexVectors:
+        req = pb.ExtendRequest(items=[pb.ExtendItem(rid=rid, tokens=tokens)])
+        return self._call("Extend", req, lambda r: vectors_from_pb(r.vectors[0]))
+
+    def extend_many(self, items: Sequence[tuple[str, int]]) -> list[IndexVectors]:
+        req = pb.ExtendRequest(items=[pb.ExtendItem(rid=rid, tokens=n) for rid, n in items])
+        return self._call("Extend", req, lambda r: [vectors_from_pb(v) for v in r.vectors])
+
+    def free(self, *rids: str) -> int:
+        return self._call("Free", pb.FreeRequest(rids=list(rids)), lambda r: r.freed)
+
+    def vectors(self, rid: str) -> IndexVectors:
+        return self._call("GetVectors", pb.GetVectorsRequest(rids=[rid]), lambda r: vectors_from_pb(r.vectors[0]))
+
+    def vectors_many(self, rids: Sequence[str]) -> list[IndexVectors]:
+        return self._call("GetVectors", pb.GetVectorsRequest(rids=list(rids)), lambda r: [vectors_from_pb(v) for v in r.vectors])
+
+    # -- leases --
+    def acquire_lease(
+        self, rid: str, kind: LeaseKind | str, *, ttl: float | None = None, vectors: IndexVectors | None = None
+    ) -> LeaseInfo:
+        """Pin ``rid`` for a transfer. Passing the ``vectors`` you act on makes the daemon refuse
+        (StaleEpoch) if the pages moved since they were fetched."""
+        req = pb.AcquireLeaseRequest(
+            rid=rid, kind=_kind(kind), ttl_seconds=ttl or 0,
+            boot_id=vectors.boot_id if vectors else "", epoch=vectors.epoch if vectors else 0,
+        )
+        return self._call("AcquireLease", req, _lease)
+
+    def renew_lease(self, lease_id: int, ttl: float | None = None) -> LeaseInfo:
+        return self._call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, ttl_seconds=ttl or 0), _lease)
+
+    def release_lease(self, lease_id: int) -> None:
+        return self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id), lambda r: None)
+
+    # -- maintenance --
+    def compact(self, *, around_pinned: bool = False) -> CompactionResult:
+        return self._call(
+            "Compact", pb.CompactRequest(around_pinned=around_pinned),
+            lambda r: CompactionResult(r.pages_moved, r.bytes_moved, r.gap_gained_bytes, r.epoch),
+        )
+
+    def finalize(self, nbytes: int | None) -> PoolInfo:
+        """Post-capture sizing: back ``nbytes`` in place (None: refused with INVALID_ARGUMENT)."""
+        req = pb.FinalizeRequest(has_bytes=nbytes is not None, bytes=max(0, nbytes or 0))
+        return self._call("Finalize", req, lambda r: _info(r.info))
+
+    def resize(self, nbytes: int | None) -> PoolInfo:
+        req = pb.FinalizeRequest(has_bytes=nbytes is not None, bytes=max(0, nbytes or 0), resize=True)
+        return self._call("Finalize", req, lambda r: _info(r.info))
+
+    def offload(self, rid: str) -> int:
+        return self._call("Offload", pb.OffloadRequest(rid=rid), lambda r: r.bytes)
+
+    def restore(self, rid: str) -> IndexVectors:
+        return self._call("Restore", pb.RestoreRequest(rid=rid), lambda r: vectors_from_pb(r.vectors))
+
+
+def _target(address: str) -> str:
+    """Accept ``/path.sock`` as shorthand for ``unix:/path.sock``."""
+    return f"unix:{address}" if address.startswith("/") else address
+
+
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class Client(_Surface):
+    """Synchronous client. Use :meth:`connect`; close (or use as a context manager) when done."""
+
+    def __init__(self, channel: grpc.Channel, session_id: str, ttl: float, timeout: float | None) -> None:
+        self._channel = channel
+        self._stub = pb_grpc.KvdStub(channel)
+        self.session_id = session_id
+        self.ttl = ttl
+        self.timeout = timeout
+        self._md = ((SESSION_KEY, session_id),)
+        self._closed = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat, name="kvd-heartbeat", daemon=True)
+        self._hb.start()
+
+    @classmethod
+    def connect(cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0) -> Client:
+        channel = grpc.insecure_channel(_target(address), options=_CHANNEL_OPTIONS)
+        stub = pb_grpc.KvdStub(channel)
+        try:
+            s = stub.OpenSession(pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout=timeout)
+        except grpc.RpcError as exc:
+            channel.close()
+            raise from_rpc_error(exc) from exc
+        return cls(channel, s.session_id, s.ttl_seconds, timeout)
+
+    def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
+        try:
+            reply = getattr(self._stub, method)(request, metadata=self._md, timeout=self.timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return parse(reply)
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(self.ttl / 3):
+            try:
+                self._stub.KeepAlive(pb.KeepAliveRequest(), metadata=self._md, timeout=self.ttl / 3)
+            except grpc.RpcError:
+                pass  # the next call surfaces the error; the heartbeat only keeps the session warm
+
+    def close(self, *, free_requests: bool = True) -> None:
+        """End the session (its requests are freed unless ``free_requests=False``) and the channel."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._stub.CloseSession(pb.CloseSessionRequest(free_requests=free_requests), metadata=self._md, timeout=5)
+        except grpc.RpcError:
+            pass
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Surface):
+    """asyncio client: the same methods as :class:`Client`, each returning an awaitable."""
+
+    def __init__(self, channel: grpc.aio.Channel, session_id: str, ttl: float, timeout: float | None) -> None:
+        self._channel = channel
+        self._stub = pb_grpc.KvdStub(channel)
+        self.session_id = session_id
+        self.ttl = ttl
+        self.timeout = timeout
+        self._md = ((SESSION_KEY, session_id),)
+        self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    @classmethod
+    async def connect(cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0) -> AsyncClient:
+        channel = grpc.aio.insecure_channel(_target(address), options=_CHANNEL_OPTIONS)
+        stub = pb_grpc.KvdStub(channel)
+        try:
+            s = await stub.OpenSession(pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout=timeout)
+        except grpc.RpcError as exc:
+            await channel.close()
+            raise from_rpc_error(exc) from exc
+        return cls(channel, s.session_id, s.ttl_seconds, timeout)
+
+    def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
+        async def go():
+            try:
+                reply = await getattr(self._stub, method)(request, metadata=self._md, timeout=self.timeout)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+            return parse(reply)
+
+        return go()  # type: ignore[return-value]  # an awaitable of T
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl / 3)
+            try:
+                await self._stub.KeepAlive(pb.KeepAliveRequest(), metadata=self._md, timeout=self.ttl / 3)
+            except grpc.RpcError:
+                pass
+
+    async def close(self, *, free_requests: bool = True) -> None:
+        self._hb.cancel()
+        try:
+            await self._stub.CloseSession(pb.CloseSessionRequest(free_requests=free_requests), metadata=self._md, timeout=5)
+        except grpc.RpcError:
+            pass
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,135 @@
+"""Daemon configuration: one validated model, read from a YAML/TOML file and ``KVD_*`` variables.
+
+Precedence (highest first): explicit overrides (the CLI's flags), ``KVD_*`` environment
+variables, the config file, the defaults below. Values computed at start-up (page counts,
+capacities) live in the pool, never written back here.
+
+Byte sizes accept ints or strings with binary units: ``"4GiB"``, ``"512MiB"``, ``"1048576"``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+    YamlConfigSettingsSource,
+)
+
+__all__ = ["Settings", "parse_bytes", "load_settings"]
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(v: Any) -> int:
+    """``4GiB`` -> 4294967296. Ints pass through. Refuses what it cannot read, saying why."""
+    if isinstance(v, bool):
+        raise ValueError(f"byte size must be a number or a string like '4GiB', got {v!r}")
+    if isinstance(v, int):
+        return v
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"byte size {v!r} is not understood; write e.g. 4GiB, 512MiB or 1048576")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class Settings(BaseSettings):
+    """Everything ``kvd serve`` needs. Every field is documented; ``kvd serve --help`` prints them."""
+
+    model_config = SettingsConfigDict(env_prefix="KVD_", extra="forbid", validate_default=True)
+
+    layout: str = Field("tiny-hybrid", description="layout preset name or path to a layout YAML/JSON file")
+    arena_bytes: int = Field(64 << 20, description="KV pool size in bytes (the backed size; with post_capture, the final size may be set later)")
+    reserve_bytes: int | None = Field(None, description="address space to reserve (default: arena_bytes; post_capture: 4x arena_bytes)")
+    post_capture: bool = Field(False, description="start with only the sink backed; the engine calls Finalize(bytes) after capturing its graphs")
+    arena_dir: str = Field("/dev/shm", description="tmpfs directory holding the shared arena file (engines map it from here)")
+    listen_unix: str | None = Field("/tmp/kvd.sock", description="Unix socket path for engines ('' to disable)")
+    listen_tcp: str | None = Field(None, description="host:port for TCP (engines and peer daemons); port 0 picks one")
+    advertise: str | None = Field(None, description="address peers use to reach this daemon (default: the TCP address, else the Unix socket)")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 picks one; unset disables)")
+    metrics_host: str = Field("127.0.0.1", description="interface for the metrics endpoint")
+    backend: Literal["none", "local", "mooncake"] = Field("none", description="data-plane backend for transfers")
+    speculative: bool = Field(False, description="the engine runs speculative decoding: draft vectors must travel separately")
+    session_ttl_s: float = Field(10.0, gt=0, le=3600, description="a client silent this long is dead: its leases are released and requests freed")
+    lease_ttl_s: float = Field(10.0, gt=0, le=600, description="default lease TTL; holders renew before it runs out")
+    sweep_interval_s: float = Field(0.2, gt=0, le=10, description="how often expired leases and dead sessions are reclaimed")
+    grace_s: float = Field(5.0, ge=0, le=300, description="on SIGTERM: seconds to drain in-flight calls before stopping")
+    peer_token: str | None = Field(None, description="shared secret peer daemons must present (metadata kvd-token)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log verbosity")
+
+    _size = field_validator("arena_bytes", "reserve_bytes", mode="before")(lambda cls, v: None if v is None else parse_bytes(v))
+
+    @field_validator("listen_unix", "listen_tcp", mode="after")
+    @classmethod
+    def _empty_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Settings:
+        if not self.listen_unix and not self.listen_tcp:
+            raise ValueError("no listener: set listen_unix (a socket path) or listen_tcp (host:port)")
+        if self.arena_bytes <= 0:
+            raise ValueError("arena_bytes must be positive (e.g. 4GiB)")
+        if self.reserve_bytes is not None and self.reserve_bytes < self.arena_bytes:
+            raise ValueError(
+                f"reserve_bytes ({self.reserve_bytes:,d}) is below arena_bytes ({self.arena_bytes:,d}); reserve at least the arena size"
+            )
+        if self.listen_tcp and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen_tcp):
+            raise ValueError(f"listen_tcp {self.listen_tcp!r} must be host:port, e.g. 127.0.0.1:50051")
+        return self
+
+    @property
+    def reserved(self) -> int:
+        if self.reserve_bytes is not None:
+            return self.reserve_bytes
+        return self.arena_bytes * 4 if self.post_capture else self.arena_bytes
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _CONFIG_FILE.get("path")
+        if path:
+            if path.suffix in (".toml",):
+                sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            else:
+                sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+
+_CONFIG_FILE: dict[str, Path] = {}
+
+
+def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
+    """Settings from ``config_file`` (YAML or TOML), ``KVD_*`` env and ``overrides`` (highest).
+    ``KVD_CONFIG_FILE`` names a file when ``config_file`` is None."""
+    import os
+
+    from kvd.errors import InvalidArgument
+
+    config_file = config_file or os.environ.get("KVD_CONFIG_FILE")
+    if config_file:
+        p = Path(config_file)
+        if not p.is_file():
+            raise InvalidArgument(f"config file {config_file!r} does not exist")
+        if p.suffix not in (".yaml", ".yml", ".toml"):
+            raise InvalidArgument(f"config file {config_file!r}: use a .yaml, .yml or .toml file")
+        _CONFIG_FILE["path"] = p
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except Exception as exc:  # pydantic.ValidationError: reword as ours, keep pydantic's detail
+        raise InvalidArgument(f"invalid configuration: {exc}") from exc
+    finally:
+        _CONFIG_FILE.clear()

@@ -1,0 +1,122 @@
+"""Leases: time-limited grants that pin a request's physical pages during a transfer.
+
+A SEND lease pins the sender's pages while a backend reads them; a RECV lease pins the
+receiver's pages while a peer may write them (and is what a ticket names). While a lease pins a
+page, compaction will not move it and the request cannot be freed. Leases expire after their
+TTL unless renewed; :meth:`LeaseTable.expire` hands back the expired ones so the owner can
+reclaim.
+
+Lease ids are never reused within a boot, so a late message naming a released lease can never
+act on a newer one (fencing together with the pool's boot id and epoch).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvd.errors import InvalidArgument, NotFound
+
+__all__ = ["LeaseKind", "Lease", "LeaseTable"]
+
+
+class LeaseKind(enum.Enum):
+    SEND = "send"
+    RECV = "recv"
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: int
+    rid: str
+    kind: LeaseKind
+    session: str  # client session that holds it
+    boot_id: str
+    epoch: int  # pool epoch the holder's vectors were made at
+    ttl: float  # seconds
+    expires_at: float  # on the table's clock
+
+    def label(self) -> str:
+        return f"lease {self.lease_id} ({self.kind.value} on {self.rid!r})"
+
+
+class LeaseTable:
+    """All live leases of one daemon. Not thread-safe: the node serialises calls."""
+
+    def __init__(self, *, default_ttl: float = 10.0, max_ttl: float = 600.0, clock: Callable[[], float] = time.monotonic):
+        self.default_ttl = default_ttl
+        self.max_ttl = max_ttl
+        self.clock = clock
+        self._leases: dict[int, Lease] = {}
+        self._next_id = 1
+        self.expired_total = 0
+
+    def _ttl(self, ttl: float | None) -> float:
+        if ttl is None or ttl == 0:
+            return self.default_ttl
+        if not (0 < ttl <= self.max_ttl):
+            raise InvalidArgument(f"lease ttl must be in (0, {self.max_ttl}] seconds, got {ttl}")
+        return float(ttl)
+
+    def acquire(self, rid: str, kind: LeaseKind, *, session: str, boot_id: str, epoch: int, ttl: float | None = None) -> Lease:
+        t = self._ttl(ttl)
+        lease = Lease(self._next_id, rid, kind, session, boot_id, epoch, t, self.clock() + t)
+        self._next_id += 1
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def get(self, lease_id: int) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at <= self.clock():
+            raise NotFound(f"lease {lease_id} is not live (expired, released, or never granted); acquire a new one")
+        return lease
+
+    def renew(self, lease_id: int, ttl: float | None = None) -> Lease:
+        lease = self.get(lease_id)
+        lease.ttl = self._ttl(ttl) if ttl else lease.ttl
+        lease.expires_at = self.clock() + lease.ttl
+        return lease
+
+    def release(self, lease_id: int) -> Lease:
+        lease = self.get(lease_id)
+        del self._leases[lease_id]
+        return lease
+
+    def expire(self) -> list[Lease]:
+        """Remove and return every lease whose TTL has run out."""
+        now = self.clock()
+        gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in gone:
+            del self._leases[lease.lease_id]
+        self.expired_total += len(gone)
+        return gone
+
+    def drop(self, lease_id: int) -> None:
+        """Forget a lease without the liveness check (reclaiming a dead session)."""
+        self._leases.pop(lease_id, None)
+
+    def for_rid(self, rid: str) -> list[Lease]:
+        now = self.clock()
+        return [lease for lease in self._leases.values() if lease.rid == rid and lease.expires_at > now]
+
+    def for_session(self, session: str) -> list[Lease]:
+        return [lease for lease in self._leases.values() if lease.session == session]
+
+    def pinned(self) -> dict[str, str]:
+        """rid -> labels of the live leases that pin it (for compaction's refusal message)."""
+        now = self.clock()
+        out: dict[str, list[str]] = {}
+        for lease in self._leases.values():
+            if lease.expires_at > now:
+                out.setdefault(lease.rid, []).append(lease.label())
+        return {rid: ", ".join(labels) for rid, labels in out.items()}
+
+    def all(self) -> list[Lease]:
+        """Every lease still in the table (including ones past their TTL not yet expired)."""
+        return list(self._leases.values())
+
+    def __len__(self) -> int:
+        now = self.clock()
+        return sum(1 for lease in self._leases.values() if lease.expires_at > now)

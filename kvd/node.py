@@ -1,0 +1,323 @@
+"""The node: one daemon's state -- the pool, client sessions, ownership, leases -- behind a lock.
+
+This is the core's top layer and the only object the gRPC servicer talks to. It has no gRPC and
+no Prometheus in it: it raises :mod:`kvd.errors` and fills plain stats.
+
+Rules it enforces on top of the pool:
+
+* a request belongs to the client session that allocated it; other sessions get
+  :class:`~kvd.errors.PermissionDenied`;
+* a session that makes no call for its TTL is dead: its leases are released and its requests
+  (live or offloaded) freed by :meth:`Node.sweep`;
+* a request with a live lease cannot be freed or offloaded, and compaction refuses to move its
+  pages (or moves around them, when asked);
+* vectors and leases quote ``(boot_id, epoch)``; a stale pair is refused and counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvd.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound, PermissionDenied, StaleEpoch
+from kvd.layout import Layout
+from kvd.leases import Lease, LeaseKind, LeaseTable
+from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
+from kvd.stats import PoolStats
+
+__all__ = ["Node", "NodeStats", "SessionInfo", "TicketClaim"]
+
+
+@dataclass(slots=True)
+class SessionInfo:
+    session_id: str
+    name: str
+    ttl: float
+    last_seen: float
+    rids: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class NodeStats:
+    pool: PoolStats
+    layout_name: str
+    leases_live: int
+    leases_expired_total: int
+    stale_refusals_total: int
+    sessions_live: int
+    sessions_expired_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class TicketClaim:
+    """The fields of a ticket the issuing node checks (see :meth:`Node.check_ticket`)."""
+
+    boot_id: str
+    epoch: int
+    lease_id: int
+    rid: str
+    layout_fingerprint: str
+
+
+class Node:
+    """Thread-safe facade over one pool. Every public method takes the lock once."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        session_ttl: float = 10.0,
+        lease_ttl: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.clock = clock
+        self.session_ttl = session_ttl
+        self.leases = LeaseTable(default_ttl=lease_ttl, clock=clock)
+        self._sessions: dict[str, SessionInfo] = {}
+        self._owner: dict[str, str] = {}  # rid -> session id
+        self._lock = threading.RLock()
+        self.stale_refusals = 0
+        self.sessions_expired = 0
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The node's lock, for callers that read several fields as one consistent picture."""
+        return self._lock
+
+    @property
+    def layout(self) -> Layout:
+        return self.pool.layout
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def open_session(self, name: str = "", ttl: float | None = None) -> SessionInfo:
+        if ttl is not None and ttl < 0:
+            raise InvalidArgument(f"session ttl must be >= 0 seconds (0: default), got {ttl}")
+        with self._lock:
+            s = SessionInfo(uuid.uuid4().hex, name, ttl or self.session_ttl, self.clock())
+            self._sessions[s.session_id] = s
+            return s
+
+    def touch(self, session_id: str) -> SessionInfo:
+        """Mark the session alive (every call does this) and return it."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                raise NotFound(
+                    f"session {session_id!r} is unknown or expired (no call within its TTL); open a new session"
+                )
+            s.last_seen = self.clock()
+            return s
+
+    def close_session(self, session_id: str, free_requests: bool = True) -> tuple[int, int]:
+        with self._lock:
+            s = self.touch(session_id)
+            return self._reap(s, free_requests)
+
+    def _reap(self, s: SessionInfo, free_requests: bool = True) -> tuple[int, int]:
+        leases = self.leases.for_session(s.session_id)
+        for lease in leases:
+            self.leases.drop(lease.lease_id)
+        freed = 0
+        if free_requests:
+            # Also drop leases other sessions hold on these requests' pages: the pages are going away.
+            for rid in list(s.rids):
+                for lease in self.leases.for_rid(rid):
+                    self.leases.drop(lease.lease_id)
+            if s.rids:
+                self.pool.free_many(sorted(s.rids))
+                for rid in s.rids:
+                    self._owner.pop(rid, None)
+                freed = len(s.rids)
+                s.rids.clear()
+        del self._sessions[s.session_id]
+        return freed, len(leases)
+
+    def sweep(self) -> tuple[list[Lease], list[str]]:
+        """Expire leases past their TTL and reap sessions silent for longer than theirs.
+        Returns the expired leases and the reaped session ids."""
+        with self._lock:
+            expired = self.leases.expire()
+            now = self.clock()
+            dead = [s for s in self._sessions.values() if now - s.last_seen > s.ttl]
+            for s in dead:
+                self._reap(s)
+            self.sessions_expired += len(dead)
+            return expired, [s.session_id for s in dead]
+
+    # ---- ownership --------------------------------------------------------------------------
+    def _own(self, session_id: str, rid: str) -> None:
+        owner = self._owner.get(rid)
+        if owner is None:
+            raise NotFound(f"request {rid!r} is not allocated on this node (freed, expired, or never allocated)")
+        if owner != session_id:
+            raise PermissionDenied(f"request {rid!r} belongs to another client session; only its creator may use it")
+
+    def _no_leases(self, rid: str, what: str) -> None:
+        held = self.leases.for_rid(rid)
+        if held:
+            names = ", ".join(lease.label() for lease in held)
+            raise FailedPrecondition(f"{what} {rid!r}: pinned by {names}; release the lease(s) first")
+
+    # ---- requests ---------------------------------------------------------------------------
+    def allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> list[IndexVectors]:
+        with self._lock:
+            s = self.touch(session_id)
+            out = self.pool.allocate_many(specs)
+            for spec in specs:
+                self._owner[spec.rid] = session_id
+                s.rids.add(spec.rid)
+            return out
+
+    def can_allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> int:
+        """Shortfall in bytes (0: fits). Changes nothing."""
+        with self._lock:
+            self.touch(session_id)
+            return self.pool.shortfall_bytes(specs)
+
+    def extend(self, session_id: str, items: Sequence[tuple[str, int]]) -> list[IndexVectors]:
+        with self._lock:
+            self.touch(session_id)
+            for rid, _ in items:
+                self._own(session_id, rid)
+            return self.pool.extend_many(items)
+
+    def free(self, session_id: str, rids: Sequence[str]) -> int:
+        with self._lock:
+            s = self.touch(session_id)
+            if len(set(rids)) != len(rids):
+                raise InvalidArgument("free: a request id appears twice in one batch")
+            for rid in rids:
+                self._own(session_id, rid)
+                self._no_leases(rid, "free")
+            self.pool.free_many(rids)
+            for rid in rids:
+                del self._owner[rid]
+                s.rids.discard(rid)
+            return len(rids)
+
+    def vectors(self, session_id: str, rids: Sequence[str]) -> list[IndexVectors]:
+        with self._lock:
+            self.touch(session_id)
+            for rid in rids:
+                self._own(session_id, rid)
+            return [self.pool.vectors(rid) for rid in rids]
+
+    # ---- leases -----------------------------------------------------------------------------
+    def acquire_lease(
+        self, session_id: str, rid: str, kind: LeaseKind, *, ttl: float | None = None, boot_id: str = "", epoch: int = 0
+    ) -> tuple[Lease, IndexVectors]:
+        """Pin ``rid``. If ``boot_id`` is given, the caller's vectors (``epoch``) must be fresh.
+        Returns the lease and the request's current vectors (what the lease pins)."""
+        with self._lock:
+            self.touch(session_id)
+            self._own(session_id, rid)
+            if boot_id:
+                self._fresh(rid, epoch, boot_id)
+            vec = self.pool.vectors(rid)
+            lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
+            return lease, vec
+
+    def renew_lease(self, session_id: str, lease_id: int, ttl: float | None = None) -> Lease:
+        with self._lock:
+            self.touch(session_id)
+            self._lease_of(session_id, lease_id)
+            return self.leases.renew(lease_id, ttl)
+
+    def release_lease(self, session_id: str, lease_id: int) -> Lease:
+        with self._lock:
+            self.touch(session_id)
+            self._lease_of(session_id, lease_id)
+            return self.leases.release(lease_id)
+
+    def _lease_of(self, session_id: str, lease_id: int) -> Lease:
+        lease = self.leases.get(lease_id)
+        if lease.session != session_id:
+            raise PermissionDenied(f"lease {lease_id} belongs to another client session")
+        return lease
+
+    def _fresh(self, rid: str, epoch: int, boot_id: str) -> None:
+        try:
+            self.pool.require_fresh(rid, epoch, boot_id)
+        except StaleEpoch:
+            self.stale_refusals += 1
+            raise
+
+    def check_ticket(self, claim: TicketClaim) -> Lease:
+        """Validate a ticket this node issued: same boot, the lease live and RECV for the same
+        request, the request's pages unmoved since the ticket's epoch, the layout unchanged."""
+        with self._lock:
+            if claim.boot_id != self.pool.boot_id:
+                self.stale_refusals += 1
+                raise StaleEpoch(
+                    f"ticket from boot {claim.boot_id!r}, but this daemon is boot {self.pool.boot_id!r} (it restarted); "
+                    "the decode side must allocate again and issue a new ticket"
+                )
+            if claim.layout_fingerprint != self.pool.layout.fingerprint:
+                raise InvalidArgument(
+                    f"ticket layout fingerprint {claim.layout_fingerprint!r} does not match this daemon's "
+                    f"{self.pool.layout.fingerprint!r}"
+                )
+            lease = self.leases.get(claim.lease_id)
+            if lease.kind is not LeaseKind.RECV or lease.rid != claim.rid:
+                raise InvalidArgument(
+                    f"ticket names lease {claim.lease_id} for {claim.rid!r}, but that lease is a "
+                    f"{lease.kind.value} lease on {lease.rid!r}"
+                )
+            self._fresh(claim.rid, claim.epoch, claim.boot_id)
+            return lease
+
+    # ---- maintenance ------------------------------------------------------------------------
+    def compact(self, session_id: str, around_pinned: bool = False) -> CompactionResult:
+        with self._lock:
+            self.touch(session_id)
+            return self.pool.compact(self.leases.pinned(), around_pinned=around_pinned)
+
+    def finalize(self, session_id: str, nbytes: int | None, resize: bool = False) -> None:
+        with self._lock:
+            self.touch(session_id)
+            (self.pool.resize if resize else self.pool.finalize)(nbytes)
+
+    def offload(self, session_id: str, rid: str) -> int:
+        with self._lock:
+            self.touch(session_id)
+            self._own(session_id, rid)
+            self._no_leases(rid, "offload")
+            return self.pool.offload(rid)
+
+    def restore(self, session_id: str, rid: str) -> IndexVectors:
+        with self._lock:
+            self.touch(session_id)
+            self._own(session_id, rid)
+            return self.pool.restore(rid)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> NodeStats:
+        with self._lock:
+            return NodeStats(
+                pool=self.pool.stats(),
+                layout_name=self.pool.layout.name,
+                leases_live=len(self.leases),
+                leases_expired_total=self.leases.expired_total,
+                stale_refusals_total=self.stale_refusals,
+                sessions_live=len(self._sessions),
+                sessions_expired_total=self.sessions_expired,
+            )
+
+    def check(self) -> None:
+        """The pool's invariants plus the node's: every live request has exactly one owner
+        session that lists it, and every lease names a live request."""
+        with self._lock:
+            self.pool.check()
+            rids = set(self.pool.request_ids) | set(self.pool.offloaded_ids)
+            if set(self._owner) != rids:
+                raise InternalError(f"node invariant broken: owners {sorted(self._owner)} vs requests {sorted(rids)}")
+            for rid, sid in self._owner.items():
+                if rid not in self._sessions[sid].rids:
+                    raise InternalError(f"node invariant broken: {rid!r} not listed by its session")
+            for lease in self.leases.all():
+                if lease.rid not in rids:
+                    raise InternalError(f"node invariant broken: {lease.label()} names a freed request")

@@ -1,0 +1,178 @@
+"""Assemble and run a daemon: node + gRPC server + health + reflection + metrics + sweeper.
+
+``Daemon.start(settings)`` builds everything and binds (port 0 picks a port: tests use that);
+``serve(settings)`` runs until SIGTERM/SIGINT, then stops accepting, reports NOT_SERVING, drains
+in-flight calls for ``grace_s`` and releases the arena.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvd.arena import ShmArena
+from kvd.config import Settings
+from kvd.errors import InvalidArgument, Unavailable
+from kvd.layout import GroupKind
+from kvd.node import Node
+from kvd.pool import Pool
+from kvd.presets import load_layout
+from kvd.server.metrics import Metrics
+from kvd.server.service import Endpoint, KvdService, PeerService
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+__all__ = ["Daemon", "serve", "validate"]
+
+log = logging.getLogger("kvd.server")
+
+#: Backends able to carry a separate draft index vector.
+_DRAFT_CAPABLE = {"mooncake", "local"}
+
+
+def validate(settings: Settings) -> None:
+    """Refuse unsupported combinations at start-up with a message that says what to change."""
+    layout = load_layout(settings.layout)
+    if settings.speculative and not layout.has(GroupKind.DRAFT):
+        raise InvalidArgument(
+            f"speculative=true but layout {layout.name!r} has no draft group; use a layout with a draft group "
+            "or turn speculative off"
+        )
+    if settings.speculative and settings.backend not in _DRAFT_CAPABLE:
+        raise InvalidArgument(
+            f"speculative=true needs a backend that carries separate draft vectors ({sorted(_DRAFT_CAPABLE)}); "
+            f"backend={settings.backend!r} cannot: set backend, or turn speculative off"
+        )
+    if settings.backend == "mooncake":
+        try:
+            import mooncake.engine  # noqa: F401
+        except ImportError as exc:
+            raise Unavailable(
+                f"backend=mooncake but the Mooncake Transfer Engine is not importable ({exc}); install it with "
+                "`pip install mooncake-transfer-engine-non-cuda` (GPU hosts: mooncake-transfer-engine) and "
+                "`apt-get install -y libibverbs1`, or choose backend=local"
+            ) from exc
+
+
+@dataclass
+class Daemon:
+    settings: Settings
+    node: Node
+    server: grpc.Server
+    health: health.HealthServicer
+    addresses: list[str]  # what clients dial: "unix:/path", "127.0.0.1:port"
+    metrics: Metrics | None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _sweeper: threading.Thread | None = None
+
+    @classmethod
+    def start(cls, settings: Settings) -> Daemon:
+        validate(settings)
+        layout = load_layout(settings.layout)
+        arena = ShmArena(settings.reserved, 0 if settings.post_capture else settings.arena_bytes, directory=settings.arena_dir)
+        try:
+            pool = Pool(layout, arena, post_capture=settings.post_capture)
+        except BaseException:
+            arena.close()
+            raise
+        node = Node(pool, session_ttl=settings.session_ttl_s, lease_ttl=settings.lease_ttl_s)
+        metrics = Metrics(node)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-rpc"),
+            interceptors=[metrics.interceptor()],
+            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        )
+        addresses: list[str] = []
+        try:
+            if settings.listen_unix:
+                if os.path.exists(settings.listen_unix):
+                    os.unlink(settings.listen_unix)  # a stale socket from a dead daemon
+                server.add_insecure_port(f"unix:{settings.listen_unix}")
+                addresses.append(f"unix:{settings.listen_unix}")
+            if settings.listen_tcp:
+                port = server.add_insecure_port(settings.listen_tcp)
+                if port == 0:
+                    raise Unavailable(f"could not bind {settings.listen_tcp}: address in use or not permitted")
+                host = settings.listen_tcp.rsplit(":", 1)[0]
+                addresses.append(f"{host}:{port}")
+        except BaseException:
+            arena.close()
+            raise
+        peer = settings.advertise or (addresses[-1] if settings.listen_tcp else addresses[0])
+        caps = ["post-capture", "offload", "compaction-around-pins", "draft-vectors"]
+        endpoint = Endpoint(peer_address=peer, backend=settings.backend, capabilities=tuple(caps))
+        pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint), server)
+        pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, settings.peer_token), server)
+        hs = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+        names = (
+            pb.DESCRIPTOR.services_by_name["Kvd"].full_name,
+            pb.DESCRIPTOR.services_by_name["Peer"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, server)
+        server.start()
+        for name in ("", *names[:2]):
+            hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if settings.metrics_port is not None:
+            metrics.serve(settings.metrics_host, settings.metrics_port)
+        d = cls(settings, node, server, hs, addresses, metrics)
+        d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
+        d._sweeper.start()
+        log.info("kvd serving %s on %s (pool %s)", layout.name, ", ".join(addresses), f"{arena.reserved:,d} B reserved")
+        return d
+
+    @property
+    def address(self) -> str:
+        return self.addresses[0]
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self.settings.sweep_interval_s):
+            try:
+                leases, sessions = self.node.sweep()
+                for lease in leases:
+                    log.info("%s expired", lease.label())
+                for sid in sessions:
+                    log.warning("session %s went silent past its TTL: its leases were released and requests freed", sid)
+            except Exception:  # the sweeper must never die
+                log.exception("sweeper")
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting, report NOT_SERVING, drain in-flight calls, release the arena."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        self.server.stop(self.settings.grace_s if grace is None else grace).wait()
+        if self.metrics:
+            self.metrics.close()
+        self.node.pool.arena.close()
+        if self.settings.listen_unix and os.path.exists(self.settings.listen_unix):
+            os.unlink(self.settings.listen_unix)
+
+    def wait(self) -> None:
+        self._stop.wait()
+
+
+def serve(settings: Settings) -> None:
+    """Run a daemon in the foreground until SIGTERM or SIGINT."""
+    d = Daemon.start(settings)
+    done = threading.Event()
+
+    def on_signal(signum, frame):  # noqa: ARG001
+        log.info("signal %d: draining for up to %.1fs", signum, settings.grace_s)
+        threading.Thread(target=lambda: (d.stop(), done.set()), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"kvd: serving on {', '.join(d.addresses)}" + (f"; metrics on :{d.metrics.port}" if d.metrics and d.metrics.port else ""), flush=True)
+    done.wait()

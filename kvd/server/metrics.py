@@ -1,0 +1,128 @@
+"""The one exporter: turns the node's plain stats into Prometheus series, plus RPC latency.
+
+Gauges are read from :meth:`kvd.node.Node.stats` at scrape time (a custom collector), so the
+core never imports prometheus_client and nothing is double-booked. Each daemon has its own
+registry, so several daemons can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvd.node import Node
+
+__all__ = ["Metrics"]
+
+# Control-plane calls take tens of microseconds to milliseconds; transfers go to seconds.
+_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class _NodeCollector(Collector):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    def collect(self) -> Iterator:
+        s = self.node.stats()
+        p = s.pool
+
+        def gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None):
+            g = GaugeMetricFamily(name, doc, labels=list(labels or {}))
+            g.add_metric(list((labels or {}).values()), value)
+            return g
+
+        def counter(name: str, doc: str, value: float, labels: dict[str, str] | None = None):
+            c = CounterMetricFamily(name, doc, labels=list(labels or {}))
+            c.add_metric(list((labels or {}).values()), value)
+            return c
+
+        yield gauge("kvd_pool_reserved_bytes", "Address space reserved for the arena", p.reserved_bytes)
+        yield gauge("kvd_pool_backed_bytes", "Arena bytes backed by memory", p.backed_bytes)
+        yield gauge("kvd_pool_gap_bytes", "Free bytes between the groups' regions", p.gap_bytes)
+        yield gauge("kvd_pool_epoch", "Pool epoch (changes when physical addresses move)", p.epoch)
+        per_group = {
+            "kvd_group_used_bytes": ("Bytes of pages in use, per group", lambda g: g.used_pages * g.page_bytes),
+            "kvd_group_pages_used": ("Pages in use, per group", lambda g: g.used_pages),
+            "kvd_group_pages_free": ("Pages free (capacity - used), per group", lambda g: g.free_pages),
+            "kvd_group_pages_capacity": ("Pages the group could hold alone", lambda g: g.capacity_pages),
+            "kvd_group_hole_pages": ("Free pages inside the group's region (reclaimable by compaction)", lambda g: g.hole_pages),
+        }
+        for name, (doc, fn) in per_group.items():
+            fam = GaugeMetricFamily(name, doc, labels=["group"])
+            for g in p.groups:
+                fam.add_metric([g.name], fn(g))
+            yield fam
+        yield gauge("kvd_requests_live", "Requests holding pages", p.requests_live)
+        yield gauge("kvd_requests_offloaded", "Requests offloaded to host memory", p.requests_offloaded)
+        yield gauge("kvd_leases_live", "Live transfer leases", s.leases_live)
+        yield counter("kvd_leases_expired", "Leases reclaimed after their TTL", s.leases_expired_total)
+        yield gauge("kvd_sessions_live", "Client sessions alive", s.sessions_live)
+        yield counter("kvd_sessions_expired", "Client sessions reaped after going silent", s.sessions_expired_total)
+        comp = CounterMetricFamily("kvd_compactions", "Compactions by outcome", labels=["outcome"])
+        comp.add_metric(["done"], p.compactions_done)
+        comp.add_metric(["refused"], p.compactions_refused)
+        yield comp
+        yield counter("kvd_compaction_moved_bytes", "Bytes moved by compaction", p.bytes_moved)
+        yield counter("kvd_stale_epoch_refusals", "Calls refused for quoting a stale boot id or epoch", s.stale_refusals_total)
+
+
+class _LatencyInterceptor(grpc.ServerInterceptor):
+    """Times every unary call by method and final status code."""
+
+    def __init__(self, hist: Histogram) -> None:
+        self.hist = hist
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        inner = handler.unary_unary
+        hist = self.hist
+
+        def timed(request, context):
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                return inner(request, context)
+            except Exception:
+                c = context.code()
+                code = c.name if c is not None else "UNKNOWN"
+                raise
+            finally:
+                hist.labels(method, code).observe(time.perf_counter() - t0)
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
+
+
+class Metrics:
+    def __init__(self, node: Node) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_NodeCollector(node))
+        self.rpc_seconds = Histogram(
+            "kvd_rpc_duration_seconds", "gRPC call latency by method and status code", ["method", "code"],
+            buckets=_BUCKETS, registry=self.registry,
+        )
+        self._http = None
+        self.port: int | None = None
+
+    def interceptor(self) -> grpc.ServerInterceptor:
+        return _LatencyInterceptor(self.rpc_seconds)
+
+    def serve(self, host: str, port: int) -> int:
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.port = self._http.server_port
+        return self.port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,273 @@
+"""Thin gRPC servicers: parse the message, call the node, build the reply.
+
+No policy lives here. Every handler runs through :meth:`_Base._run`, which reads the session
+from metadata, maps any exception to a status in one place (:func:`kvd.status.to_status`), and
+aborts the call with the kvd error class in the trailing metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from kvd import __version__
+from kvd.errors import InvalidArgument, PermissionDenied
+from kvd.node import Node, TicketClaim
+from kvd.pool import AllocSpec
+from kvd.status import to_status
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+from kvd.wire import (
+    SESSION_KEY,
+    TOKEN_KEY,
+    TICKET_VERSION,
+    envelope_to_pb,
+    lease_kind_from_pb,
+    lease_kind_to_pb,
+    parse_ticket,
+    stats_to_pb,
+    vectors_to_pb,
+)
+
+__all__ = ["KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint"]
+
+log = logging.getLogger("kvd.server")
+T = TypeVar("T")
+
+
+class Endpoint:
+    """How the outside world reaches this daemon: written into PoolInfo and tickets."""
+
+    def __init__(self, peer_address: str = "", backend: str = "none", transfer_endpoint: str = "", capabilities: tuple[str, ...] = ()):
+        self.peer_address = peer_address
+        self.backend = backend
+        self.transfer_endpoint = transfer_endpoint
+        self.capabilities = capabilities
+
+
+class _Base:
+    def __init__(self, node: Node, endpoint: Endpoint) -> None:
+        self.node = node
+        self.endpoint = endpoint
+
+    def _run(self, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place
+            code, msg, md = to_status(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("internal error in %s", type(self).__name__)
+            context.set_trailing_metadata(md)
+            context.abort(code, msg)
+            raise  # unreachable: abort raises
+
+    @staticmethod
+    def _meta(context: grpc.ServicerContext, key: str) -> str:
+        for k, v in context.invocation_metadata() or ():
+            if k == key:
+                return v
+        return ""
+
+    def _session(self, context: grpc.ServicerContext) -> str:
+        sid = self._meta(context, SESSION_KEY)
+        if not sid:
+            raise InvalidArgument(f"no session: call OpenSession first and send its id as metadata {SESSION_KEY!r}")
+        return sid
+
+
+class KvdService(_Base, pb_grpc.KvdServicer):
+    """The engine-facing service."""
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def OpenSession(self, request: pb.OpenSessionRequest, context):
+        def go():
+            s = self.node.open_session(request.name, request.ttl_seconds or None)
+            return pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.node.pool.boot_id)
+
+        return self._run(context, go)
+
+    def KeepAlive(self, request, context):
+        return self._run(context, lambda: pb.KeepAliveResponse(ttl_seconds=self.node.touch(self._session(context)).ttl))
+
+    def CloseSession(self, request: pb.CloseSessionRequest, context):
+        def go():
+            freed, released = self.node.close_session(self._session(context), request.free_requests)
+            return pb.CloseSessionResponse(requests_freed=freed, leases_released=released)
+
+        return self._run(context, go)
+
+    # ---- description ------------------------------------------------------------------------
+    def info(self) -> pb.PoolInfo:
+        pool = self.node.pool
+        return pb.PoolInfo(
+            boot_id=pool.boot_id,
+            epoch=pool.epoch,
+            layout_json=pool.layout.model_dump_json(),
+            layout_fingerprint=pool.layout.fingerprint,
+            envelopes=[envelope_to_pb(e) for e in pool.envelopes()],
+            backend=self.endpoint.backend,
+            capabilities=list(self.endpoint.capabilities),
+            finalized=pool.finalized,
+            reserved_bytes=pool.arena.reserved,
+            version=__version__,
+            peer_address=self.endpoint.peer_address,
+        )
+
+    def GetInfo(self, request, context):
+        return self._run(context, lambda: self._with_session(context, self.info))
+
+    def _with_session(self, context, fn: Callable[[], T]) -> T:
+        self.node.touch(self._session(context))
+        with self.node.lock:
+            return fn()
+
+    def GetStats(self, request, context):
+        # Stats need no session: `kvd status` and dashboards read them.
+        return self._run(context, lambda: stats_to_pb(self.node.stats()))
+
+    def Attach(self, request, context):
+        def go():
+            h = self.node.pool.arena.handle()
+            return pb.AttachResponse(
+                kind=h.kind, path=h.path, backed_bytes=h.backed, region_id=h.region_id, layout_json=self.node.layout.model_dump_json()
+            )
+
+        return self._run(context, lambda: self._with_session(context, go))
+
+    # ---- requests ---------------------------------------------------------------------------
+    def Allocate(self, request: pb.AllocateRequest, context):
+        def go():
+            specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
+            return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in self.node.allocate(self._session(context), specs)])
+
+        return self._run(context, go)
+
+    def CanAllocate(self, request: pb.CanAllocateRequest, context):
+        def go():
+            specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
+            short = self.node.can_allocate(self._session(context), specs)
+            return pb.CanAllocateResponse(fits=short == 0, shortfall_bytes=short)
+
+        return self._run(context, go)
+
+    def Extend(self, request: pb.ExtendRequest, context):
+        def go():
+            items = [(i.rid, i.tokens) for i in request.items]
+            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in self.node.extend(self._session(context), items)])
+
+        return self._run(context, go)
+
+    def Free(self, request: pb.FreeRequest, context):
+        return self._run(context, lambda: pb.FreeResponse(freed=self.node.free(self._session(context), list(request.rids))))
+
+    def GetVectors(self, request: pb.GetVectorsRequest, context):
+        def go():
+            vecs = self.node.vectors(self._session(context), list(request.rids))
+            return pb.GetVectorsResponse(vectors=[vectors_to_pb(v) for v in vecs])
+
+        return self._run(context, go)
+
+    # ---- leases -----------------------------------------------------------------------------
+    def _lease_pb(self, lease, vec=None) -> pb.Lease:
+        ticket = b""
+        if vec is not None and lease.kind.value == "recv":
+            pool = self.node.pool
+            ticket = pb.Ticket(
+                version=TICKET_VERSION,
+                peer_address=self.endpoint.peer_address,
+                boot_id=pool.boot_id,
+                epoch=vec.epoch,
+                lease_id=lease.lease_id,
+                rid=lease.rid,
+                layout_fingerprint=pool.layout.fingerprint,
+                envelopes=[envelope_to_pb(e) for e in pool.envelopes()],
+                vectors=vectors_to_pb(vec),
+                transfer_endpoint=self.endpoint.transfer_endpoint,
+                backend=self.endpoint.backend,
+            ).SerializeToString()
+        return pb.Lease(
+            lease_id=lease.lease_id,
+            rid=lease.rid,
+            kind=lease_kind_to_pb(lease.kind),
+            boot_id=lease.boot_id,
+            epoch=lease.epoch,
+            expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()),
+            ticket=ticket,
+        )
+
+    def AcquireLease(self, request: pb.AcquireLeaseRequest, context):
+        def go():
+            kind = lease_kind_from_pb(request.kind)
+            lease, vec = self.node.acquire_lease(
+                self._session(context),
+                request.rid,
+                kind,
+                ttl=request.ttl_seconds or None,
+                boot_id=request.boot_id,
+                epoch=request.epoch,
+            )
+            with self.node.lock:
+                return self._lease_pb(lease, vec)
+
+        return self._run(context, go)
+
+    def RenewLease(self, request: pb.RenewLeaseRequest, context):
+        return self._run(
+            context, lambda: self._lease_pb(self.node.renew_lease(self._session(context), request.lease_id, request.ttl_seconds or None))
+        )
+
+    def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context):
+        def go():
+            self.node.release_lease(self._session(context), request.lease_id)
+            return pb.ReleaseLeaseResponse()
+
+        return self._run(context, go)
+
+    # ---- maintenance ------------------------------------------------------------------------
+    def Compact(self, request: pb.CompactRequest, context):
+        def go():
+            r = self.node.compact(self._session(context), request.around_pinned)
+            return pb.CompactResponse(pages_moved=r.pages_moved, bytes_moved=r.bytes_moved, gap_gained_bytes=r.gap_gained_bytes, epoch=r.epoch)
+
+        return self._run(context, go)
+
+    def Finalize(self, request: pb.FinalizeRequest, context):
+        def go():
+            self.node.finalize(self._session(context), request.bytes if request.has_bytes else None, request.resize)
+            with self.node.lock:
+                return pb.FinalizeResponse(info=self.info())
+
+        return self._run(context, go)
+
+    def Offload(self, request: pb.OffloadRequest, context):
+        return self._run(context, lambda: pb.OffloadResponse(bytes=self.node.offload(self._session(context), request.rid)))
+
+    def Restore(self, request: pb.RestoreRequest, context):
+        return self._run(context, lambda: pb.RestoreResponse(vectors=vectors_to_pb(self.node.restore(self._session(context), request.rid))))
+
+    def Echo(self, request: pb.EchoRequest, context):
+        return pb.EchoResponse(payload=request.payload)
+
+
+class PeerService(_Base, pb_grpc.PeerServicer):
+    """The daemon-to-daemon service. Guarded by a shared token when one is configured."""
+
+    def __init__(self, node: Node, endpoint: Endpoint, token: str | None = None) -> None:
+        super().__init__(node, endpoint)
+        self.token = token
+
+    def _auth(self, context) -> None:
+        if self.token and self._meta(context, TOKEN_KEY) != self.token:
+            raise PermissionDenied(f"peer call without the right {TOKEN_KEY!r} metadata; configure the same peer_token on both daemons")
+
+    def CheckTicket(self, request: pb.CheckTicketRequest, context):
+        def go():
+            self._auth(context)
+            t = parse_ticket(request.ticket)
+            lease = self.node.check_ticket(TicketClaim(t.boot_id, t.epoch, t.lease_id, t.rid, t.layout_fingerprint))
+            return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
+
+        return self._run(context, go)

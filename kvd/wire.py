@@ -1,0 +1,132 @@
+"""Conversions between core records and the v1 wire messages, shared by server and client.
+
+Index vectors travel as packed int32; the client turns them back into torch tensors. Tickets are
+serialised :class:`kvd.v1.kvd_pb2.Ticket` messages: opaque bytes to engines, parsed (and
+refused with INVALID_ARGUMENT when they are not a ticket) by daemons.
+"""
+
+from __future__ import annotations
+
+import torch
+from google.protobuf.message import DecodeError
+
+from kvd.errors import InvalidArgument
+from kvd.leases import LeaseKind
+from kvd.node import NodeStats
+from kvd.pool import Envelope, IndexVectors
+from kvd.stats import GroupStats, PoolStats
+from kvd.v1 import kvd_pb2 as pb
+
+__all__ = [
+    "vectors_to_pb",
+    "vectors_from_pb",
+    "envelope_to_pb",
+    "envelope_from_pb",
+    "lease_kind_from_pb",
+    "lease_kind_to_pb",
+    "parse_ticket",
+    "TICKET_VERSION",
+    "SESSION_KEY",
+    "TOKEN_KEY",
+    "stats_to_pb",
+]
+
+TICKET_VERSION = 1
+#: metadata key carrying the client session id on every Kvd call but OpenSession
+SESSION_KEY = "kvd-session"
+#: metadata key carrying the shared peer token on Peer calls (when configured)
+TOKEN_KEY = "kvd-token"
+
+
+def vectors_to_pb(v: IndexVectors) -> pb.IndexVectors:
+    return pb.IndexVectors(
+        rid=v.rid,
+        boot_id=v.boot_id,
+        epoch=v.epoch,
+        tokens=v.tokens,
+        full=v.full.tolist(),
+        swa_first_page=v.swa_first_page,
+        swa=v.swa.tolist(),
+        state=-1 if v.state is None else v.state,
+        draft=v.draft.tolist(),
+    )
+
+
+def vectors_from_pb(m: pb.IndexVectors) -> IndexVectors:
+    def t(xs) -> torch.Tensor:
+        return torch.tensor(list(xs), dtype=torch.int32)
+
+    return IndexVectors(
+        m.rid, m.boot_id, m.epoch, m.tokens, t(m.full), m.swa_first_page, t(m.swa), None if m.state < 0 else m.state, t(m.draft)
+    )
+
+
+def envelope_to_pb(e: Envelope) -> pb.Envelope:
+    return pb.Envelope(
+        group=e.group,
+        region_id=e.region_id,
+        base=e.base,
+        backed_bytes=e.backed_bytes,
+        page_bytes=e.page_bytes,
+        first_page=e.first_page,
+        last_page=e.last_page,
+    )
+
+
+def envelope_from_pb(m: pb.Envelope) -> Envelope:
+    return Envelope(m.group, m.region_id, m.base, m.backed_bytes, m.page_bytes, m.first_page, m.last_page)
+
+
+def lease_kind_from_pb(k: int) -> LeaseKind:
+    if k == pb.SEND:
+        return LeaseKind.SEND
+    if k == pb.RECV:
+        return LeaseKind.RECV
+    raise InvalidArgument(f"lease kind must be SEND or RECV, got {k}")
+
+
+def lease_kind_to_pb(k: LeaseKind) -> int:
+    return pb.SEND if k is LeaseKind.SEND else pb.RECV
+
+
+def stats_to_pb(s: NodeStats) -> pb.Stats:
+    p: PoolStats = s.pool
+    return pb.Stats(
+        boot_id=p.boot_id,
+        epoch=p.epoch,
+        reserved_bytes=p.reserved_bytes,
+        backed_bytes=p.backed_bytes,
+        sink_bytes=p.sink_bytes,
+        gap_bytes=p.gap_bytes,
+        finalized=p.finalized,
+        requests_live=p.requests_live,
+        requests_offloaded=p.requests_offloaded,
+        compactions_done=p.compactions_done,
+        compactions_refused=p.compactions_refused,
+        pages_moved=p.pages_moved,
+        bytes_moved=p.bytes_moved,
+        groups=[pb.GroupStats(**{f: getattr(g, f) for f in GroupStats.__slots__}) for g in p.groups],
+        leases_live=s.leases_live,
+        leases_expired_total=s.leases_expired_total,
+        stale_refusals_total=s.stale_refusals_total,
+        sessions_live=s.sessions_live,
+        sessions_expired_total=s.sessions_expired_total,
+        layout_name=s.layout_name,
+    )
+
+
+def parse_ticket(blob: bytes) -> pb.Ticket:
+    """Parse ticket bytes; anything that is not a complete v1 ticket is INVALID_ARGUMENT."""
+    if not blob:
+        raise InvalidArgument("ticket is empty; pass the bytes the decode daemon's RECV lease returned")
+    t = pb.Ticket()
+    try:
+        t.ParseFromString(bytes(blob))
+    except DecodeError as exc:
+        raise InvalidArgument(f"ticket bytes do not parse as a kvd ticket ({exc}); pass the lease's ticket unchanged") from exc
+    if t.version != TICKET_VERSION:
+        raise InvalidArgument(f"ticket version {t.version} is not supported (this daemon speaks {TICKET_VERSION})")
+    missing = [f for f in ("peer_address", "boot_id", "rid", "layout_fingerprint") if not getattr(t, f)]
+    if missing or not t.lease_id or not t.HasField("vectors"):
+        raise InvalidArgument(f"ticket is incomplete (missing {missing or ['lease_id/vectors']}); pass it unchanged")
+    return t
