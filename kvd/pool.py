@@ -158,6 +158,9 @@ class Pool:
         order = layout.arena_order()
         self._specs: dict[GroupKind, GroupSpec] = {g.kind: g for g in order}
         self._ps = {g.kind: layout.page_size_of(g) for g in order}
+        # Bytes per token each group tends to consume (a state slot spread over a typical 4k-token
+        # request): how the planner shares a gap between neighbouring groups.
+        self._weight = {g.kind: layout.entry_bytes(g) / (4096 if g.kind is STATE else 1) for g in order}
         self.groups: dict[GroupKind, GroupAllocator] = {}
         full_ids = arena.reserved // layout.page_bytes(layout.group(FULL))
         for i, g in enumerate(order):
@@ -320,12 +323,16 @@ class Pool:
             holes = (hi - lo) - a.used + credit.get(k, 0)
             extra = max(0, need - holes)
             new_lo = None
+            nxt = next((j for j in kinds[i + 1 :] if bounds[j][1] > bounds[j][0]), None)
+            upper = self.arena.backed if nxt is None else bounds[nxt][0] * self.groups[nxt].pb
             if extra and a.direction is Direction.FLOAT and a.used == 0:
-                new_lo = lo = hi = -(-prev_hi_bytes // a.pb)  # an empty float re-anchors low
-            upper = next(
-                (bounds[j][0] * self.groups[j].pb for j in kinds[i + 1 :] if bounds[j][1] > bounds[j][0]),
-                self.arena.backed,
-            )
+                # An empty float re-anchors inside the gap it sits in, leaving the group below it
+                # room in proportion to their byte weights, so neighbours do not box each other in.
+                first, last = -(-prev_hi_bytes // a.pb), min(upper // a.pb, a.p_max) - extra
+                below = self._weight[kinds[i - 1]]
+                above = sum(self._weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
+                target = first + int((last + extra - first) * below / (below + self._weight[k] + above))
+                new_lo = lo = hi = max(first, min(target, last))
             down_room = lo - -(-prev_hi_bytes // a.pb) if a.direction is not Direction.UP else 0
             up_room = min(upper // a.pb, a.p_max) - hi if a.direction is not Direction.DOWN else 0
             g_lo = min(extra, max(0, down_room))

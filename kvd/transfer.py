@@ -1,0 +1,130 @@
+"""Transfer planning: which bytes of a request move from a prefill pool to a decode pool.
+
+Pure and vectorised: given the source and destination index vectors of one request, the
+envelopes of both arenas and the token range of a chunk, produce byte blocks
+``(src_addr, dst_addr, length)`` for a backend. Pages are page-major, so one run of pages that
+is consecutive on both sides becomes one block carrying every layer of its group.
+
+What a chunk ``[t0, t1)`` carries, per group:
+
+* ``full``: request pages overlapping the chunk. A page the chunk fills only partly is sent
+  again by the next chunk (its later tokens land on the same page);
+* ``swa``: only pages in the destination's window tail ``[dst.swa_first_page, n)`` — physical
+  SWA ids on both sides, never kernel-facing or full-group ids. The source must still hold
+  them (a sender that already released an SWA page the receiver needs is refused);
+* ``state``: the slot, with the last chunk only (state is final after the last token);
+* ``draft``: draft pages overlapping the chunk at the draft page size — its own vector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvd.errors import InvalidArgument, LayoutMismatch
+from kvd.layout import GroupKind, Layout
+from kvd.pool import Envelope, IndexVectors
+from kvd.runs import coalesce
+
+__all__ = ["Block", "Plan", "plan_chunk"]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    src: int  # address in the source arena
+    dst: int  # address in the destination arena
+    length: int  # bytes
+
+
+@dataclass(slots=True)
+class Plan:
+    """Blocks to write plus per-group page counts (for metrics and tests)."""
+
+    blocks: list[Block]
+    pages: dict[str, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.length for b in self.blocks)
+
+    def as_lists(self) -> tuple[list[int], list[int], list[int]]:
+        return [b.src for b in self.blocks], [b.dst for b in self.blocks], [b.length for b in self.blocks]
+
+
+def _page_range(t0: int, t1: int, page_size: int) -> tuple[int, int]:
+    return t0 // page_size, -(-t1 // page_size)
+
+
+def plan_chunk(
+    layout: Layout,
+    src: IndexVectors,
+    dst: IndexVectors,
+    src_env: list[Envelope],
+    dst_env: list[Envelope],
+    t0: int,
+    t1: int,
+    last: bool,
+    *,
+    max_block_bytes: int = 64 << 20,
+) -> Plan:
+    """Blocks that move tokens ``[t0, t1)`` of one request (see the module docstring).
+
+    Refuses (InvalidArgument) a range outside the request, vectors of different lengths, or
+    envelopes whose page bytes differ (LayoutMismatch) -- before anything is written."""
+    if not (0 <= t0 < t1 <= src.tokens):
+        raise InvalidArgument(f"send range [{t0}, {t1}) is not inside the request's {src.tokens} tokens")
+    if src.tokens != dst.tokens:
+        raise InvalidArgument(
+            f"request {src.rid!r} has {src.tokens} tokens here but the receiver allocated {dst.tokens}; allocate the same length"
+        )
+    se = {e.group: e for e in src_env}
+    de = {e.group: e for e in dst_env}
+    blocks: list[Block] = []
+    pages: dict[str, int] = {}
+    for g in layout.arena_order():
+        name = g.name
+        if name not in se or name not in de:
+            raise LayoutMismatch(f"group {name} missing from an envelope list (sender {sorted(se)}, receiver {sorted(de)})")
+        s_env, d_env = se[name], de[name]
+        if s_env.page_bytes != d_env.page_bytes:
+            raise LayoutMismatch(f"group {name}: page bytes {s_env.page_bytes} here vs {d_env.page_bytes} at the receiver")
+        pb = s_env.page_bytes
+        if g.kind is GroupKind.STATE:
+            if not last:
+                continue
+            if src.state is None or dst.state is None:
+                raise InvalidArgument(f"request {src.rid!r}: a state slot is missing on one side")
+            s_ids = torch.tensor([src.state], dtype=torch.int64)
+            d_ids = torch.tensor([dst.state], dtype=torch.int64)
+        elif g.kind is GroupKind.SWA:
+            p0, p1 = _page_range(t0, t1, layout.page_size)
+            p0 = max(p0, dst.swa_first_page)
+            if p0 >= p1:
+                continue
+            if p0 < src.swa_first_page:
+                raise InvalidArgument(
+                    f"request {src.rid!r}: the receiver needs SWA page {p0} but the sender released pages before "
+                    f"{src.swa_first_page}; send each chunk before extending past it"
+                )
+            s_ids = src.swa[p0 - src.swa_first_page : p1 - src.swa_first_page].to(torch.int64)
+            d_ids = dst.swa[p0 - dst.swa_first_page : p1 - dst.swa_first_page].to(torch.int64)
+        else:
+            vec_s, vec_d = (src.full, dst.full) if g.kind is GroupKind.FULL else (src.draft, dst.draft)
+            p0, p1 = _page_range(t0, t1, layout.page_size_of(g))
+            s_ids = vec_s[p0:p1].to(torch.int64)
+            d_ids = vec_d[p0:p1].to(torch.int64)
+        if s_ids.numel() != d_ids.numel():
+            raise InvalidArgument(f"group {name}: {s_ids.numel()} source pages vs {d_ids.numel()} destination pages")
+        if s_ids.numel() == 0:
+            continue
+        for ids, env, side in ((s_ids, s_env, "source"), (d_ids, d_env, "destination")):
+            if int(ids.min()) < env.first_page or int(ids.max()) > env.last_page:
+                raise InvalidArgument(f"group {name}: a {side} page lies outside its envelope [{env.first_page}, {env.last_page}]")
+        runs = coalesce(s_ids, d_ids, max_run=max(1, max_block_bytes // pb))
+        s_addr = (runs.src * pb + s_env.base).tolist()
+        d_addr = (runs.dst * pb + d_env.base).tolist()
+        lens = (runs.length * pb).tolist()
+        blocks.extend(Block(s, d, n) for s, d, n in zip(s_addr, d_addr, lens))
+        pages[name] = s_ids.numel()
+    return Plan(blocks, pages)
