@@ -28,7 +28,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
 # Regenerate the committed gRPC stubs (python, grpc, typed .pyi) from proto/.
-# tests/test_proto_stubs.py fails when the committed stubs differ from what this produces.
+# tests/daemon/test_proto_stubs.py fails when the committed stubs differ from what this produces.
 proto: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. \
 		--mypy_out=. --mypy_grpc_out=. proto/kvd/v1/kvd.proto

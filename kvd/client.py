@@ -276,7 +276,8 @@ class Client(_Surface):
                 pass  # the next call surfaces the error; the heartbeat only keeps the session warm
 
     def close(self, *, free_requests: bool = True) -> None:
-        """End the session (its requests are freed unless ``free_requests=False``) and the channel."""
+        """End the session and the channel. Its leases are released and its requests freed; with
+        ``free_requests=False`` the daemon keeps the requests until the session's TTL runs out."""
         if self._closed.is_set():
             return
         self._closed.set()

@@ -22,13 +22,24 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvd.errors import FailedPrecondition, InternalError, InvalidArgument, NotFound, PermissionDenied, StaleEpoch
+from kvd.errors import (
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    LayoutMismatch,
+    NotFound,
+    PermissionDenied,
+    StaleEpoch,
+)
 from kvd.layout import Layout
 from kvd.leases import Lease, LeaseKind, LeaseTable
 from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
 from kvd.stats import PoolStats
 
-__all__ = ["Node", "NodeStats", "SessionInfo", "TicketClaim"]
+__all__ = ["Node", "NodeStats", "SessionInfo", "TicketClaim", "MAX_SESSION_TTL"]
+
+#: Upper bound of a client-chosen session TTL (the same cap as the session_ttl_s setting).
+MAX_SESSION_TTL = 3600.0
 
 
 @dataclass(slots=True)
@@ -94,8 +105,11 @@ class Node:
 
     # ---- sessions ---------------------------------------------------------------------------
     def open_session(self, name: str = "", ttl: float | None = None) -> SessionInfo:
-        if ttl is not None and ttl < 0:
-            raise InvalidArgument(f"session ttl must be >= 0 seconds (0: default), got {ttl}")
+        if ttl is not None and not (0 <= ttl <= MAX_SESSION_TTL):
+            raise InvalidArgument(
+                f"session ttl must be in [0, {MAX_SESSION_TTL:.0f}] seconds (0: the daemon's default), got {ttl}; "
+                "a longer TTL would keep a dead client's pages"
+            )
         with self._lock:
             s = SessionInfo(uuid.uuid4().hex, name, ttl or self.session_ttl, self.clock())
             self._sessions[s.session_id] = s
@@ -113,26 +127,35 @@ class Node:
             return s
 
     def close_session(self, session_id: str, free_requests: bool = True) -> tuple[int, int]:
+        """End a session: release its leases and free its requests. Returns (freed, released).
+
+        With ``free_requests=False`` the requests are kept, and so is the session record that
+        owns them, until the session's TTL runs out from now; then :meth:`sweep` frees them as
+        for a dead client. A request never outlives every session that could free it."""
         with self._lock:
             s = self.touch(session_id)
-            return self._reap(s, free_requests)
+            if free_requests or not s.rids:
+                return self._reap(s)
+            leases = self.leases.for_session(session_id)
+            for lease in leases:
+                self.leases.drop(lease.lease_id)
+            return 0, len(leases)
 
-    def _reap(self, s: SessionInfo, free_requests: bool = True) -> tuple[int, int]:
+    def _reap(self, s: SessionInfo) -> tuple[int, int]:
         leases = self.leases.for_session(s.session_id)
         for lease in leases:
             self.leases.drop(lease.lease_id)
         freed = 0
-        if free_requests:
-            # Also drop leases other sessions hold on these requests' pages: the pages are going away.
-            for rid in list(s.rids):
-                for lease in self.leases.for_rid(rid):
-                    self.leases.drop(lease.lease_id)
-            if s.rids:
-                self.pool.free_many(sorted(s.rids))
-                for rid in s.rids:
-                    self._owner.pop(rid, None)
-                freed = len(s.rids)
-                s.rids.clear()
+        # Also drop leases other sessions hold on these requests' pages: the pages are going away.
+        for rid in list(s.rids):
+            for lease in self.leases.for_rid(rid):
+                self.leases.drop(lease.lease_id)
+        if s.rids:
+            self.pool.free_many(sorted(s.rids))
+            for rid in s.rids:
+                self._owner.pop(rid, None)
+            freed = len(s.rids)
+            s.rids.clear()
         del self._sessions[s.session_id]
         return freed, len(leases)
 
@@ -257,7 +280,7 @@ class Node:
                     "the decode side must allocate again and issue a new ticket"
                 )
             if claim.layout_fingerprint != self.pool.layout.fingerprint:
-                raise InvalidArgument(
+                raise LayoutMismatch(
                     f"ticket layout fingerprint {claim.layout_fingerprint!r} does not match this daemon's "
                     f"{self.pool.layout.fingerprint!r}"
                 )
@@ -309,15 +332,18 @@ class Node:
 
     def check(self) -> None:
         """The pool's invariants plus the node's: every live request has exactly one owner
-        session that lists it, and every lease names a live request."""
+        session that lists it, and every live lease names a live request. (A lease past its TTL
+        pins nothing and may outlive its request until the sweeper counts it as expired.)"""
         with self._lock:
             self.pool.check()
             rids = set(self.pool.request_ids) | set(self.pool.offloaded_ids)
             if set(self._owner) != rids:
                 raise InternalError(f"node invariant broken: owners {sorted(self._owner)} vs requests {sorted(rids)}")
             for rid, sid in self._owner.items():
-                if rid not in self._sessions[sid].rids:
+                s = self._sessions.get(sid)
+                if s is None or rid not in s.rids:
                     raise InternalError(f"node invariant broken: {rid!r} not listed by its session")
+            now = self.clock()
             for lease in self.leases.all():
-                if lease.rid not in rids:
+                if lease.expires_at > now and lease.rid not in rids:
                     raise InternalError(f"node invariant broken: {lease.label()} names a freed request")

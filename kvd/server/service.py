@@ -36,6 +36,7 @@ __all__ = ["KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint"]
 
 log = logging.getLogger("kvd.server")
 T = TypeVar("T")
+_UINT64_MAX = 2**64 - 1
 
 
 class Endpoint:
@@ -149,7 +150,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         def go():
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
             short = self.node.can_allocate(self._session(context), specs)
-            return pb.CanAllocateResponse(fits=short == 0, shortfall_bytes=short)
+            # uint64 on the wire: an absurd request (2**62 tokens) saturates instead of failing as INTERNAL.
+            return pb.CanAllocateResponse(fits=short == 0, shortfall_bytes=min(short, _UINT64_MAX))
 
         return self._run(context, go)
 

@@ -1,0 +1,155 @@
+"""Configuration: file (YAML/TOML), ``KVD_*`` environment, flags; refusals that say what to change."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from daemon_kit import rid
+
+from kvd.cli import main as cli_main
+from kvd.config import Settings, load_settings
+from kvd.errors import InvalidArgument
+from kvd.server.app import Daemon, validate
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("KVD_"):
+            monkeypatch.delenv(k)
+
+
+def test_defaults():
+    s = load_settings()
+    assert (s.layout, s.arena_bytes, s.reserved, s.listen_unix, s.listen_tcp, s.metrics_port) == (
+        "tiny-hybrid", 64 * MiB, 64 * MiB, "/tmp/kvd.sock", None, None,
+    )
+
+
+def test_environment_is_honoured_and_flags_win(monkeypatch):
+    monkeypatch.setenv("KVD_ARENA_BYTES", "2MiB")
+    monkeypatch.setenv("KVD_SESSION_TTL_S", "7.5")
+    monkeypatch.setenv("KVD_POST_CAPTURE", "true")
+    monkeypatch.setenv("KVD_LISTEN_TCP", "127.0.0.1:0")
+    s = load_settings()
+    assert (s.arena_bytes, s.session_ttl_s, s.post_capture, s.listen_tcp) == (2 * MiB, 7.5, True, "127.0.0.1:0")
+    assert s.reserved == 8 * MiB  # post-capture reserves 4x by default
+    assert load_settings(arena_bytes=3 * MiB, post_capture=False).arena_bytes == 3 * MiB
+
+
+def test_env_value_that_does_not_parse_is_refused(monkeypatch):
+    monkeypatch.setenv("KVD_ARENA_BYTES", "lots")
+    with pytest.raises(InvalidArgument, match=r"byte size 'lots' is not understood; write e\.g\. 4GiB"):
+        load_settings()
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "toml"])
+def test_config_file(tmp_path, monkeypatch, suffix):
+    f = tmp_path / f"kvd.{suffix}"
+    if suffix == "yaml":
+        f.write_text("arena_bytes: 3MiB\nlisten_tcp: '127.0.0.1:0'\nlease_ttl_s: 2\nlayout: qwen3.5-0.8b\nbackend: local\n")
+    else:
+        f.write_text('arena_bytes = "3MiB"\nlisten_tcp = "127.0.0.1:0"\nlease_ttl_s = 2\nlayout = "qwen3.5-0.8b"\nbackend = "local"\n')
+    s = load_settings(str(f))
+    assert (s.arena_bytes, s.listen_tcp, s.lease_ttl_s, s.layout, s.backend) == (3 * MiB, "127.0.0.1:0", 2.0, "qwen3.5-0.8b", "local")
+    assert s.session_ttl_s == Settings.model_fields["session_ttl_s"].default  # untouched fields keep defaults
+    monkeypatch.setenv("KVD_LEASE_TTL_S", "4")  # env beats the file...
+    assert load_settings(str(f)).lease_ttl_s == 4.0
+    assert load_settings(str(f), lease_ttl_s=5).lease_ttl_s == 5.0  # ...and flags beat env
+    monkeypatch.setenv("KVD_CONFIG_FILE", str(f))  # the file named by the environment
+    assert load_settings().arena_bytes == 3 * MiB
+    monkeypatch.delenv("KVD_CONFIG_FILE")
+    assert load_settings().arena_bytes == 64 * MiB  # a file never leaks into the next call
+
+
+def test_config_file_refusals(tmp_path):
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        load_settings(str(tmp_path / "missing.yaml"))
+    ini = tmp_path / "kvd.ini"
+    ini.write_text("[kvd]\n")
+    with pytest.raises(InvalidArgument, match=r"use a \.yaml, \.yml or \.toml file"):
+        load_settings(str(ini))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("arena_byts: 3MiB\n")
+    with pytest.raises(InvalidArgument, match="arena_byts"):
+        load_settings(str(typo))
+
+
+@pytest.mark.parametrize(
+    "overrides,phrases",
+    [
+        (dict(listen_unix="", listen_tcp=""), ["no listener", "set listen_unix", "or listen_tcp"]),
+        (dict(arena_bytes="4MiB", reserve_bytes="1MiB"), ["reserve_bytes (1,048,576) is below arena_bytes (4,194,304)", "reserve at least"]),
+        (dict(arena_bytes=0), ["arena_bytes must be positive"]),
+        (dict(arena_bytes="4 gigs"), ["is not understood; write e.g. 4GiB"]),
+        (dict(listen_tcp="localhost"), ["must be host:port, e.g. 127.0.0.1:50051"]),
+        (dict(backend="rdma"), ["backend", "'none', 'local' or 'mooncake'"]),
+        (dict(session_ttl_s=0), ["session_ttl_s", "greater than 0"]),
+    ],
+    ids=["no-listener", "reserve-below-arena", "zero-arena", "bad-size", "tcp-without-port", "unknown-backend", "zero-ttl"],
+)
+def test_invalid_settings_refused_with_what_to_change(overrides, phrases):
+    with pytest.raises(InvalidArgument) as info:
+        load_settings(**overrides)
+    msg = str(info.value)
+    assert msg.startswith("invalid configuration")
+    for phrase in phrases:
+        assert phrase in msg, msg
+
+
+@pytest.mark.parametrize(
+    "overrides,phrase",
+    [
+        (dict(speculative=True, backend="none"), "cannot: set backend, or turn speculative off"),
+        (dict(speculative=True, backend="local", layout="qwen3.5-0.8b"), "has no draft group; use a layout with a draft group"),
+    ],
+    ids=["backend-without-draft-vectors", "layout-without-draft-group"],
+)
+def test_speculative_combinations_refused_at_start(tmp_path, overrides, phrase):
+    s = load_settings(listen_unix=str(tmp_path / "kvd.sock"), arena_dir=str(tmp_path), **overrides)
+    with pytest.raises(InvalidArgument, match=re.escape(phrase)):
+        validate(s)
+    with pytest.raises(InvalidArgument, match=re.escape(phrase)):
+        Daemon.start(s)
+    assert sorted(os.listdir(tmp_path)) == []  # refused before the arena or the socket was made
+
+
+def test_speculative_with_a_draft_capable_backend_starts(tmp_path):
+    s = load_settings(listen_unix=str(tmp_path / "kvd.sock"), arena_bytes=MiB, speculative=True, backend="local")
+    validate(s)
+    d = Daemon.start(s)
+    try:
+        from kvd.client import Client
+
+        with Client.connect(d.address) as c:
+            info = c.info()
+            v = c.allocate(rid(), 16)
+        assert info.backend == "local" and "draft-vectors" in info.capabilities and v.draft.numel() == 2
+    finally:
+        d.stop(0)
+    assert not os.path.exists(f"/dev/shm/{d.node.pool.arena.region_id}")
+
+
+def test_serve_help_mentions_every_setting(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    with pytest.raises(SystemExit) as info:
+        cli_main(["serve", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's wrapping
+    for name, field in Settings.model_fields.items():
+        assert f"--{name.replace('_', '-')}" in text, name
+        assert f"KVD_{name.upper()}" in text, name
+        assert field.description and field.description.split(";")[0][:40] in text, name
+    assert "--config FILE" in text
+
+
+def test_serve_refuses_bad_flags_with_exit_status_2(capsys):
+    assert cli_main(["serve", "--listen-unix", "", "--listen-tcp", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvd serve: InvalidArgument: invalid configuration") and "no listener" in err
+    assert cli_main(["serve", "--arena-bytes", "4MiB", "--reserve-bytes", "1MiB", "--listen-unix", "/tmp/x.sock"]) == 2
+    assert "reserve at least the arena size" in capsys.readouterr().err

@@ -1,0 +1,215 @@
+"""Operating a daemon: health, reflection, metrics, ``kvd status``, SIGTERM, and the arena shared
+with a second process (DESIGN §3 attach, §6 observability)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+from daemon_kit import (
+    REPO,
+    child,
+    expect,
+    rid,
+    samples,
+    scrape,
+    start_inproc,
+    start_subproc,
+    stop_inproc,
+    stop_subproc,
+    wait_for,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from google.protobuf import descriptor_pb2
+
+from kvd import errors as E
+from kvd.cli import main as cli_main
+from kvd.v1 import kvd_pb2 as pb
+
+C = grpc.StatusCode
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize("via", ["unix", "tcp"])
+def test_health_and_reflection(target, via):
+    with grpc.insecure_channel(getattr(target, via)) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "kvd.v1.Kvd", "kvd.v1.Peer"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            health.Check(health_pb2.HealthCheckRequest(service="kvd.v1.Nope"), timeout=5)
+        assert info.value.code() == C.NOT_FOUND
+
+        refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reqs = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvd.v1.Kvd"),
+        ]
+        listed, found = list(refl.ServerReflectionInfo(iter(reqs), timeout=5))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"kvd.v1.Kvd", "kvd.v1.Peer", "grpc.health.v1.Health"} <= names
+    fd = descriptor_pb2.FileDescriptorProto.FromString(found.file_descriptor_response.file_descriptor_proto[0])
+    assert fd.name == "kvd/v1/kvd.proto" and fd.package == "kvd.v1"
+    served = {s.name: [m.name for m in s.method] for s in fd.service}
+    assert served["Kvd"] == [m.name for m in pb.DESCRIPTOR.services_by_name["Kvd"].methods]
+    assert served["Peer"] == ["CheckTicket"]
+
+
+@pytest.fixture(params=["inproc", "subproc"])
+def metered(request, tmp_path):
+    """A daemon with its metrics endpoint on (in-process: one of its own; subprocess: the shared one)."""
+    if request.param == "subproc":
+        yield request.getfixturevalue("subproc")
+        return
+    t = start_inproc(tmp_path, metrics_port=0)
+    yield t
+    stop_inproc(t)
+
+
+def test_metrics_expose_every_series(metered):
+    t = metered
+    c = t.connect(name="metered")
+    rs = [rid(f"m{i}") for i in range(4)]
+    vs = c.allocate_many([(r, 16) for r in rs])
+    c.free(rs[0], rs[1])
+    lease = c.acquire_lease(rs[2], "recv")
+    with pytest.raises(E.Pinned):
+        c.compact()
+    c.compact(around_pinned=True)
+    with pytest.raises(E.NotFound):
+        c.vectors("no-such")
+    with pytest.raises(E.StaleEpoch):
+        c.acquire_lease(rs[3], "send", vectors=vs[3])  # rs[3] moved in the compaction
+    expired = c.stats().leases_expired_total  # the shared daemon has a past
+    c.acquire_lease(rs[3], "send", ttl=0.05)
+    wait_for(lambda: c.stats().leases_expired_total == expired + 1, 3.0, "the short lease to expire")
+    text = scrape(t.metrics_port)
+    st = c.stats()
+    s = samples(text)
+
+    def v(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        assert key in s, f"{name}{labels} missing from /metrics"
+        return s[key]
+
+    p = st.pool
+    assert v("kvd_pool_reserved_bytes") == p.reserved_bytes == 1 << 20
+    assert v("kvd_pool_backed_bytes") == p.backed_bytes
+    assert v("kvd_pool_gap_bytes") == p.gap_bytes
+    for g in p.groups:
+        assert v("kvd_group_used_bytes", group=g.name) == g.used_pages * g.page_bytes
+        assert v("kvd_group_pages_used", group=g.name) == g.used_pages
+        assert v("kvd_group_pages_free", group=g.name) == g.free_pages
+        assert v("kvd_group_pages_capacity", group=g.name) == g.capacity_pages
+    assert v("kvd_group_pages_used", group="full") >= 8  # rs[2] and rs[3]: 4 pages each
+    assert v("kvd_requests_live") == p.requests_live >= 2
+    assert v("kvd_leases_live") == st.leases_live >= 1
+    assert v("kvd_leases_expired_total") == st.leases_expired_total >= 1
+    assert v("kvd_sessions_live") == st.sessions_live >= 1
+    assert v("kvd_compactions_total", outcome="done") == p.compactions_done >= 1
+    assert v("kvd_compactions_total", outcome="refused") == p.compactions_refused >= 1
+    assert v("kvd_stale_epoch_refusals_total") == st.stale_refusals_total >= 1
+    # RPC latency by method and final status code
+    ok = v("kvd_rpc_duration_seconds_count", method="Allocate", code="OK")
+    assert ok >= 1 and v("kvd_rpc_duration_seconds_bucket", method="Allocate", code="OK", le="+Inf") == ok
+    assert v("kvd_rpc_duration_seconds_sum", method="Allocate", code="OK") > 0
+    assert v("kvd_rpc_duration_seconds_count", method="GetVectors", code="NOT_FOUND") >= 1
+    assert v("kvd_rpc_duration_seconds_count", method="Compact", code="FAILED_PRECONDITION") >= 1
+    assert v("kvd_rpc_duration_seconds_count", method="AcquireLease", code="FAILED_PRECONDITION") >= 1
+    assert "# TYPE kvd_rpc_duration_seconds histogram" in text
+    c.release_lease(lease.lease_id)
+
+
+def test_cli_status_prints_the_pool(subproc, inproc, capsys):
+    c = subproc.connect()
+    c.allocate(rid(), 40)
+    epoch = c.info().epoch
+    r = subprocess.run(
+        [sys.executable, "-m", "kvd.cli", "status", "--address", subproc.tcp],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"epoch={epoch}" in out and "layout=tiny-hybrid" in out
+    for group in ("full", "swa", "state", "draft"):
+        assert re.search(rf"^{group}\s+(up|down|float)\s", out, re.M), out
+    assert re.search(r"^full\s+down\s+2\.0 KiB\s+10\s", out, re.M), out  # used pages: 40 tokens / 4 per page
+    assert "requests  live=1" in out
+    # In-process main() against the in-process daemon, and against nothing.
+    assert cli_main(["status", "--address", inproc.unix]) == 0
+    assert "epoch=1" in capsys.readouterr().out
+    assert cli_main(["status", "--address", inproc.unix + ".missing"]) == 2
+    assert "Unavailable" in capsys.readouterr().err
+
+
+def test_sigterm_drains_and_cleans_up(tmp_path):
+    t = start_subproc(tmp_path, grace_s=0.3)
+    try:
+        c = t.connect()
+        c.allocate(rid(), 8)
+        shm = f"/dev/shm/{t.region_id}"
+        assert os.path.exists(shm) and os.path.exists(t.unix.removeprefix("unix:"))
+        with grpc.insecure_channel(t.tcp) as ch:
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="kvd.v1.Kvd"), timeout=20)
+            assert next(watch).status == SERVING
+            t.proc.send_signal(signal.SIGTERM)
+            assert next(watch).status == NOT_SERVING  # reported before the drain
+            assert t.proc.wait(10) == 0
+        with expect(E.Unavailable, C.UNAVAILABLE, "UNAVAILABLE"):
+            c.stats()
+        assert not os.path.exists(t.unix.removeprefix("unix:")), "socket file left behind"
+        assert not os.path.exists(shm), "arena file left in /dev/shm"
+        assert "signal 15: draining" in (tmp_path / "daemon.stderr").read_text()
+    finally:
+        assert stop_subproc(t) == 0
+
+
+_READER = """
+import json, sys
+import torch
+from kvd.client import Client
+addr, pb, pages, mark = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")], int(sys.argv[4])
+with Client.connect(addr, name="reader") as c:
+    att = c.attach()
+    seen = [bytes(att.tensor[p * pb:(p + 1) * pb].numpy()).hex() for p in pages]
+    att.tensor[mark * pb:(mark + 1) * pb] = torch.arange(pb).remainder(251).to(torch.uint8)
+    att.close()
+print(json.dumps({"session": c.session_id, "pages": seen}))
+"""
+
+
+def test_second_process_sees_the_bytes(target):
+    c = target.connect(name="writer")
+    r, other = rid("shared"), rid("mark")
+    v, w = c.allocate_many([(r, 16), (other, 4)])
+    att = c.attach()
+    try:
+        g = torch.Generator().manual_seed(3)
+        for kv in att.views["full"]:
+            kv.k[v.full.long()] = torch.randn(kv.k[v.full.long()].shape, generator=g)
+            kv.v[v.full.long()] = torch.randn(kv.v[v.full.long()].shape, generator=g)
+        pb_full = 2048
+        mine = [bytes(att.tensor[p * pb_full:(p + 1) * pb_full].numpy()).hex() for p in v.full.tolist()]
+        assert all(set(h) != {"0"} for h in mine)
+        mark = int(w.full[0])
+        with child(_READER, target.unix, str(pb_full), ",".join(map(str, v.full.tolist())), str(mark)) as p:
+            out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+        got = json.loads(out)
+        assert got["session"] != c.session_id  # its own session
+        assert got["pages"] == mine
+        # ...and this process sees what the other one wrote.
+        want = torch.arange(pb_full).remainder(251).to(torch.uint8)
+        assert torch.equal(att.tensor[mark * pb_full:(mark + 1) * pb_full], want)
+    finally:
+        att.close()
+    target.check()
