@@ -7,7 +7,7 @@ BIN        = $(VENV)/bin
 # The CPU build of torch that lies on these machines' disk; any other version pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test bench clean proto
+.PHONY: venv serve test bench clean proto
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,11 +18,17 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
+# kvd's main job on the embedded default: a daemon over a CPU shared-memory arena on
+# unix:/tmp/kvd.sock (tiny-hybrid layout; see `kvd serve --help`). Ctrl-C / SIGTERM drains and stops.
+serve: venv
+	$(BIN)/kvd serve
+
 test: venv
 	$(BIN)/python -m pytest -q
 
 bench: venv
 	$(BIN)/python bench/pool.py
+	$(BIN)/python bench/control_plane.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
