@@ -256,6 +256,24 @@ class GroupAllocator:
         self.rebuild_holes()
         self.trim()
 
+    def plan_slide(self, new_lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Moves ``(src, dst)`` that shift a packed region (no holes) to start at ``new_lo``.
+        Source and destination ranges may overlap: copy through a gather first."""
+        if self.n_holes:
+            raise InternalError(f"{self.name}: slide of a region with {self.n_holes} holes; compact it first")
+        n = self.hi - self.lo
+        return torch.arange(self.lo, self.hi, dtype=IDX), torch.arange(new_lo, new_lo + n, dtype=IDX)
+
+    def apply_slide(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rebind after :meth:`plan_slide`'s bytes were copied; the region becomes ``dst``'s range."""
+        vids = self.p2v[src].clone()
+        self.p2v[src] = -1
+        self.p2v[dst] = vids
+        self.v2p[vids] = dst
+        self.lo, self.hi = int(dst[0]), int(dst[-1]) + 1
+        if self.lo < self.p_min or self.hi > self.p_max:
+            raise InternalError(f"{self.name}: slide left [{self.p_min}, {self.p_max})")
+
     def rebuild_holes(self) -> None:
         """Recompute the hole stack from ``p2v`` (ordered so the pages nearest the anchor pop first)."""
         holes = (self.p2v[self.lo : self.hi] == -1).nonzero().flatten().to(IDX) + self.lo

@@ -87,6 +87,9 @@ class Envelope(NamedTuple):
 
 
 class CompactionResult(NamedTuple):
+    """``pages_moved``: distinct pages whose physical id changed; ``bytes_moved``: bytes copied
+    (a float packed and then slid copies some pages twice)."""
+
     pages_moved: int
     bytes_moved: int
     gap_gained_bytes: int
@@ -630,7 +633,9 @@ class Pool:
             names = ", ".join(sorted(blockers))
             raise Pinned(f"compaction refused: it would move pages pinned by {names}; release them or retry later", tuple(sorted(blockers)))
         gap_before = self.gap_bytes()
-        moved_pages = 0
+        moved_bytes = 0
+        # Per group, (vids, from, to) of the packing pass and of the slide pass.
+        passes: dict[GroupKind, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {k: [] for k in self.groups}
         moved_handles: set[int] = set()
         for k, (src, dst) in moves.items():
             a = self.groups[k]
@@ -638,18 +643,57 @@ class Pool:
                 view = self.page_view(k)
                 copy_runs(view, view, coalesce(src, dst))
                 moved_handles.update(self._owner_handles(k, a.p2v[src]))
-                moved_pages += src.numel()
-                self.bytes_moved += src.numel() * a.pb
+                passes[k].append((a.p2v[src].clone(), src, dst))
+                moved_bytes += src.numel() * a.pb
             a.apply_moves(src, dst)
+        for k, (src, dst) in self._plan_slides(pinned_reqs).items():
+            # Slides may overlap their own source: gather first, then scatter.
+            view = self.page_view(k)
+            view.index_copy_(0, dst.long(), view.index_select(0, src.long()))
+            moved_handles.update(self._owner_handles(k, self.groups[k].p2v[src]))
+            passes[k].append((self.groups[k].p2v[src].clone(), src, dst))
+            moved_bytes += src.numel() * self.groups[k].pb
+            self.groups[k].apply_slide(src, dst)
+        moved_pages = sum(_net_moves(p) for p in passes.values())
         if moved_pages:
             self.epoch += 1
             for h in moved_handles:
                 self._by_handle[h].moved_epoch = self.epoch
         self.compactions_done += 1
         self.pages_moved += moved_pages
-        return CompactionResult(
-            moved_pages, sum(m[0].numel() * self.groups[k].pb for k, m in moves.items()), self.gap_bytes() - gap_before, self.epoch
-        )
+        self.bytes_moved += moved_bytes
+        return CompactionResult(moved_pages, moved_bytes, self.gap_bytes() - gap_before, self.epoch)
+
+    def _plan_slides(self, pinned_reqs: list[_Request]) -> dict[GroupKind, tuple[torch.Tensor, torch.Tensor]]:
+        """After packing: slide each float (left to right) so the free bytes on either side of it
+        are shared by weight with its neighbours. A float boxed in by a neighbour gets room back.
+        Floats holding pinned pages stay put. Returns per-group moves, applied in order."""
+        kinds = list(self.groups)
+        out: dict[GroupKind, tuple[torch.Tensor, torch.Tensor]] = {}
+        prev_hi = self.sink_bytes
+        # The running mix is the best guide to how the free bytes will be wanted: share each gap
+        # in proportion to the bytes the groups on either side hold now.
+        weight = {j: float(self.groups[j].used * self.groups[j].pb) for j in kinds}
+        for i, k in enumerate(kinds):
+            a = self.groups[k]
+            if a.direction is Direction.FLOAT and a.used and a.n_holes == 0:
+                mask = self._pinned_mask(k, pinned_reqs)
+                nxt = next((j for j in kinds[i + 1 :] if not self.groups[j].empty), None)
+                upper = self.arena.backed if nxt is None else self.groups[nxt].lo * self.groups[nxt].pb
+                first = -(-prev_hi // a.pb)
+                last = min(upper // a.pb, a.p_max) - (a.hi - a.lo)
+                if (mask is None or not bool(mask.any())) and last >= first:
+                    below = weight[kinds[i - 1]]
+                    above = sum(weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
+                    target = first + int((last - first) * below / max(below + above, 1.0))
+                    if target != a.lo:
+                        out[k] = a.plan_slide(target)
+                        # Later floats see this one where it will be.
+                        prev_hi = (target + a.hi - a.lo) * a.pb
+                        continue
+            if not a.empty:
+                prev_hi = a.hi * a.pb
+        return out
 
     def _pinned_mask(self, kind: GroupKind, reqs: list[_Request]) -> torch.Tensor | None:
         if not reqs:
@@ -838,6 +882,23 @@ class Pool:
         for k, ring in self._rings.items():
             if ring.count + self.groups[k].used != ring.size:
                 fail(f"{k.value}: {ring.count} free ids + {self.groups[k].used} bound != {ring.size}")
+
+
+def _net_moves(passes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
+    """Pages whose physical id differs after up to two passes ``(vids, from, to)`` of one group
+    (a page packed and then slid counts once, and not at all if it came back to where it was)."""
+    if not passes:
+        return 0
+    if len(passes) == 1:
+        return passes[0][0].numel()
+    (pv, ps, _), (sv, ss, sd) = passes
+    if pv.numel() == 0:
+        return sv.numel()
+    sorted_v, order = pv.sort()
+    idx = torch.searchsorted(sorted_v, sv).clamp(max=pv.numel() - 1)
+    in_pack = sorted_v[idx] == sv
+    origin = torch.where(in_pack, ps[order][idx], ss)
+    return int(pv.numel() - in_pack.sum()) + int((sd != origin).sum())
 
 
 def _check_tokens(what: str, n: object) -> None:
