@@ -646,8 +646,14 @@ class Pool:
                 passes[k].append((a.p2v[src].clone(), src, dst))
                 moved_bytes += src.numel() * a.pb
             a.apply_moves(src, dst)
-        for k, (src, dst) in self._plan_slides(pinned_reqs).items():
-            # Slides may overlap their own source: gather first, then scatter.
+        slides = self._plan_slides(pinned_reqs)
+        # A float moving up may land where the float above it sits now, so up-movers go top
+        # first and down-movers bottom first; a slide may overlap its own source, so each one
+        # gathers before it scatters.
+        up = [k for k in reversed(list(slides)) if int(slides[k][1][0]) > int(slides[k][0][0])]
+        down = [k for k in slides if k not in up]
+        for k in up + down:
+            src, dst = slides[k]
             view = self.page_view(k)
             view.index_copy_(0, dst.long(), view.index_select(0, src.long()))
             moved_handles.update(self._owner_handles(k, self.groups[k].p2v[src]))
@@ -665,34 +671,52 @@ class Pool:
         return CompactionResult(moved_pages, moved_bytes, self.gap_bytes() - gap_before, self.epoch)
 
     def _plan_slides(self, pinned_reqs: list[_Request]) -> dict[GroupKind, tuple[torch.Tensor, torch.Tensor]]:
-        """After packing: slide each float (left to right) so the free bytes on either side of it
-        are shared by weight with its neighbours. A float boxed in by a neighbour gets room back.
-        Floats holding pinned pages stay put. Returns per-group moves, applied in order."""
+        """After packing: place the floats so the free bytes between the two ends are shared by
+        the groups in proportion to the bytes each holds now (an end group's share goes to the
+        gap beside it, a float's is split between its two gaps). Positions depend only on the
+        ends and the groups' sizes, so a second compaction moves nothing. A float boxed in by a
+        neighbour gets room back. If any float holds pinned pages or holes, floats stay put.
+        Returns per-group moves, to be applied in arena order."""
         kinds = list(self.groups)
+        g = self.groups
+        if len(kinds) < 3:
+            return {}
+        floats = kinds[1:-1]
+        for k in floats:
+            mask = self._pinned_mask(k, pinned_reqs)
+            if g[k].n_holes or (mask is not None and bool(mask.any())):
+                return {}
+        first, last = g[kinds[0]], g[kinds[-1]]
+        start = max(self.sink_bytes, first.hi * first.pb)
+        end = self.arena.backed if last.empty else last.lo * last.pb
+        size = {k: g[k].used * g[k].pb for k in kinds}
+        total = float(sum(size.values()))
+        free = end - start - sum(size[k] for k in floats)
+        if total == 0 or free <= 0:
+            return {}
+
+        def half(k: GroupKind, side: str) -> float:
+            share = size[k] / total
+            end_group = (k is kinds[0] and side == "up") or (k is kinds[-1] and side == "down")
+            return share if end_group else share / 2
+
         out: dict[GroupKind, tuple[torch.Tensor, torch.Tensor]] = {}
-        prev_hi = self.sink_bytes
-        # The running mix is the best guide to how the free bytes will be wanted: share each gap
-        # in proportion to the bytes the groups on either side hold now.
-        weight = {j: float(self.groups[j].used * self.groups[j].pb) for j in kinds}
-        for i, k in enumerate(kinds):
-            a = self.groups[k]
-            if a.direction is Direction.FLOAT and a.used and a.n_holes == 0:
-                mask = self._pinned_mask(k, pinned_reqs)
-                nxt = next((j for j in kinds[i + 1 :] if not self.groups[j].empty), None)
-                upper = self.arena.backed if nxt is None else self.groups[nxt].lo * self.groups[nxt].pb
-                first = -(-prev_hi // a.pb)
-                last = min(upper // a.pb, a.p_max) - (a.hi - a.lo)
-                if (mask is None or not bool(mask.any())) and last >= first:
-                    below = weight[kinds[i - 1]]
-                    above = sum(weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
-                    target = first + int((last - first) * below / max(below + above, 1.0))
-                    if target != a.lo:
-                        out[k] = a.plan_slide(target)
-                        # Later floats see this one where it will be.
-                        prev_hi = (target + a.hi - a.lo) * a.pb
-                        continue
-            if not a.empty:
-                prev_hi = a.hi * a.pb
+        targets: dict[GroupKind, int] = {}
+        cursor, prev = float(start), kinds[0]
+        for k in floats:
+            a = g[k]
+            if a.used == 0:
+                continue
+            cursor += free * (half(prev, "up") + half(k, "down"))
+            lo = -(-int(cursor) // a.pb)
+            targets[k] = lo
+            cursor = float((lo + a.used) * a.pb)
+            prev = k
+        if cursor + free * (half(prev, "up") + half(kinds[-1], "down")) > end + sum(g[k].pb for k in floats) or cursor > end:
+            return {}  # rounding pushed a float past the top end: leave them where they are
+        for k, lo in targets.items():
+            if lo != g[k].lo and g[k].p_min <= lo and lo + g[k].used <= g[k].p_max:
+                out[k] = g[k].plan_slide(lo)
         return out
 
     def _pinned_mask(self, kind: GroupKind, reqs: list[_Request]) -> torch.Tensor | None:
