@@ -31,6 +31,7 @@ from kvd.errors import (
     PermissionDenied,
     StaleEpoch,
 )
+from kvd.handoff import Inbox
 from kvd.layout import Layout
 from kvd.leases import Lease, LeaseKind, LeaseTable
 from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
@@ -82,6 +83,8 @@ class Node:
         *,
         session_ttl: float = 10.0,
         lease_ttl: float = 10.0,
+        peer_timeout: float = 1.0,
+        fence_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
@@ -93,6 +96,10 @@ class Node:
         self._lock = threading.RLock()
         self.stale_refusals = 0
         self.sessions_expired = 0
+        # Requests the engine freed while a failed sender might still write them: freed for
+        # real once their fence (the RECV lease) ends.
+        self._doomed: set[str] = set()
+        self.inbox = Inbox(self, peer_timeout=peer_timeout, fence_s=fence_s)
 
     @property
     def lock(self) -> threading.RLock:
@@ -154,6 +161,7 @@ class Node:
             self.pool.free_many(sorted(s.rids))
             for rid in s.rids:
                 self._owner.pop(rid, None)
+                self.inbox.forget(rid)
             freed = len(s.rids)
             s.rids.clear()
         del self._sessions[s.session_id]
@@ -164,12 +172,23 @@ class Node:
         Returns the expired leases and the reaped session ids."""
         with self._lock:
             expired = self.leases.expire()
+            self.inbox.sweep()
+            self._bury()
             now = self.clock()
             dead = [s for s in self._sessions.values() if now - s.last_seen > s.ttl]
             for s in dead:
                 self._reap(s)
             self.sessions_expired += len(dead)
             return expired, [s.session_id for s in dead]
+
+    def _bury(self) -> None:
+        """Free doomed requests whose fence has ended (no lease pins them any more)."""
+        done = [rid for rid in self._doomed if not self.leases.for_rid(rid)]
+        if done:
+            self.pool.free_many(done)
+            for rid in done:
+                self._doomed.discard(rid)
+                self.inbox.forget(rid)
 
     # ---- ownership --------------------------------------------------------------------------
     def _own(self, session_id: str, rid: str) -> None:
@@ -215,11 +234,17 @@ class Node:
                 raise InvalidArgument("free: a request id appears twice in one batch")
             for rid in rids:
                 self._own(session_id, rid)
-                self._no_leases(rid, "free")
-            self.pool.free_many(rids)
+                if not self.inbox.fenced(rid):
+                    self._no_leases(rid, "free")
+            # A request whose failed sender may still write it is freed once the fence ends.
+            doomed = [rid for rid in rids if self.inbox.fenced(rid)]
+            self.pool.free_many([rid for rid in rids if rid not in doomed])
+            self._doomed.update(doomed)
             for rid in rids:
                 del self._owner[rid]
                 s.rids.discard(rid)
+                if rid not in doomed:
+                    self.inbox.forget(rid)
             return len(rids)
 
     def vectors(self, session_id: str, rids: Sequence[str]) -> list[IndexVectors]:
@@ -241,7 +266,13 @@ class Node:
             if boot_id:
                 self._fresh(rid, epoch, boot_id)
             vec = self.pool.vectors(rid)
+            if kind is LeaseKind.RECV and self.leases.for_rid(rid) and any(
+                lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)
+            ):
+                raise FailedPrecondition(f"request {rid!r} already has a live RECV lease: one sender per request")
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
+            if kind is LeaseKind.RECV:
+                self.inbox.expect(rid, lease.lease_id)
             return lease, vec
 
     def renew_lease(self, session_id: str, lease_id: int, ttl: float | None = None) -> Lease:
@@ -253,7 +284,9 @@ class Node:
     def release_lease(self, session_id: str, lease_id: int) -> Lease:
         with self._lock:
             self.touch(session_id)
-            self._lease_of(session_id, lease_id)
+            lease = self._lease_of(session_id, lease_id)
+            if lease.kind is LeaseKind.RECV:
+                self.inbox.forget(lease.rid)  # a later commit under this lease finds nothing
             return self.leases.release(lease_id)
 
     def _lease_of(self, session_id: str, lease_id: int) -> Lease:
@@ -337,7 +370,7 @@ class Node:
         with self._lock:
             self.pool.check()
             rids = set(self.pool.request_ids) | set(self.pool.offloaded_ids)
-            if set(self._owner) != rids:
+            if set(self._owner) | self._doomed != rids or set(self._owner) & self._doomed:
                 raise InternalError(f"node invariant broken: owners {sorted(self._owner)} vs requests {sorted(rids)}")
             for rid, sid in self._owner.items():
                 s = self._sessions.get(sid)

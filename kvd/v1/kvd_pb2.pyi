@@ -57,6 +57,35 @@ RECV: LeaseKind.ValueType  # 2
 """pins the receiver's pages while a peer may write them; yields a ticket"""
 Global___LeaseKind: _TypeAlias = LeaseKind  # noqa: Y015
 
+class _TransferState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TransferStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TransferState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TRANSFER_STATE_UNSPECIFIED: _TransferState.ValueType  # 0
+    WAITING: _TransferState.ValueType  # 1
+    """ticket issued, no sender yet"""
+    RECEIVING: _TransferState.ValueType  # 2
+    """a sender validated the ticket and is writing"""
+    READY: _TransferState.ValueType  # 3
+    """the last chunk was committed: KV is complete"""
+    FAILED: _TransferState.ValueType  # 4
+    """aborted, failed, or the sender stopped answering"""
+
+class TransferState(_TransferState, metaclass=_TransferStateEnumTypeWrapper): ...
+
+TRANSFER_STATE_UNSPECIFIED: TransferState.ValueType  # 0
+WAITING: TransferState.ValueType  # 1
+"""ticket issued, no sender yet"""
+RECEIVING: TransferState.ValueType  # 2
+"""a sender validated the ticket and is writing"""
+READY: TransferState.ValueType  # 3
+"""the last chunk was committed: KV is complete"""
+FAILED: TransferState.ValueType  # 4
+"""aborted, failed, or the sender stopped answering"""
+Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
+
 @_typing.final
 class Envelope(_message.Message):
     """---------------------------------------------------------------------------------------------
@@ -1167,6 +1196,195 @@ class GetInfoRequest(_message.Message):
 Global___GetInfoRequest: _TypeAlias = GetInfoRequest  # noqa: Y015
 
 @_typing.final
+class SendRequest(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    The handoff (prefill -> decode)
+    ---------------------------------------------------------------------------------------------
+
+    Prefill engine -> its daemon, after writing KV for tokens [token_start, token_end) of rid.
+    Usable per chunk; the last chunk (last = true) also moves the state slot and commits.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    TOKEN_START_FIELD_NUMBER: _builtins.int
+    TOKEN_END_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    rid: _builtins.str
+    ticket: _builtins.bytes
+    """the decode daemon's ticket, unchanged"""
+    token_start: _builtins.int
+    token_end: _builtins.int
+    """0: up to the request's length"""
+    last: _builtins.bool
+    def __init__(
+        self,
+        *,
+        rid: _builtins.str = ...,
+        ticket: _builtins.bytes = ...,
+        token_start: _builtins.int = ...,
+        token_end: _builtins.int = ...,
+        last: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last", b"last", "rid", b"rid", "ticket", b"ticket", "token_end", b"token_end", "token_start", b"token_start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendRequest: _TypeAlias = SendRequest  # noqa: Y015
+
+@_typing.final
+class SendResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class PagesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    BYTES_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    blocks: _builtins.int
+    seconds: _builtins.float
+    @_builtins.property
+    def pages(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """pages moved per group"""
+
+    def __init__(
+        self,
+        *,
+        bytes: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+        pages: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "pages", b"pages", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendResponse: _TypeAlias = SendResponse  # noqa: Y015
+
+@_typing.final
+class WaitRequest(_message.Message):
+    """Decode engine -> its daemon: block until rid is READY or FAILED, or the timeout passes
+    (then the current state is returned). Waiting keeps the RECV lease renewed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    rid: _builtins.str
+    timeout_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        rid: _builtins.str = ...,
+        timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rid", b"rid", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitRequest: _TypeAlias = WaitRequest  # noqa: Y015
+
+@_typing.final
+class TransferStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    rid: _builtins.str
+    state: Global___TransferState.ValueType
+    reason: _builtins.str
+    bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        rid: _builtins.str = ...,
+        state: Global___TransferState.ValueType = ...,
+        reason: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "reason", b"reason", "rid", b"rid", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015
+
+@_typing.final
+class AbortRequest(_message.Message):
+    """Either engine -> its daemon: abort rid's transfer; the other daemon learns at once."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    rid: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        rid: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "rid", b"rid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortRequest: _TypeAlias = AbortRequest  # noqa: Y015
+
+@_typing.final
+class AbortResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOTIFIED_PEER_FIELD_NUMBER: _builtins.int
+    notified_peer: _builtins.bool
+    def __init__(
+        self,
+        *,
+        notified_peer: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["notified_peer", b"notified_peer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbortResponse: _TypeAlias = AbortResponse  # noqa: Y015
+
+@_typing.final
 class EchoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1214,15 +1432,19 @@ class CheckTicketRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TICKET_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
     ticket: _builtins.bytes
+    sender: _builtins.str
+    """set by a sender about to write: the receiver marks the transfer RECEIVING"""
     def __init__(
         self,
         *,
         ticket: _builtins.bytes = ...,
+        sender: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sender", b"sender", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1246,3 +1468,161 @@ class CheckTicketResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CheckTicketResponse: _TypeAlias = CheckTicketResponse  # noqa: Y015
+
+@_typing.final
+class TransferRef(_message.Message):
+    """Names one inbound transfer on the receiving daemon."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    RID_FIELD_NUMBER: _builtins.int
+    boot_id: _builtins.str
+    """the receiver's boot id (from the ticket)"""
+    lease_id: _builtins.int
+    """the receiver's RECV lease (from the ticket)"""
+    rid: _builtins.str
+    def __init__(
+        self,
+        *,
+        boot_id: _builtins.str = ...,
+        lease_id: _builtins.int = ...,
+        rid: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "lease_id", b"lease_id", "rid", b"rid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferRef: _TypeAlias = TransferRef  # noqa: Y015
+
+@_typing.final
+class CommitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    last: _builtins.bool
+    bytes: _builtins.int
+    """bytes written by this chunk (all writes have completed)"""
+    @_builtins.property
+    def ref(self) -> Global___TransferRef: ...
+    def __init__(
+        self,
+        *,
+        ref: Global___TransferRef | None = ...,
+        last: _builtins.bool = ...,
+        bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "last", b"last", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
+
+@_typing.final
+class CommitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
+
+@_typing.final
+class PeerAbortRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    drained: _builtins.bool
+    """the sender has no write in flight for this transfer"""
+    @_builtins.property
+    def ref(self) -> Global___TransferRef: ...
+    def __init__(
+        self,
+        *,
+        ref: Global___TransferRef | None = ...,
+        reason: _builtins.str = ...,
+        drained: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "reason", b"reason", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerAbortRequest: _TypeAlias = PeerAbortRequest  # noqa: Y015
+
+@_typing.final
+class PeerAbortResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerAbortResponse: _TypeAlias = PeerAbortResponse  # noqa: Y015
+
+@_typing.final
+class HeartbeatRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SENDER_FIELD_NUMBER: _builtins.int
+    REFS_FIELD_NUMBER: _builtins.int
+    sender: _builtins.str
+    @_builtins.property
+    def refs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferRef]: ...
+    def __init__(
+        self,
+        *,
+        sender: _builtins.str = ...,
+        refs: _abc.Iterable[Global___TransferRef] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refs", b"refs", "sender", b"sender"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatRequest: _TypeAlias = HeartbeatRequest  # noqa: Y015
+
+@_typing.final
+class HeartbeatResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEAD_LEASE_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def dead_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """transfers the receiver no longer accepts: stop them"""
+
+    def __init__(
+        self,
+        *,
+        dead_lease_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_lease_ids", b"dead_lease_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015

@@ -124,6 +124,21 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.Send = channel.unary_unary(
+                '/kvd.v1.Kvd/Send',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.SendRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.SendResponse.FromString,
+                _registered_method=True)
+        self.WaitReady = channel.unary_unary(
+                '/kvd.v1.Kvd/WaitReady',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.WaitRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.TransferStatus.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/kvd.v1.Kvd/Abort',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.AbortRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.Echo = channel.unary_unary(
                 '/kvd.v1.Kvd/Echo',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.EchoRequest.SerializeToString,
@@ -242,6 +257,24 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Send(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitReady(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Echo(self, request, context):
         """A bare round trip through the same server: the baseline for control-plane benchmarks.
         """
@@ -341,6 +374,21 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.RestoreRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.RestoreResponse.SerializeToString,
+            ),
+            'Send': grpc.unary_unary_rpc_method_handler(
+                    servicer.Send,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.SendRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.SendResponse.SerializeToString,
+            ),
+            'WaitReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitReady,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.WaitRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.TransferStatus.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.AbortRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.AbortResponse.SerializeToString,
             ),
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
@@ -845,6 +893,87 @@ class Kvd:
             _registered_method=True)
 
     @staticmethod
+    def Send(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/Send',
+            kvd_dot_v1_dot_kvd__pb2.SendRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.SendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/WaitReady',
+            kvd_dot_v1_dot_kvd__pb2.WaitRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.TransferStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/Abort',
+            kvd_dot_v1_dot_kvd__pb2.AbortRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Echo(request,
             target,
             options=(),
@@ -886,6 +1015,26 @@ class PeerStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.CheckTicketRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.CheckTicketResponse.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvd.v1.Peer/Commit',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.AbortReceive = channel.unary_unary(
+                '/kvd.v1.Peer/AbortReceive',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortResponse.FromString,
+                _registered_method=True)
+        self.AbortSend = channel.unary_unary(
+                '/kvd.v1.Peer/AbortSend',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/kvd.v1.Peer/Heartbeat',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -899,6 +1048,34 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Sender -> receiver: a chunk's writes completed; the last one makes the request READY.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortReceive(self, request, context):
+        """Sender -> receiver: the transfer failed or was aborted on the sending side.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortSend(self, request, context):
+        """Receiver -> sender: the receiving side aborted; stop writing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Sender -> receiver, several times a second while a transfer is open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -906,6 +1083,26 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.CheckTicket,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.CheckTicketRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.CheckTicketResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.CommitRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.CommitResponse.SerializeToString,
+            ),
+            'AbortReceive': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortReceive,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'AbortSend': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSend,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PeerAbortResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -935,6 +1132,114 @@ class Peer:
             '/kvd.v1.Peer/CheckTicket',
             kvd_dot_v1_dot_kvd__pb2.CheckTicketRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.CheckTicketResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/Commit',
+            kvd_dot_v1_dot_kvd__pb2.CommitRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortReceive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/AbortReceive',
+            kvd_dot_v1_dot_kvd__pb2.PeerAbortRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortSend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/AbortSend',
+            kvd_dot_v1_dot_kvd__pb2.PeerAbortRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PeerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/Heartbeat',
+            kvd_dot_v1_dot_kvd__pb2.HeartbeatRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

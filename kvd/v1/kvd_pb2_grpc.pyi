@@ -62,6 +62,9 @@ class KvdStub:
     Finalize: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.FinalizeRequest, _kvd_pb2.FinalizeResponse]
     Offload: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.OffloadRequest, _kvd_pb2.OffloadResponse]
     Restore: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.RestoreRequest, _kvd_pb2.RestoreResponse]
+    Send: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]
+    WaitReady: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]
+    Abort: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.AbortRequest, _kvd_pb2.AbortResponse]
     Echo: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.EchoRequest, _kvd_pb2.EchoResponse]
     """A bare round trip through the same server: the baseline for control-plane benchmarks."""
 
@@ -86,6 +89,9 @@ class KvdAsyncStub(KvdStub):
     Finalize: _aio.UnaryUnaryMultiCallable[_kvd_pb2.FinalizeRequest, _kvd_pb2.FinalizeResponse]  # type: ignore[assignment]
     Offload: _aio.UnaryUnaryMultiCallable[_kvd_pb2.OffloadRequest, _kvd_pb2.OffloadResponse]  # type: ignore[assignment]
     Restore: _aio.UnaryUnaryMultiCallable[_kvd_pb2.RestoreRequest, _kvd_pb2.RestoreResponse]  # type: ignore[assignment]
+    Send: _aio.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]  # type: ignore[assignment]
+    WaitReady: _aio.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]  # type: ignore[assignment]
+    Abort: _aio.UnaryUnaryMultiCallable[_kvd_pb2.AbortRequest, _kvd_pb2.AbortResponse]  # type: ignore[assignment]
     Echo: _aio.UnaryUnaryMultiCallable[_kvd_pb2.EchoRequest, _kvd_pb2.EchoResponse]  # type: ignore[assignment]
     """A bare round trip through the same server: the baseline for control-plane benchmarks."""
 
@@ -217,6 +223,27 @@ class KvdServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kvd_pb2.RestoreResponse, _abc.Awaitable[_kvd_pb2.RestoreResponse]]: ...
 
     @_abc_1.abstractmethod
+    def Send(
+        self,
+        request: _kvd_pb2.SendRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.SendResponse, _abc.Awaitable[_kvd_pb2.SendResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def WaitReady(
+        self,
+        request: _kvd_pb2.WaitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.TransferStatus, _abc.Awaitable[_kvd_pb2.TransferStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def Abort(
+        self,
+        request: _kvd_pb2.AbortRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.AbortResponse, _abc.Awaitable[_kvd_pb2.AbortResponse]]: ...
+
+    @_abc_1.abstractmethod
     def Echo(
         self,
         request: _kvd_pb2.EchoRequest,
@@ -235,6 +262,14 @@ class PeerStub:
     """Validate a ticket against the issuing daemon: boot id and epoch current, lease live,
     layout fingerprint equal. Called before the first byte moves.
     """
+    Commit: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.CommitRequest, _kvd_pb2.CommitResponse]
+    """Sender -> receiver: a chunk's writes completed; the last one makes the request READY."""
+    AbortReceive: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.PeerAbortRequest, _kvd_pb2.PeerAbortResponse]
+    """Sender -> receiver: the transfer failed or was aborted on the sending side."""
+    AbortSend: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.PeerAbortRequest, _kvd_pb2.PeerAbortResponse]
+    """Receiver -> sender: the receiving side aborted; stop writing."""
+    Heartbeat: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.HeartbeatRequest, _kvd_pb2.HeartbeatResponse]
+    """Sender -> receiver, several times a second while a transfer is open."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -243,6 +278,14 @@ class PeerAsyncStub(PeerStub):
     """Validate a ticket against the issuing daemon: boot id and epoch current, lease live,
     layout fingerprint equal. Called before the first byte moves.
     """
+    Commit: _aio.UnaryUnaryMultiCallable[_kvd_pb2.CommitRequest, _kvd_pb2.CommitResponse]  # type: ignore[assignment]
+    """Sender -> receiver: a chunk's writes completed; the last one makes the request READY."""
+    AbortReceive: _aio.UnaryUnaryMultiCallable[_kvd_pb2.PeerAbortRequest, _kvd_pb2.PeerAbortResponse]  # type: ignore[assignment]
+    """Sender -> receiver: the transfer failed or was aborted on the sending side."""
+    AbortSend: _aio.UnaryUnaryMultiCallable[_kvd_pb2.PeerAbortRequest, _kvd_pb2.PeerAbortResponse]  # type: ignore[assignment]
+    """Receiver -> sender: the receiving side aborted; stop writing."""
+    Heartbeat: _aio.UnaryUnaryMultiCallable[_kvd_pb2.HeartbeatRequest, _kvd_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    """Sender -> receiver, several times a second while a transfer is open."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -254,5 +297,37 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         """Validate a ticket against the issuing daemon: boot id and epoch current, lease live,
         layout fingerprint equal. Called before the first byte moves.
         """
+
+    @_abc_1.abstractmethod
+    def Commit(
+        self,
+        request: _kvd_pb2.CommitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.CommitResponse, _abc.Awaitable[_kvd_pb2.CommitResponse]]:
+        """Sender -> receiver: a chunk's writes completed; the last one makes the request READY."""
+
+    @_abc_1.abstractmethod
+    def AbortReceive(
+        self,
+        request: _kvd_pb2.PeerAbortRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.PeerAbortResponse, _abc.Awaitable[_kvd_pb2.PeerAbortResponse]]:
+        """Sender -> receiver: the transfer failed or was aborted on the sending side."""
+
+    @_abc_1.abstractmethod
+    def AbortSend(
+        self,
+        request: _kvd_pb2.PeerAbortRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.PeerAbortResponse, _abc.Awaitable[_kvd_pb2.PeerAbortResponse]]:
+        """Receiver -> sender: the receiving side aborted; stop writing."""
+
+    @_abc_1.abstractmethod
+    def Heartbeat(
+        self,
+        request: _kvd_pb2.HeartbeatRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.HeartbeatResponse, _abc.Awaitable[_kvd_pb2.HeartbeatResponse]]:
+        """Sender -> receiver, several times a second while a transfer is open."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,466 @@
+"""The handoff: moving one request's KV from a prefill daemon to a decode daemon.
+
+Core logic, no gRPC: the other daemon is reached through a :class:`PeerLink` (the server
+package implements it over gRPC) and bytes move through a :class:`~kvd.backends.base.Backend`.
+
+Receiving side (:class:`Inbox`, owned by the decode node)::
+
+    RECV lease ──▶ WAITING ──CheckTicket(sender)──▶ RECEIVING ──Commit(last)──▶ READY
+                      │                                 │
+                      └── lease expired / Abort ────────┴── Abort / no heartbeat for
+                                                             peer_timeout ──▶ FAILED
+
+  * READY and a sender's drained abort release the RECV lease at once: no write is in flight.
+  * A sender that stopped answering may still have writes in flight (a partition, not a
+    crash), so its lease is kept for ``fence_s`` more seconds before the pages can be reused;
+    an engine that frees the request meanwhile gets the free deferred, not refused.
+
+Sending side (:class:`Outbox`, owned by the prefill daemon): ``send`` validates the ticket with
+the receiver before the first byte, pins its own pages with a SEND lease, plans the blocks
+(:func:`kvd.transfer.plan_chunk`), writes them in bounded batches checking for an abort between
+batches, commits, and releases its lease only after its writes returned. A heartbeat thread
+tells each receiver the sender is alive and learns of aborts on the receiving side.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvd.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, NotFound
+from kvd.leases import LeaseKind
+from kvd.pool import Envelope, IndexVectors
+from kvd.transfer import Plan, plan_chunk
+
+if TYPE_CHECKING:
+    from kvd.backends.base import Backend
+    from kvd.node import Node
+
+__all__ = ["TransferState", "TransferRef", "TicketInfo", "PeerLink", "Inbox", "Outbox", "SendResult", "Status"]
+
+log = logging.getLogger("kvd.handoff")
+
+
+class TransferState(enum.Enum):
+    WAITING = "waiting"
+    RECEIVING = "receiving"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRef:
+    """Names one inbound transfer on the receiving daemon."""
+
+    boot_id: str
+    lease_id: int
+    rid: str
+
+
+@dataclass(frozen=True, slots=True)
+class TicketInfo:
+    """A parsed ticket (see ``Ticket`` in the proto): what the sender needs to write."""
+
+    peer_address: str
+    boot_id: str
+    epoch: int
+    lease_id: int
+    rid: str
+    layout_fingerprint: str
+    envelopes: list[Envelope]
+    vectors: IndexVectors
+    transfer_endpoint: str
+    backend: str
+
+    @property
+    def ref(self) -> TransferRef:
+        return TransferRef(self.boot_id, self.lease_id, self.rid)
+
+
+class PeerLink(Protocol):
+    """How one daemon reaches another. Errors are kvd exceptions (Unavailable when unreachable)."""
+
+    def check_ticket(self, address: str, ticket: bytes, sender: str) -> None: ...
+
+    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int) -> None: ...
+
+    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool) -> None: ...
+
+    def abort_send(self, address: str, ref: TransferRef, reason: str) -> None: ...
+
+    def heartbeat(self, address: str, sender: str, refs: list[TransferRef]) -> list[int]: ...
+
+
+class Status(tuple):
+    """``(state, reason, bytes)`` of an inbound transfer."""
+
+    __slots__ = ()
+
+    def __new__(cls, state: TransferState, reason: str, nbytes: int) -> Status:
+        return super().__new__(cls, (state, reason, nbytes))
+
+    state = property(lambda self: self[0])
+    reason = property(lambda self: self[1])
+    nbytes = property(lambda self: self[2])
+
+
+@dataclass(slots=True)
+class _Inbound:
+    rid: str
+    lease_id: int
+    state: TransferState = TransferState.WAITING
+    sender: str = ""
+    last_seen: float = 0.0
+    reason: str = ""
+    nbytes: int = 0
+    fence_until: float | None = None  # FAILED with writes possibly in flight: keep the lease until then
+
+
+class Inbox:
+    """Inbound transfers of one (decode) node. Every method runs under the node's lock."""
+
+    def __init__(self, node: Node, *, peer_timeout: float = 1.0, fence_s: float = 1.0) -> None:
+        self.node = node
+        self.peer_timeout = peer_timeout
+        self.fence_s = fence_s
+        self._by_rid: dict[str, _Inbound] = {}
+        self._cond = threading.Condition(node.lock)
+        self.ready_total = 0
+        self.failed_total = 0
+
+    # -- called by the node -------------------------------------------------------------------
+    def expect(self, rid: str, lease_id: int) -> None:
+        """A RECV lease was granted for ``rid``: a sender may now begin."""
+        self._by_rid[rid] = _Inbound(rid, lease_id, last_seen=self.node.clock())
+
+    def forget(self, rid: str) -> None:
+        self._by_rid.pop(rid, None)
+
+    def fenced(self, rid: str) -> bool:
+        """Whether ``rid`` failed while a sender may still be writing (its free must wait)."""
+        ib = self._by_rid.get(rid)
+        return ib is not None and ib.state is TransferState.FAILED and ib.fence_until is not None
+
+    # -- called by a sender (Peer service) ------------------------------------------------------
+    def _find(self, ref: TransferRef) -> _Inbound:
+        if ref.boot_id != self.node.pool.boot_id:
+            self.node.stale_refusals += 1
+            from kvd.errors import StaleEpoch
+
+            raise StaleEpoch(f"transfer names boot {ref.boot_id!r}; this daemon is boot {self.node.pool.boot_id!r} (it restarted)")
+        ib = self._by_rid.get(ref.rid)
+        if ib is None or ib.lease_id != ref.lease_id:
+            raise NotFound(f"no transfer of {ref.rid!r} under lease {ref.lease_id} here (released, aborted or never issued)")
+        if ib.state is TransferState.FAILED:
+            raise Aborted(f"transfer of {ref.rid!r} was aborted here: {ib.reason}")
+        if ib.state is TransferState.READY:
+            raise FailedPrecondition(f"transfer of {ref.rid!r} is already complete")
+        return ib
+
+    def begin(self, ref: TransferRef, sender: str) -> None:
+        with self._cond:
+            ib = self._find(ref)
+            ib.state, ib.sender, ib.last_seen = TransferState.RECEIVING, sender, self.node.clock()
+            self.node.leases.renew(ib.lease_id)
+
+    def commit(self, ref: TransferRef, last: bool, nbytes: int) -> None:
+        with self._cond:
+            ib = self._find(ref)
+            self.node.leases.get(ib.lease_id)  # the fence: a commit under a dead lease is refused
+            ib.nbytes += nbytes
+            ib.last_seen = self.node.clock()
+            if last:
+                ib.state = TransferState.READY
+                self.node.leases.drop(ib.lease_id)  # the sender's writes have all returned
+                self.ready_total += 1
+                self._cond.notify_all()
+            else:
+                self.node.leases.renew(ib.lease_id)
+
+    def abort(self, ref: TransferRef, reason: str, drained: bool) -> None:
+        with self._cond:
+            ib = self._by_rid.get(ref.rid)
+            if ib is None or ib.lease_id != ref.lease_id:
+                return  # nothing to abort: already gone
+            self._fail(ib, f"sender aborted: {reason}", drained)
+
+    def heartbeat(self, sender: str, refs: list[TransferRef]) -> list[int]:
+        dead = []
+        with self._cond:
+            now = self.node.clock()
+            for ref in refs:
+                ib = self._by_rid.get(ref.rid)
+                if (
+                    ref.boot_id != self.node.pool.boot_id
+                    or ib is None
+                    or ib.lease_id != ref.lease_id
+                    or ib.state in (TransferState.FAILED, TransferState.READY)
+                ):
+                    dead.append(ref.lease_id)
+                    continue
+                ib.last_seen = now
+                if ib.state is TransferState.WAITING:
+                    ib.state, ib.sender = TransferState.RECEIVING, sender
+                self.node.leases.renew(ib.lease_id)
+        return dead
+
+    # -- called by the local (decode) engine ------------------------------------------------------
+    def status(self, rid: str) -> Status:
+        ib = self._by_rid.get(rid)
+        if ib is None:
+            raise NotFound(f"no inbound transfer for {rid!r}: acquire a RECV lease first")
+        return Status(ib.state, ib.reason, ib.nbytes)
+
+    def wait(self, rid: str, timeout: float) -> Status:
+        """Block until ``rid`` is READY or FAILED or ``timeout`` passes; returns the state then.
+        While the engine waits and no sender has begun, its RECV lease is kept renewed."""
+        if not (0 <= timeout <= 3600):
+            raise InvalidArgument(f"wait timeout must be in [0, 3600] seconds, got {timeout}")
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                ib = self._by_rid.get(rid)
+                if ib is None:
+                    raise NotFound(f"no inbound transfer for {rid!r}: acquire a RECV lease first")
+                if ib.state in (TransferState.READY, TransferState.FAILED):
+                    return Status(ib.state, ib.reason, ib.nbytes)
+                if ib.state is TransferState.WAITING:
+                    try:
+                        self.node.leases.renew(ib.lease_id)
+                    except NotFound:
+                        self._fail(ib, "the RECV lease expired before any sender began", drained=True)
+                        continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Status(ib.state, ib.reason, ib.nbytes)
+                self._cond.wait(min(left, 0.1))
+
+    def abort_local(self, rid: str, reason: str) -> tuple[str, TransferRef] | None:
+        """The decode engine aborts. Returns ``(sender address, ref)`` to notify, if a sender began."""
+        with self._cond:
+            ib = self._by_rid.get(rid)
+            if ib is None:
+                raise NotFound(f"no inbound transfer for {rid!r}")
+            if ib.state in (TransferState.READY, TransferState.FAILED):
+                return None
+            sender = ib.sender
+            # A sender that began may have writes in flight: fence; one that never began has none.
+            self._fail(ib, f"aborted by the decode engine: {reason}", drained=not sender)
+            return (sender, TransferRef(self.node.pool.boot_id, ib.lease_id, rid)) if sender else None
+
+    # -- housekeeping ---------------------------------------------------------------------------
+    def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:
+        ib.state, ib.reason = TransferState.FAILED, reason
+        self.failed_total += 1
+        if drained:
+            self.node.leases.drop(ib.lease_id)
+            ib.fence_until = None
+        else:
+            ib.fence_until = self.node.clock() + self.fence_s
+        self._cond.notify_all()
+
+    def sweep(self) -> list[str]:
+        """Fail transfers whose sender went silent or whose lease expired; end fences that ran
+        out (their pages become reusable). Returns rids whose fence ended."""
+        now = self.node.clock()
+        ended = []
+        with self._cond:
+            for ib in list(self._by_rid.values()):
+                if ib.state is TransferState.RECEIVING and now - ib.last_seen > self.peer_timeout:
+                    self._fail(ib, f"sender {ib.sender} stopped answering for {now - ib.last_seen:.1f} s", drained=False)
+                elif ib.state is TransferState.WAITING and not self.node.leases.for_rid(ib.rid):
+                    self._fail(ib, "the RECV lease expired before any sender began", drained=True)
+                if ib.state is TransferState.FAILED and ib.fence_until is not None and now >= ib.fence_until:
+                    self.node.leases.drop(ib.lease_id)
+                    ib.fence_until = None
+                    ended.append(ib.rid)
+        return ended
+
+
+@dataclass(slots=True)
+class _Outbound:
+    rid: str
+    ticket: TicketInfo
+    session: str
+    aborted: str = ""  # reason, once the transfer must stop
+    active: int = 0  # Send calls in progress
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    nbytes: int
+    blocks: int
+    seconds: float
+    pages: dict[str, int] = field(default_factory=dict)
+
+
+class Outbox:
+    """Outbound transfers of one (prefill) node: runs ``Send`` and the heartbeats."""
+
+    def __init__(
+        self,
+        node: Node,
+        backend: Backend,
+        link: PeerLink,
+        *,
+        address: str,
+        batch_blocks: int = 256,
+        lease_ttl: float = 30.0,
+    ) -> None:
+        self.node = node
+        self.backend = backend
+        self.link = link
+        self.address = address
+        self.batch_blocks = batch_blocks
+        self.lease_ttl = lease_ttl
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, int], _Outbound] = {}  # (receiver boot, receiver lease) -> transfer
+        self.bytes_total = 0
+        self.sent_total = 0
+        self.failed_total = 0
+
+    def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
+        """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver. Raises before any write
+        when the ticket or range is wrong; raises Aborted/Unavailable when the transfer fails
+        (the receiver is told, and the SEND lease is released after the writes returned)."""
+        if ticket.layout_fingerprint != self.node.layout.fingerprint:
+            raise LayoutMismatch(
+                f"ticket layout fingerprint {ticket.layout_fingerprint} differs from this daemon's "
+                f"{self.node.layout.fingerprint}: prefill and decode must run the same layout (page size, dtype, groups)"
+            )
+        if ticket.backend != self.backend.name:
+            raise InvalidArgument(
+                f"ticket asks for backend {ticket.backend!r} but this daemon runs {self.backend.name!r}; configure both the same"
+            )
+        if ticket.rid != rid:
+            raise InvalidArgument(f"ticket is for request {ticket.rid!r}, not {rid!r}")
+        key = (ticket.boot_id, ticket.lease_id)
+        with self._lock:
+            ob = self._open.get(key)
+            if ob is None:
+                ob = self._open[key] = _Outbound(rid, ticket, session)
+            if ob.aborted:
+                raise Aborted(f"transfer of {rid!r} was aborted: {ob.aborted}")
+            ob.active += 1
+        lease = None
+        t_start = time.perf_counter()
+        wrote = 0
+        try:
+            lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
+            end = src.tokens if not t1 else t1
+            plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, last)
+            # Before the first byte: the receiver confirms boot, epoch, lease and layout.
+            self.link.check_ticket(ticket.peer_address, raw, self.address)
+            wrote = self._write(ob, plan, ticket)
+            self.link.commit(ticket.peer_address, ticket.ref, last, wrote)
+            self.bytes_total += wrote
+            if last:
+                self.sent_total += 1
+            return SendResult(wrote, len(plan.blocks), time.perf_counter() - t_start, dict(plan.pages))
+        except KvdError as exc:
+            self.failed_total += 1
+            if not isinstance(exc, (InvalidArgument, NotFound)) or wrote:
+                ob.aborted = ob.aborted or str(exc)
+                self._tell_receiver(ticket, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if lease is not None:
+                try:
+                    self.node.release_lease(session, lease.lease_id)
+                except KvdError:
+                    pass  # expired meanwhile: nothing pins the pages anyway
+            with self._lock:
+                ob.active -= 1
+                if (last or ob.aborted) and ob.active == 0:
+                    self._open.pop(key, None)
+
+    def _write(self, ob: _Outbound, plan: Plan, ticket: TicketInfo) -> int:
+        from kvd.backends.base import PeerRegion
+
+        env = ticket.envelopes[0]
+        peer = PeerRegion(ticket.transfer_endpoint, env.base, env.backed_bytes, env.region_id)
+        srcs, dsts, lens = plan.as_lists()
+        wrote = 0
+        for i in range(0, len(srcs), self.batch_blocks):
+            if ob.aborted:
+                raise Aborted(f"transfer of {ob.rid!r} aborted after {wrote:,d} bytes: {ob.aborted}")
+            j = i + self.batch_blocks
+            self.backend.write(peer, srcs[i:j], dsts[i:j], lens[i:j])
+            wrote += sum(lens[i:j])
+        return wrote
+
+    def _tell_receiver(self, ticket: TicketInfo, reason: str) -> None:
+        try:
+            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, drained=True)
+        except KvdError as exc:
+            log.info("could not tell %s about the abort of %s: %s", ticket.peer_address, ticket.rid, exc)
+
+    def abort_local(self, session: str, rid: str, reason: str) -> bool:
+        """The prefill engine aborts its transfer(s) of ``rid``. Returns whether one was open."""
+        with self._lock:
+            obs = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session]
+            for ob in obs:
+                ob.aborted = ob.aborted or f"aborted by the prefill engine: {reason}"
+            idle = [ob for ob in obs if ob.active == 0]
+            for ob in idle:
+                self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
+        for ob in obs:
+            # In-flight sends stop at their next batch and then report drained=True themselves.
+            try:
+                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, drained=ob.active == 0)
+            except KvdError:
+                pass
+        return bool(obs)
+
+    def abort_remote(self, ref: TransferRef, reason: str) -> None:
+        """The receiver aborted: stop writing at the next batch."""
+        with self._lock:
+            ob = self._open.get((ref.boot_id, ref.lease_id))
+            if ob is not None:
+                ob.aborted = ob.aborted or f"receiver aborted: {reason}"
+
+    def heartbeat_once(self) -> None:
+        """Tell every receiver with an open transfer that this sender is alive; stop transfers
+        the receiver no longer accepts, and those whose receiver cannot be reached."""
+        with self._lock:
+            by_peer: dict[str, list[_Outbound]] = {}
+            for ob in self._open.values():
+                if not ob.aborted:
+                    by_peer.setdefault(ob.ticket.peer_address, []).append(ob)
+        for address, obs in by_peer.items():
+            try:
+                dead = set(self.link.heartbeat(address, self.address, [ob.ticket.ref for ob in obs]))
+            except KvdError as exc:
+                dead, why = {ob.ticket.lease_id for ob in obs}, f"receiver {address} unreachable: {exc}"
+            else:
+                why = "the receiver no longer accepts this transfer"
+            with self._lock:
+                for ob in obs:
+                    if ob.ticket.lease_id in dead:
+                        ob.aborted = ob.aborted or why
+                        if ob.active == 0:
+                            self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+
+def run_every(interval: float, stop: threading.Event, fn: Callable[[], None], name: str) -> threading.Thread:
+    """Start a daemon thread calling ``fn`` every ``interval`` seconds until ``stop`` is set."""
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            try:
+                fn()
+            except Exception:  # a housekeeping loop must never die
+                log.exception("%s", name)
+
+    t = threading.Thread(target=loop, name=name, daemon=True)
+    t.start()
+    return t
