@@ -159,7 +159,8 @@ class GroupAllocator:
             parts.append(self._holes[self.n_holes - from_holes : self.n_holes].flip(0))
             self.n_holes -= from_holes
         if grow_lo:
-            parts.append(torch.arange(self.lo - 1, self.lo - 1 - grow_lo, -1, dtype=IDX))
+            # Ascending, so a request's pages form +1 runs on both sides of a transfer.
+            parts.append(torch.arange(self.lo - grow_lo, self.lo, dtype=IDX))
             self.lo -= grow_lo
         if grow_hi:
             parts.append(torch.arange(self.hi, self.hi + grow_hi, dtype=IDX))

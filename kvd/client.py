@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from kvd.errors import InvalidArgument
+from kvd.handoff import SendResult, TransferState
 from kvd.layout import Layout
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
@@ -39,9 +40,9 @@ from kvd.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.views import LayerKV, all_views
-from kvd.wire import SESSION_KEY, envelope_from_pb, lease_kind_to_pb, vectors_from_pb
+from kvd.wire import SESSION_KEY, envelope_from_pb, lease_kind_to_pb, state_from_pb, vectors_from_pb
 
-__all__ = ["Client", "AsyncClient", "PoolInfo", "LeaseInfo", "Attachment"]
+__all__ = ["Client", "AsyncClient", "PoolInfo", "LeaseInfo", "Attachment", "TransferStatus", "SendResult", "TransferState"]
 
 T = TypeVar("T")
 
@@ -57,6 +58,17 @@ class PoolInfo(NamedTuple):
     reserved_bytes: int
     version: str
     peer_address: str
+
+
+class TransferStatus(NamedTuple):
+    rid: str
+    state: TransferState
+    reason: str
+    nbytes: int
+
+    @property
+    def ready(self) -> bool:
+        return self.state is TransferState.READY
 
 
 class LeaseInfo(NamedTuple):
@@ -226,6 +238,26 @@ class _Surface:
 
     def restore(self, rid: str) -> IndexVectors:
         return self._call("Restore", pb.RestoreRequest(rid=rid), lambda r: vectors_from_pb(r.vectors))
+
+    # -- handoff --
+    def send(self, rid: str, ticket: bytes, *, start: int = 0, end: int | None = None, last: bool = True) -> SendResult:
+        """Prefill side: move tokens ``[start, end)`` of ``rid`` (whose KV is written) to the
+        decode daemon that issued ``ticket``. Call once per chunk; ``last`` moves the state and
+        makes the request ready there. Raises before any write when the ticket is stale, for
+        another layout, or its lease is gone."""
+        req = pb.SendRequest(rid=rid, ticket=ticket, token_start=start, token_end=end or 0, last=last)
+        return self._call("Send", req, lambda r: SendResult(r.bytes, r.blocks, r.seconds, dict(r.pages)))
+
+    def wait_ready(self, rid: str, timeout: float = 30.0) -> TransferStatus:
+        """Decode side: block until ``rid``'s KV is READY or the transfer FAILED, or ``timeout``
+        passes (then the state is still WAITING/RECEIVING)."""
+        req = pb.WaitRequest(rid=rid, timeout_seconds=timeout)
+        return self._call("WaitReady", req, lambda r: TransferStatus(r.rid, state_from_pb(r.state), r.reason, r.bytes))
+
+    def abort(self, rid: str, reason: str = "") -> bool:
+        """Abort ``rid``'s transfer on this side; the other daemon learns at once. Returns whether
+        the peer was notified."""
+        return self._call("Abort", pb.AbortRequest(rid=rid, reason=reason), lambda r: r.notified_peer)
 
 
 def _target(address: str) -> str:

@@ -100,6 +100,8 @@ class Node:
         # real once their fence (the RECV lease) ends.
         self._doomed: set[str] = set()
         self.inbox = Inbox(self, peer_timeout=peer_timeout, fence_s=fence_s)
+        #: called (under the lock) after finalize/resize changed the backed size: re-registration
+        self.on_backing_change: list[Callable[[], None]] = []
 
     @property
     def lock(self) -> threading.RLock:
@@ -191,6 +193,11 @@ class Node:
                 self.inbox.forget(rid)
 
     # ---- ownership --------------------------------------------------------------------------
+    def own(self, session_id: str, rid: str) -> None:
+        """Raise unless ``session_id`` created ``rid`` (NotFound / PermissionDenied)."""
+        with self._lock:
+            self._own(session_id, rid)
+
     def _own(self, session_id: str, rid: str) -> None:
         owner = self._owner.get(rid)
         if owner is None:
@@ -336,6 +343,8 @@ class Node:
         with self._lock:
             self.touch(session_id)
             (self.pool.resize if resize else self.pool.finalize)(nbytes)
+            for fn in self.on_backing_change:
+                fn()
 
     def offload(self, session_id: str, rid: str) -> int:
         with self._lock:

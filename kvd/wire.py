@@ -12,6 +12,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kvd.errors import InvalidArgument
+from kvd.handoff import TicketInfo, TransferRef, TransferState
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
 from kvd.pool import Envelope, IndexVectors
@@ -30,6 +31,11 @@ __all__ = [
     "SESSION_KEY",
     "TOKEN_KEY",
     "stats_to_pb",
+    "ticket_info",
+    "ref_to_pb",
+    "ref_from_pb",
+    "state_to_pb",
+    "state_from_pb",
 ]
 
 TICKET_VERSION = 1
@@ -133,3 +139,48 @@ def parse_ticket(blob: bytes) -> pb.Ticket:
     if missing or not t.lease_id or not t.HasField("vectors"):
         raise InvalidArgument(f"ticket is incomplete (missing {missing or ['lease_id/vectors']}); pass it unchanged")
     return t
+
+
+def ticket_info(t: pb.Ticket) -> TicketInfo:
+    """The core record of a parsed ticket (see :func:`parse_ticket`)."""
+    return TicketInfo(
+        peer_address=t.peer_address,
+        boot_id=t.boot_id,
+        epoch=t.epoch,
+        lease_id=t.lease_id,
+        rid=t.rid,
+        layout_fingerprint=t.layout_fingerprint,
+        envelopes=[envelope_from_pb(e) for e in t.envelopes],
+        vectors=vectors_from_pb(t.vectors),
+        transfer_endpoint=t.transfer_endpoint,
+        backend=t.backend,
+    )
+
+
+def ref_to_pb(r: TransferRef) -> pb.TransferRef:
+    return pb.TransferRef(boot_id=r.boot_id, lease_id=r.lease_id, rid=r.rid)
+
+
+def ref_from_pb(m: pb.TransferRef) -> TransferRef:
+    if not m.boot_id or not m.lease_id or not m.rid:
+        raise InvalidArgument("transfer reference needs boot_id, lease_id and rid (copy them from the ticket)")
+    return TransferRef(m.boot_id, m.lease_id, m.rid)
+
+
+_STATES = {
+    TransferState.WAITING: pb.WAITING,
+    TransferState.RECEIVING: pb.RECEIVING,
+    TransferState.READY: pb.READY,
+    TransferState.FAILED: pb.FAILED,
+}
+
+
+def state_to_pb(s: TransferState) -> int:
+    return _STATES[s]
+
+
+def state_from_pb(v: int) -> TransferState:
+    for k, x in _STATES.items():
+        if x == v:
+            return k
+    raise InvalidArgument(f"unknown transfer state {v}")

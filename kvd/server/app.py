@@ -19,6 +19,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd.arena import ShmArena
+from kvd.backends.base import Backend, make_backend
+from kvd.handoff import Outbox, run_every
 from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
 from kvd.layout import GroupKind
@@ -26,6 +28,7 @@ from kvd.node import Node
 from kvd.pool import Pool
 from kvd.presets import load_layout
 from kvd.server.metrics import Metrics
+from kvd.server.peer_link import GrpcPeerLink
 from kvd.server.service import Endpoint, KvdService, PeerService
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -70,6 +73,9 @@ class Daemon:
     health: health.HealthServicer
     addresses: list[str]  # what clients dial: "unix:/path", "127.0.0.1:port"
     metrics: Metrics | None
+    backend: Backend | None = None
+    outbox: Outbox | None = None
+    link: GrpcPeerLink | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -83,7 +89,13 @@ class Daemon:
         except BaseException:
             arena.close()
             raise
-        node = Node(pool, session_ttl=settings.session_ttl_s, lease_ttl=settings.lease_ttl_s)
+        node = Node(
+            pool,
+            session_ttl=settings.session_ttl_s,
+            lease_ttl=settings.lease_ttl_s,
+            peer_timeout=settings.peer_timeout_s,
+            fence_s=settings.fence_s,
+        )
         metrics = Metrics(node)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-rpc"),
@@ -108,9 +120,29 @@ class Daemon:
             raise
         peer = settings.advertise or (addresses[-1] if settings.listen_tcp else addresses[0])
         caps = ["post-capture", "offload", "compaction-around-pins", "draft-vectors"]
-        endpoint = Endpoint(peer_address=peer, backend=settings.backend, capabilities=tuple(caps))
-        pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint), server)
-        pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, settings.peer_token), server)
+        backend = outbox = link = None
+        if settings.backend != "none":
+            try:
+                backend = make_backend(settings.backend, host=settings.transfer_host)
+                backend.register(arena)
+            except BaseException:
+                if backend is not None:
+                    backend.close()
+                arena.close()
+                raise
+            # Register the whole arena again whenever its backing changes (post-capture sizing).
+            node.on_backing_change.append(lambda: backend.register(arena))
+            link = GrpcPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
+            outbox = Outbox(node, backend, link, address=peer)
+            caps.append("handoff")
+        endpoint = Endpoint(
+            peer_address=peer,
+            backend=settings.backend,
+            transfer_endpoint=backend.endpoint if backend else "",
+            capabilities=tuple(caps),
+        )
+        pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link), server)
+        pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, settings.peer_token, outbox), server)
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         names = (
@@ -125,9 +157,12 @@ class Daemon:
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         if settings.metrics_port is not None:
             metrics.serve(settings.metrics_host, settings.metrics_port)
-        d = cls(settings, node, server, hs, addresses, metrics)
+        d = cls(settings, node, server, hs, addresses, metrics, backend=backend, outbox=outbox, link=link)
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
         d._sweeper.start()
+        if outbox is not None:
+            # Receivers fail a transfer after peer_timeout_s without news: beat well inside it.
+            run_every(settings.peer_timeout_s / 4, d._stop, outbox.heartbeat_once, "kvd-heartbeat")
         log.info("kvd serving %s on %s (pool %s)", layout.name, ", ".join(addresses), f"{arena.reserved:,d} B reserved")
         return d
 
@@ -155,6 +190,10 @@ class Daemon:
         self.server.stop(self.settings.grace_s if grace is None else grace).wait()
         if self.metrics:
             self.metrics.close()
+        if self.link is not None:
+            self.link.close()
+        if self.backend is not None:
+            self.backend.close()
         self.node.pool.arena.close()
         if self.settings.listen_unix and os.path.exists(self.settings.listen_unix):
             os.unlink(self.settings.listen_unix)

@@ -14,7 +14,8 @@ from typing import TypeVar
 import grpc
 
 from kvd import __version__
-from kvd.errors import InvalidArgument, PermissionDenied
+from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied
+from kvd.handoff import Outbox, PeerLink, TransferRef
 from kvd.node import Node, TicketClaim
 from kvd.pool import AllocSpec
 from kvd.status import to_status
@@ -28,6 +29,9 @@ from kvd.wire import (
     lease_kind_from_pb,
     lease_kind_to_pb,
     parse_ticket,
+    ref_from_pb,
+    state_to_pb,
+    ticket_info,
     stats_to_pb,
     vectors_to_pb,
 )
@@ -81,6 +85,11 @@ class _Base:
 
 class KvdService(_Base, pb_grpc.KvdServicer):
     """The engine-facing service."""
+
+    def __init__(self, node: Node, endpoint: Endpoint, outbox: Outbox | None = None, link: PeerLink | None = None) -> None:
+        super().__init__(node, endpoint)
+        self.outbox = outbox
+        self.link = link
 
     # ---- sessions ---------------------------------------------------------------------------
     def OpenSession(self, request: pb.OpenSessionRequest, context):
@@ -253,13 +262,70 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Echo(self, request: pb.EchoRequest, context):
         return pb.EchoResponse(payload=request.payload)
 
+    # ---- handoff ----------------------------------------------------------------------------
+    def Send(self, request: pb.SendRequest, context):
+        def go():
+            session = self._session(context)
+            self.node.touch(session)
+            if self.outbox is None:
+                raise FailedPrecondition("this daemon has no transfer backend (backend=none); start it with backend=mooncake or local")
+            ticket = parse_ticket(request.ticket)
+            r = self.outbox.send(
+                session, request.rid, ticket_info(ticket), request.ticket, request.token_start, request.token_end or None, request.last
+            )
+            return pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds, pages=r.pages)
+
+        return self._run(context, go)
+
+    def WaitReady(self, request: pb.WaitRequest, context):
+        def go():
+            session = self._session(context)
+            with self.node.lock:
+                self.node.touch(session)
+                self.node.own(session, request.rid)
+            # Never wait past the caller's own deadline.
+            left = context.time_remaining()
+            timeout = request.timeout_seconds if left is None else min(request.timeout_seconds, max(0.0, left - 0.05))
+            st = self.node.inbox.wait(request.rid, timeout)
+            return pb.TransferStatus(rid=request.rid, state=state_to_pb(st.state), reason=st.reason, bytes=st.nbytes)
+
+        return self._run(context, go)
+
+    def Abort(self, request: pb.AbortRequest, context):
+        def go():
+            session = self._session(context)
+            with self.node.lock:
+                self.node.touch(session)
+                self.node.own(session, request.rid)
+            reason = request.reason or "no reason given"
+            notified = False
+            if self.outbox is not None and self.outbox.abort_local(session, request.rid, reason):
+                notified = True
+            try:
+                target = self.node.inbox.abort_local(request.rid, reason)
+            except NotFound:
+                target = None
+                if not notified:
+                    raise NotFound(f"abort: request {request.rid!r} has no transfer in progress on this daemon") from None
+            if target is not None and self.link is not None:
+                sender, ref = target
+                try:
+                    self.link.abort_send(sender, ref, reason)
+                    notified = True
+                except KvdError as exc:  # the sender is gone: its heartbeat loss already fails it
+                    log.info("abort of %s: could not reach sender %s: %s", request.rid, sender, exc)
+            return pb.AbortResponse(notified_peer=notified)
+
+        return self._run(context, go)
+
 
 class PeerService(_Base, pb_grpc.PeerServicer):
     """The daemon-to-daemon service. Guarded by a shared token when one is configured."""
 
-    def __init__(self, node: Node, endpoint: Endpoint, token: str | None = None) -> None:
+    def __init__(self, node: Node, endpoint: Endpoint, token: str | None = None, outbox: Outbox | None = None) -> None:
         super().__init__(node, endpoint)
         self.token = token
+        self.outbox = outbox
 
     def _auth(self, context) -> None:
         if self.token and self._meta(context, TOKEN_KEY) != self.token:
@@ -270,6 +336,41 @@ class PeerService(_Base, pb_grpc.PeerServicer):
             self._auth(context)
             t = parse_ticket(request.ticket)
             lease = self.node.check_ticket(TicketClaim(t.boot_id, t.epoch, t.lease_id, t.rid, t.layout_fingerprint))
+            if request.sender:
+                self.node.inbox.begin(TransferRef(t.boot_id, t.lease_id, t.rid), request.sender)
             return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
+
+        return self._run(context, go)
+
+    def Commit(self, request: pb.CommitRequest, context):
+        def go():
+            self._auth(context)
+            self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes)
+            return pb.CommitResponse()
+
+        return self._run(context, go)
+
+    def AbortReceive(self, request: pb.PeerAbortRequest, context):
+        def go():
+            self._auth(context)
+            self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained)
+            return pb.PeerAbortResponse()
+
+        return self._run(context, go)
+
+    def AbortSend(self, request: pb.PeerAbortRequest, context):
+        def go():
+            self._auth(context)
+            if self.outbox is not None:
+                self.outbox.abort_remote(ref_from_pb(request.ref), request.reason or "no reason given")
+            return pb.PeerAbortResponse()
+
+        return self._run(context, go)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context):
+        def go():
+            self._auth(context)
+            dead = self.node.inbox.heartbeat(request.sender, [ref_from_pb(r) for r in request.refs])
+            return pb.HeartbeatResponse(dead_lease_ids=dead)
 
         return self._run(context, go)

@@ -1,0 +1,231 @@
+"""The data-plane interface: register an arena once, write batches of blocks to a peer.
+
+A backend moves bytes from this node's arena into a peer's arena; it knows nothing of pages,
+requests or leases (the planner in :mod:`kvd.transfer` turns those into blocks of absolute
+addresses). One backend object serves one local arena and any number of peers::
+
+    backend = make_backend("mooncake")
+    backend.register(arena)            # once; again after arena.set_backed(...)
+    ticket.transfer_endpoint = backend.endpoint
+    ...
+    backend.write(PeerRegion(ep, base, backed, region_id), srcs, dsts, lens)
+
+Addresses are absolute: ``srcs`` in this process's arena ``[base, base + registered)``,
+``dsts`` in the peer's ``[peer.base, peer.base + peer.backed_bytes)`` (the peer's own
+address space, as its ticket states it). Every block is checked against both ranges before
+the first byte moves.
+
+Failures, three ways (see :mod:`kvd.errors`):
+
+* :class:`InvalidArgument` -- a block lies outside either range, lists of different lengths,
+  a non-positive length. Raised before anything is written.
+* :class:`Unavailable` -- the peer cannot be reached (nothing of this call was written), or
+  the backend is not installed.
+* :class:`Aborted` -- the write failed after it started; the peer's bytes in the blocks of
+  this call are undefined. The caller aborts the transfer; it never retries blindly.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvd.arena import Arena
+from kvd.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+__all__ = ["Backend", "PeerRegion", "make_backend", "INSTALL_HINT"]
+
+#: What to run when a backend's package or system library is missing (CPU hosts; GPU hosts
+#: install ``mooncake-transfer-engine``, the CUDA build, instead).
+INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1"
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRegion:
+    """Where a peer's arena lives, as its ticket states it."""
+
+    endpoint: str  # the peer backend's `endpoint` (ticket field transfer_endpoint)
+    base: int  # address of the peer arena's byte 0, in the peer's address space
+    backed_bytes: int  # the peer promises [base, base + backed_bytes) stays backed while its lease lives
+    region_id: str  # the peer arena's stable name (diagnostics; the local backend keys caches on the path)
+
+
+class Backend(abc.ABC):
+    """One local arena, registered once; synchronous batched writes to peers.
+
+    Thread safety: :meth:`write` may run in several threads at once. :meth:`register` and
+    :meth:`close` wait for writes in flight to finish and hold new ones back meanwhile, so a
+    write never sees a half-updated registration.
+
+    Counters (read any time; updated after each batch the transport confirmed):
+    ``bytes_written``, ``batches`` (transport submissions that succeeded) and
+    ``registration_seconds`` (time the latest :meth:`register` took).
+    """
+
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.registration_seconds = 0.0
+        self.bytes_written = 0
+        self.batches = 0
+        self._arena: Arena | None = None
+        # The registered range [lo, lo + size). A snapshot, not arena.backed: the transport only
+        # knows what was registered, so writes are checked against exactly that.
+        self._reg_lo = 0
+        self._reg_size = 0
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+
+    # -- public surface ---------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def endpoint(self) -> str:
+        """What a peer needs to reach this backend (goes into tickets as ``transfer_endpoint``)."""
+
+    @property
+    def registered(self) -> tuple[int, int]:
+        """``(base, bytes)`` of the registered range; ``(0, 0)`` before :meth:`register`."""
+        return self._reg_lo, self._reg_size
+
+    def register(self, arena: Arena) -> float:
+        """Register ``arena``'s whole backed prefix ``[base, base + backed)``; returns seconds taken.
+
+        Call once after start-up and again after every ``arena.set_backed``: the previous range
+        is unregistered first. Waits for writes in flight. Mutates the backend only; the arena
+        is not touched."""
+        with self._cond:
+            self._check_open()
+            self._cond.wait_for(lambda: self._in_flight == 0)
+            t0 = time.perf_counter()
+            if self._reg_size:
+                self._unregister()
+                self._reg_lo = self._reg_size = 0
+                self._arena = None
+            if arena.backed:
+                self._register(arena)
+            self._arena = arena
+            self._reg_lo, self._reg_size = arena.base, arena.backed
+            seconds = time.perf_counter() - t0
+            self.registration_seconds = seconds
+        return seconds
+
+    def write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        """Copy block ``i`` (``lens[i]`` bytes) from local ``srcs[i]`` to the peer's ``dsts[i]``.
+
+        Synchronous: returns once every byte is confirmed written, or raises (InvalidArgument
+        before any byte moves; Unavailable or Aborted from the transport). Destination blocks
+        must not overlap each other (the planner never produces overlaps); the order in which
+        blocks land is unspecified."""
+        if not (len(srcs) == len(dsts) == len(lens)):
+            raise InvalidArgument(f"write needs equally long lists, got {len(srcs)} srcs, {len(dsts)} dsts, {len(lens)} lens")
+        if not srcs:
+            return
+        with self._cond:
+            self._check_open()
+            if self._arena is None:
+                raise FailedPrecondition(f"{self.name} backend: register an arena before writing")
+            self._in_flight += 1
+            lo, size = self._reg_lo, self._reg_size
+        try:
+            self._check_blocks(peer, lo, size, srcs, dsts, lens)
+            self._write(peer, srcs, dsts, lens)
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Unregister and release the transport. Idempotent; waits for writes in flight."""
+        with self._cond:
+            if self._closed:
+                return
+            self._cond.wait_for(lambda: self._in_flight == 0)
+            self._closed = True
+            try:
+                if self._reg_size:
+                    self._unregister()
+            finally:
+                self._reg_lo = self._reg_size = 0
+                self._arena = None
+                self._close()
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- for implementations ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _register(self, arena: Arena) -> None:
+        """Register ``[arena.base, arena.base + arena.backed)`` (> 0 bytes) with the transport."""
+
+    @abc.abstractmethod
+    def _unregister(self) -> None:
+        """Undo the last :meth:`_register` (``self.registered`` still names its range)."""
+
+    @abc.abstractmethod
+    def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        """Move the (already validated) blocks; call :meth:`_account` per confirmed batch."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Release transport resources (called once, after unregistering)."""
+
+    def _account(self, nbytes: int, batches: int = 1) -> None:
+        with self._cond:
+            self.bytes_written += nbytes
+            self.batches += batches
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise FailedPrecondition(f"{self.name} backend is closed")
+
+    def _check_blocks(self, peer: PeerRegion, lo: int, size: int, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        """InvalidArgument naming the first block outside its range; vectorised (10k blocks: ~1 ms)."""
+        try:
+            s = torch.tensor(srcs)
+            d = torch.tensor(dsts)
+            n = torch.tensor(lens)
+        except (TypeError, RuntimeError, OverflowError) as exc:  # floats mixed with ints, > 2**63, ...
+            raise InvalidArgument(f"write takes lists of int addresses and lengths: {exc}") from exc
+        for t, what in ((s, "srcs"), (d, "dsts"), (n, "lens")):
+            if t.dtype != torch.int64:
+                raise InvalidArgument(f"write takes int {what}, got elements of type {t.dtype}")
+        # Written as differences so nothing overflows: lo <= s and s - lo <= size - n.
+        bad_len = n <= 0
+        bad_src = (s < lo) | (s - lo > size - n)
+        bad_dst = (d < peer.base) | (d - peer.base > peer.backed_bytes - n)
+        for mask, why in (
+            (bad_len, "has a non-positive length"),
+            (bad_src, f"reads outside this arena's registered range [{lo:#x}, {lo + size:#x})"),
+            (bad_dst, f"writes outside peer {peer.region_id!r}'s backed range [{peer.base:#x}, {peer.base + peer.backed_bytes:#x})"),
+        ):
+            if bool(mask.any()):
+                i = int(mask.nonzero()[0])
+                raise InvalidArgument(
+                    f"block {i} (src {srcs[i]:#x}, dst {dsts[i]:#x}, len {lens[i]}) {why}; nothing was written"
+                )
+
+
+def make_backend(name: str, *, host: str = "127.0.0.1") -> Backend:
+    """A backend by name: ``"local"`` (same host, shm) or ``"mooncake"`` (tcp, any host).
+
+    ``host`` is the address peers use to reach a mooncake backend (ignored by ``local``).
+    Raises Unavailable for an unknown name or when the backend's packages are missing."""
+    if name == "local":
+        from kvd.backends.local import LocalBackend
+
+        return LocalBackend()
+    if name == "mooncake":
+        from kvd.backends.mooncake import MooncakeBackend
+
+        return MooncakeBackend(host=host)
+    raise Unavailable(f"no transfer backend named {name!r}; choose 'local' (same host) or 'mooncake' ({INSTALL_HINT})")

@@ -1,0 +1,217 @@
+"""Same-host backend: map the peer's shm arena file and copy with torch.
+
+The endpoint is the arena's file path (``/dev/shm/kvd-...``). A writer maps the peer's file
+(once per path; again when the peer's backed size grows) and copies each block with
+``copy_``; many small blocks go through one gather/scatter instead of a Python loop.
+
+Liveness. A file in ``/dev/shm`` outlives a killed owner, so "the file is there" does not mean
+"the peer is there". The owner therefore holds an open-file-description (OFD) read lock on its
+arena file from :meth:`register` until :meth:`close`; the kernel drops it when the owner dies.
+A writer asks (``F_OFD_GETLK``, which takes no lock) whether anyone holds it: before the copy
+(nobody -> Unavailable, nothing written) and after it (nobody -> Aborted: the bytes went into
+memory no live process owns).
+
+The owner must not shrink its arena below bytes a live lease covers (the pool guarantees
+this): a write into a mapping whose file was cut shorter faults (SIGBUS).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kvd.arena import Arena
+from kvd.backends.base import Backend, PeerRegion
+from kvd.errors import Aborted, FailedPrecondition, InternalError, InvalidArgument, Unavailable
+
+__all__ = ["LocalBackend"]
+
+# struct flock on 64-bit Linux: l_type, l_whence, (pad), l_start, l_len, l_pid, (pad).
+_FLOCK = "hhqqi4x"
+
+#: Below this average block size, one gather/scatter beats a loop of ``copy_`` calls.
+_LOOP_MIN_BLOCK_BYTES = 64 * 1024
+#: The gather path views both sides as rows of ``gcd`` bytes; below this row size the index
+#: vectors outgrow the data and a plain loop is cheaper.
+_MIN_GATHER_ROW = 256
+
+
+@dataclass(slots=True)
+class _Mapping:
+    """One peer arena file mapped into this process."""
+
+    mm: mmap.mmap
+    view: torch.Tensor  # uint8 over [0, size) of the file; data_ptr() is this process's address
+    fd: int  # kept open for the liveness probe (F_OFD_GETLK needs an fd of the file)
+    ino: int  # inode at map time: a new file under the same path means a new peer
+    size: int
+
+    def close(self) -> None:
+        self.view = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a slice still exported somewhere; the garbage collector unmaps it later
+        os.close(self.fd)
+
+
+def _lock(fd: int, cmd: int, kind: int) -> int:
+    """``fcntl`` on an OFD lock over the whole file; returns the lock type the kernel reports."""
+    res = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0))
+    return struct.unpack(_FLOCK, res)[0]
+
+
+def _owner_alive(fd: int) -> bool:
+    # Ask whether a write lock could be placed: the owner's read lock is the only thing that
+    # conflicts with it. F_OFD_GETLK places nothing, so concurrent probes cannot fool each other.
+    return _lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+
+
+class LocalBackend(Backend):
+    """Writes into peer shm arenas on the same host by mapping their files.
+
+    Only :class:`~kvd.arena.ShmArena` (``handle().kind == "shm"``) can be registered; other
+    arena kinds raise InvalidArgument (CUDA IPC is not implemented yet).
+
+    ``max_batch`` bounds the blocks copied per step (the gather path's temporary buffer is at
+    most ``max_batch`` x the average small block)."""
+
+    name = "local"
+
+    def __init__(self, *, max_batch: int = 1024) -> None:
+        super().__init__()
+        if max_batch <= 0:
+            raise InvalidArgument(f"max_batch must be positive, got {max_batch}")
+        self.max_batch = max_batch
+        self._path = ""
+        self._lock_fd = -1  # our own arena file, read-locked while registered
+        self._src: torch.Tensor | None = None  # uint8 over the registered range
+        self._maps: dict[str, _Mapping] = {}
+        self._maps_lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        """The registered arena's file path."""
+        if not self._path:
+            raise FailedPrecondition("local backend: register a shm arena before asking for its endpoint")
+        return self._path
+
+    # -- registration -----------------------------------------------------------------------
+
+    def register(self, arena: Arena) -> float:
+        """See :meth:`Backend.register`; refuses non-shm arenas (InvalidArgument)."""
+        handle = arena.handle()
+        if handle.kind != "shm":
+            raise InvalidArgument(f"the local backend registers shm arenas only, not {handle.kind!r}; use 'mooncake'")
+        if handle.path != self._path:
+            # Take the liveness lock for the life of the registration, even while backed == 0.
+            fd = os.open(handle.path, os.O_RDWR)
+            _lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+            self._lock_fd, self._path = fd, handle.path
+        return super().register(arena)
+
+    def _register(self, arena: Arena) -> None:
+        self._src = arena.tensor()  # a view, no copy: [0, backed) at this moment
+
+    def _unregister(self) -> None:
+        self._src = None
+
+    def _close(self) -> None:
+        with self._maps_lock:
+            for m in self._maps.values():
+                m.close()
+            self._maps.clear()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the OFD lock: writers now see this arena as gone
+            self._lock_fd = -1
+
+    # -- peers ------------------------------------------------------------------------------
+
+    def _mapping(self, peer: PeerRegion) -> _Mapping:
+        """The cached mapping of ``peer.endpoint`` covering at least ``peer.backed_bytes``."""
+        path = peer.endpoint
+        try:
+            st = os.stat(path)
+        except FileNotFoundError as exc:
+            raise Unavailable(f"peer arena {peer.region_id!r} is gone: {path} does not exist") from exc
+        with self._maps_lock:
+            m = self._maps.get(path)
+            if m is not None and (m.ino != st.st_ino or m.size < peer.backed_bytes):
+                del self._maps[path]
+                m.close()
+                m = None
+            if m is None:
+                m = self._map(path, peer)
+                self._maps[path] = m
+            return m
+
+    @staticmethod
+    def _map(path: str, peer: PeerRegion) -> _Mapping:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as exc:
+            raise Unavailable(f"peer arena {peer.region_id!r} is gone: {path} does not exist") from exc
+        except OSError as exc:
+            raise Unavailable(f"cannot open peer arena {path}: {exc}") from exc
+        try:
+            st = os.fstat(fd)
+            if st.st_size < peer.backed_bytes:
+                # Mapping past the end of the file would fault on the first byte written there.
+                raise Aborted(
+                    f"peer arena {path} holds {st.st_size:,d} bytes but its ticket promises "
+                    f"{peer.backed_bytes:,d}; the peer shrank under a live lease"
+                )
+            mm = mmap.mmap(fd, peer.backed_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), fd, st.st_ino, peer.backed_bytes)
+
+    # -- the copy ---------------------------------------------------------------------------
+
+    def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        m = self._mapping(peer)
+        if not _owner_alive(m.fd):
+            raise Unavailable(f"peer arena {peer.region_id!r} ({peer.endpoint}) has no live owner; nothing was written")
+        src_view, dst_view = self._src, m.view
+        if src_view is None:  # Backend.write checked that an arena is registered
+            raise InternalError("local backend: write reached the copy with no registered source view")
+        lo = self.registered[0]
+        for i in range(0, len(srcs), self.max_batch):
+            s = [a - lo for a in srcs[i : i + self.max_batch]]
+            d = [a - peer.base for a in dsts[i : i + self.max_batch]]
+            n = lens[i : i + self.max_batch]
+            _copy_blocks(src_view, dst_view, s, d, n)
+            self._account(sum(n))
+        if not _owner_alive(m.fd):
+            raise Aborted(f"peer arena {peer.region_id!r} lost its owner during the write; its bytes are undefined")
+
+
+def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> None:
+    """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` (offsets into two uint8 views).
+
+    Large blocks: one ``copy_`` each (a memcpy, multithreaded by torch when big). Many small
+    blocks whose offsets and lengths share a factor ``g`` >= ``_MIN_GATHER_ROW``: view both sides
+    as rows of ``g`` bytes and move all rows with one ``index_select`` + ``index_copy_``."""
+    total = sum(n)
+    g = math.gcd(*s, *d, *n)
+    if len(n) < 8 or total >= len(n) * _LOOP_MIN_BLOCK_BYTES or g < _MIN_GATHER_ROW:
+        for a, b, k in zip(s, d, n):
+            dst[b : b + k].copy_(src[a : a + k])
+        return
+    rows_s = src[: src.numel() // g * g].view(-1, g)
+    rows_d = dst[: dst.numel() // g * g].view(-1, g)
+    st, dt, nt = (torch.tensor(x, dtype=torch.int64) // g for x in (s, d, n))
+    # Row ids of every row of every block: start_i + (0 .. n_i-1), built without a Python loop.
+    within = torch.arange(int(nt.sum()), dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(nt, 0) - nt, nt)
+    rows_d.index_copy_(0, torch.repeat_interleave(dt, nt) + within.flip(0), rows_s.index_select(0, torch.repeat_interleave(st, nt) + within))
+
