@@ -132,6 +132,7 @@ class Inbox:
         self._cond = threading.Condition(node.lock)
         self.ready_total = 0
         self.failed_total = 0
+        self.bytes_total = 0
 
     # -- called by the node -------------------------------------------------------------------
     def expect(self, rid: str, lease_id: int) -> None:
@@ -173,6 +174,7 @@ class Inbox:
             ib = self._find(ref)
             self.node.leases.get(ib.lease_id)  # the fence: a commit under a dead lease is refused
             ib.nbytes += nbytes
+            self.bytes_total += nbytes
             ib.last_seen = self.node.clock()
             if last:
                 ib.state = TransferState.READY

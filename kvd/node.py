@@ -61,6 +61,9 @@ class NodeStats:
     stale_refusals_total: int
     sessions_live: int
     sessions_expired_total: int
+    transfers_in_ready_total: int = 0
+    transfers_in_failed_total: int = 0
+    transfer_in_bytes_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +373,9 @@ class Node:
                 stale_refusals_total=self.stale_refusals,
                 sessions_live=len(self._sessions),
                 sessions_expired_total=self.sessions_expired,
+                transfers_in_ready_total=self.inbox.ready_total,
+                transfers_in_failed_total=self.inbox.failed_total,
+                transfer_in_bytes_total=self.inbox.bytes_total,
             )
 
     def check(self) -> None:

@@ -134,6 +134,7 @@ class Daemon:
             node.on_backing_change.append(lambda: backend.register(arena))
             link = GrpcPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
             outbox = Outbox(node, backend, link, address=peer)
+            metrics.collector.outbox = outbox
             caps.append("handoff")
         endpoint = Endpoint(
             peer_address=peer,

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvd.handoff import Outbox
 from kvd.node import Node
 
 __all__ = ["Metrics"]
@@ -26,6 +27,7 @@ _BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e
 class _NodeCollector(Collector):
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.outbox: Outbox | None = None  # set when the daemon runs a transfer backend
 
     def collect(self) -> Iterator:
         s = self.node.stats()
@@ -69,6 +71,18 @@ class _NodeCollector(Collector):
         yield comp
         yield counter("kvd_compaction_moved_bytes", "Bytes moved by compaction", p.bytes_moved)
         yield counter("kvd_stale_epoch_refusals", "Calls refused for quoting a stale boot id or epoch", s.stale_refusals_total)
+        tr = CounterMetricFamily("kvd_transfers", "Transfers by direction and outcome", labels=["direction", "outcome"])
+        tr.add_metric(["in", "done"], s.transfers_in_ready_total)
+        tr.add_metric(["in", "failed"], s.transfers_in_failed_total)
+        by = CounterMetricFamily("kvd_transfer", "KV bytes moved by handoffs, by direction", labels=["direction"], unit="bytes")
+        by.add_metric(["in"], s.transfer_in_bytes_total)
+        if self.outbox is not None:
+            tr.add_metric(["out", "done"], self.outbox.sent_total)
+            tr.add_metric(["out", "failed"], self.outbox.failed_total)
+            by.add_metric(["out"], self.outbox.bytes_total)
+            yield gauge("kvd_transfers_open", "Outbound transfers in progress", self.outbox.open_count(), {"direction": "out"})
+        yield tr
+        yield by
 
 
 class _LatencyInterceptor(grpc.ServerInterceptor):
@@ -105,7 +119,8 @@ class _LatencyInterceptor(grpc.ServerInterceptor):
 class Metrics:
     def __init__(self, node: Node) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_NodeCollector(node))
+        self.collector = _NodeCollector(node)
+        self.registry.register(self.collector)
         self.rpc_seconds = Histogram(
             "kvd_rpc_duration_seconds", "gRPC call latency by method and status code", ["method", "code"],
             buckets=_BUCKETS, registry=self.registry,
