@@ -17,8 +17,8 @@ Requests
     * ``draft``: ``ceil(tokens / draft_page_size)`` ids of the draft group's own id space.
 
 Epochs
-    ``epoch`` changes whenever physical addresses of live pages may change (compaction,
-    restore, resize). Each request remembers the epoch at which its pages last moved; index
+    ``epoch`` changes whenever physical addresses may change meaning (compaction, free,
+    offload, restore, resize). Each request remembers the epoch at which its pages last moved; index
     vectors quote the epoch they were made at, and :meth:`Pool.require_fresh` refuses a vector
     older than its request's last move or from another boot. Virtual ids stay valid until the
     request is freed or offloaded.
@@ -503,6 +503,9 @@ class Pool:
         for rid in rids:
             if self._offloaded.pop(rid, None) is None:
                 self._release(self._requests.pop(rid))
+        # Freed pages may be bound to another request (possibly under the same id) next: vectors
+        # quoted before this point must not pass require_fresh for whatever comes next.
+        self.epoch += 1
 
     def _release(self, r: _Request) -> None:
         if SWA in self.groups:
@@ -760,6 +763,7 @@ class Pool:
                 nbytes += off.host[k].numel()
         self._release(self._requests.pop(rid))
         self._offloaded[rid] = off
+        self.epoch += 1  # its pages may be reused: vectors quoted before are stale
         return nbytes
 
     def restore(self, rid: str) -> IndexVectors:

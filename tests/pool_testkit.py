@@ -36,6 +36,21 @@ def two_group_layout(*, swa_ratio: int = 2, window: int = 8, page_size: int = 4,
     )
 
 
+def tri_pool_layout() -> Layout:
+    """SGLang's tri-pool shape, small: [state up | swa float | full down] (float32, page 4)."""
+    return Layout(
+        name="tri-pool",
+        page_size=4,
+        dtype="float32",
+        groups=(
+            GroupSpec(kind=GroupKind.FULL, num_layers=1, num_kv_heads=1, head_dim=8),
+            GroupSpec(kind=GroupKind.SWA, num_layers=2, num_kv_heads=1, head_dim=8, window=8),
+            GroupSpec(kind=GroupKind.STATE, num_layers=2, state_elems=128),
+        ),
+        source="synthetic: inline test layout",
+    )
+
+
 def full_only_layout(page_size: int = 4) -> Layout:
     return Layout(
         name="full-only",
@@ -78,6 +93,8 @@ def sizings() -> dict[str, Sizing]:
         # a state slot is ~100 full pages: three or four requests fill it.
         "qwen3.5-0.8b": _sizing(qwen, 200, 2 * qwen.page_bytes(qwen.group(STATE)), 320),
         "two-group": _sizing(two, 300, 0, 48),
+        # one float between the ends; state slots are 1 KiB, full pages 256 B.
+        "tri-pool": _sizing(tri_pool_layout(), 300, 0, 48),
     }
 
 

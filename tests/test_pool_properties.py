@@ -1,8 +1,9 @@
 """Property tests of the pool: random operation sequences on small arenas of several layouts.
 
 A hypothesis state machine drives allocate / allocate_many (incl. receive) / extend /
-extend_many / free / compact (unpinned, strict and around pinned requests) / offload / restore
-against a plain model of the live requests. After every step: ``pool.check()``, the model's
+extend_many / free / compact (unpinned, strict and around pinned requests) / offload / restore /
+resize (post-capture pools, when empty) against a plain model of the live requests. Request ids
+are never reused within one run: require_fresh keys on (rid, epoch) only. After every step: ``pool.check()``, the model's
 page counts, the bytes of every live request's pages (written with a distinct pattern when bound,
 read back through the current physical ids), and epoch fencing (a vector that
 ``require_fresh`` still accepts must name the same physical pages). A ``CapacityError`` or
@@ -374,7 +375,7 @@ _SETTINGS = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 # Big-page layouts copy megabytes per page; give them fewer examples.
-_EXAMPLES = {"tiny-hybrid": 60, "two-group": 60, "gpt-oss-20b": 30, "gemma-4-31b-it-tp2": 30, "qwen3.5-0.8b": 30}
+_EXAMPLES = {"tiny-hybrid": 60, "two-group": 50, "tri-pool": 50, "gpt-oss-20b": 30, "gemma-4-31b-it-tp2": 30, "qwen3.5-0.8b": 30}
 
 
 def _case(name: str):
@@ -386,6 +387,7 @@ def _case(name: str):
 
 TestTinyHybrid = _case("tiny-hybrid")
 TestTwoGroup = _case("two-group")
+TestTriPool = _case("tri-pool")
 TestGptOss20b = _case("gpt-oss-20b")
 TestGemma4_31bTp2 = _case("gemma-4-31b-it-tp2")
 TestQwen35 = _case("qwen3.5-0.8b")

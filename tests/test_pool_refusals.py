@@ -361,3 +361,17 @@ def test_require_fresh_unmoved_request_survives_compaction(kvd_pool_factory) -> 
     with pytest.raises(StaleEpoch):
         pool.require_fresh("move", move.epoch, move.boot_id)
     assert pool.groups[SWA].used == 4
+
+
+def test_vectors_of_a_freed_request_are_stale_for_a_reused_id(kvd_pool_factory) -> None:
+    """A request freed and allocated again under the same id gets new pages; vectors quoted for
+    the old one must not pass require_fresh (they would point at someone else's pages)."""
+    pool = kvd_pool_factory(preset("tiny-hybrid"), 1 << 20, 1 << 20)
+    old = pool.allocate("r", 20)
+    pool.free("r")
+    pool.allocate("other", 20)  # may take r's old pages
+    pool.allocate("r", 20)
+    with pytest.raises(StaleEpoch, match="stale"):
+        pool.require_fresh("r", old.epoch, old.boot_id)
+    pool.require_fresh("r", pool.vectors("r").epoch, pool.boot_id)
+    pool.check()

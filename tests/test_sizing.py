@@ -162,7 +162,8 @@ _BOXED_IN = pytest.mark.xfail(
     reason=(
         "known limitation: the swa float re-anchors by per-token byte weight, and a state slot "
         "weighs slot_bytes / 4096 tokens, so in tiny-hybrid the state group below it gets no room "
-        "beyond page alignment (7 slots) and short requests are refused with most of the arena free"
+        "beyond page alignment (7 slots) and short requests are refused with most of the arena "
+        "free until compact() slides the float (test_compaction_unboxes_a_float)"
     ),
 )
 

@@ -1,8 +1,16 @@
-"""Same-host backend: map the peer's shm arena file and copy with torch.
+"""Same-host backend: map the peer's shm arena file and copy.
 
 The endpoint is the arena's file path (``/dev/shm/kvd-...``). A writer maps the peer's file
-(once per path; again when the peer's backed size grows) and copies each block with
-``copy_``; many small blocks go through one gather/scatter instead of a Python loop.
+(once per path; again when the peer's backed size grows) and copies block by block; many
+tiny blocks go through one gather/scatter instead of a Python loop.
+
+Why numpy and not torch (both are views of the same memory; nothing is copied to make
+them). Measured on 2 cores: numpy slice assignment per block ran at 2.4 GB/s for 4 KiB
+blocks, 4.2 GB/s for 16 KiB, ~6 GB/s for 16 MiB; torch ``copy_`` per block at 0.6, 1.7 and
+4.6 GB/s (a few microseconds of overhead per call, and torch hands 64 KiB+ copies to its
+thread pool, which cost more than it gained: 0.4 GB/s at 64 KiB). For the gather, torch's
+``index_select`` over a view of a 64 MiB mapping took ~15 ms for 1024 rows whatever their
+size, numpy fancy indexing 0.08 ms (6 GB/s for 512-byte rows, against ~1 GB/s looping).
 
 Liveness. A file in ``/dev/shm`` outlives a killed owner, so "the file is there" does not mean
 "the peer is there". The owner therefore holds an open-file-description (OFD) read lock on its
@@ -18,14 +26,13 @@ this): a write into a mapping whose file was cut shorter faults (SIGBUS).
 from __future__ import annotations
 
 import fcntl
-import math
 import mmap
 import os
 import struct
 import threading
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from kvd.arena import Arena
 from kvd.backends.base import Backend, PeerRegion
@@ -36,11 +43,9 @@ __all__ = ["LocalBackend"]
 # struct flock on 64-bit Linux: l_type, l_whence, (pad), l_start, l_len, l_pid, (pad).
 _FLOCK = "hhqqi4x"
 
-#: Below this average block size, one gather/scatter beats a loop of ``copy_`` calls.
-_LOOP_MIN_BLOCK_BYTES = 64 * 1024
-#: The gather path views both sides as rows of ``gcd`` bytes; below this row size the index
-#: vectors outgrow the data and a plain loop is cheaper.
-_MIN_GATHER_ROW = 256
+#: Below this average block size (and with enough blocks), one gather/scatter beats a loop.
+_GATHER_BELOW_BYTES = 4096
+_GATHER_MIN_BLOCKS = 16
 
 
 @dataclass(slots=True)
@@ -48,18 +53,26 @@ class _Mapping:
     """One peer arena file mapped into this process."""
 
     mm: mmap.mmap
-    view: torch.Tensor  # uint8 over [0, size) of the file; data_ptr() is this process's address
+    view: np.ndarray  # uint8 over [0, size) of the file, in this process
     fd: int  # kept open for the liveness probe (F_OFD_GETLK needs an fd of the file)
     ino: int  # inode at map time: a new file under the same path means a new peer
     size: int
 
     def close(self) -> None:
+        """Unmap now (only when no write can be using it: the backend is closing)."""
         self.view = None  # type: ignore[assignment]
         try:
             self.mm.close()
         except BufferError:
             pass  # a slice still exported somewhere; the garbage collector unmaps it later
-        os.close(self.fd)
+        self.__del__()
+
+    def __del__(self) -> None:
+        # A replaced mapping is not closed explicitly (a write in another thread may still be
+        # copying through it and probing its fd); the last reference closes the fd here.
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _lock(fd: int, cmd: int, kind: int) -> int:
@@ -92,7 +105,7 @@ class LocalBackend(Backend):
         self.max_batch = max_batch
         self._path = ""
         self._lock_fd = -1  # our own arena file, read-locked while registered
-        self._src: torch.Tensor | None = None  # uint8 over the registered range
+        self._src: np.ndarray | None = None  # uint8 over the registered range
         self._maps: dict[str, _Mapping] = {}
         self._maps_lock = threading.Lock()
 
@@ -107,6 +120,7 @@ class LocalBackend(Backend):
 
     def register(self, arena: Arena) -> float:
         """See :meth:`Backend.register`; refuses non-shm arenas (InvalidArgument)."""
+        self._check_open()
         handle = arena.handle()
         if handle.kind != "shm":
             raise InvalidArgument(f"the local backend registers shm arenas only, not {handle.kind!r}; use 'mooncake'")
@@ -120,7 +134,7 @@ class LocalBackend(Backend):
         return super().register(arena)
 
     def _register(self, arena: Arena) -> None:
-        self._src = arena.tensor()  # a view, no copy: [0, backed) at this moment
+        self._src = arena.tensor().numpy()  # a view, no copy: [0, backed) at this moment
 
     def _unregister(self) -> None:
         self._src = None
@@ -146,8 +160,7 @@ class LocalBackend(Backend):
         with self._maps_lock:
             m = self._maps.get(path)
             if m is not None and (m.ino != st.st_ino or m.size < peer.backed_bytes):
-                del self._maps[path]
-                m.close()
+                del self._maps[path]  # writes still holding it finish on the old mapping
                 m = None
             if m is None:
                 m = self._map(path, peer)
@@ -174,7 +187,7 @@ class LocalBackend(Backend):
         except BaseException:
             os.close(fd)
             raise
-        return _Mapping(mm, torch.frombuffer(mm, dtype=torch.uint8), fd, st.st_ino, peer.backed_bytes)
+        return _Mapping(mm, np.frombuffer(mm, dtype=np.uint8), fd, st.st_ino, peer.backed_bytes)
 
     # -- the copy ---------------------------------------------------------------------------
 
@@ -196,22 +209,24 @@ class LocalBackend(Backend):
             raise Aborted(f"peer arena {peer.region_id!r} lost its owner during the write; its bytes are undefined")
 
 
-def _copy_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> None:
-    """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` (offsets into two uint8 views).
+def _copy_blocks(src: np.ndarray, dst: np.ndarray, s: list[int], d: list[int], n: list[int]) -> None:
+    """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` (offsets into two uint8 arrays).
 
-    Large blocks: one ``copy_`` each (a memcpy, multithreaded by torch when big). Many small
-    blocks whose offsets and lengths share a factor ``g`` >= ``_MIN_GATHER_ROW``: view both sides
-    as rows of ``g`` bytes and move all rows with one ``index_select`` + ``index_copy_``."""
-    total = sum(n)
-    g = math.gcd(*s, *d, *n)
-    if len(n) < 8 or total >= len(n) * _LOOP_MIN_BLOCK_BYTES or g < _MIN_GATHER_ROW:
+    One slice assignment (a memcpy) per block, unless the blocks are many and small: then both
+    sides are viewed as rows of ``g`` bytes, ``g`` the gcd of every offset and length (as int64
+    words when ``g`` allows, so the gather moves words, not bytes), and all rows move in one
+    fancy-indexed gather/scatter."""
+    if len(n) < _GATHER_MIN_BLOCKS or sum(n) >= len(n) * _GATHER_BELOW_BYTES:
         for a, b, k in zip(s, d, n):
-            dst[b : b + k].copy_(src[a : a + k])
+            dst[b : b + k] = src[a : a + k]
         return
-    rows_s = src[: src.numel() // g * g].view(-1, g)
-    rows_d = dst[: dst.numel() // g * g].view(-1, g)
-    st, dt, nt = (torch.tensor(x, dtype=torch.int64) // g for x in (s, d, n))
+    k = len(n)
+    v = np.array(s + d + n, dtype=np.int64)
+    g = int(np.gcd.reduce(v))
+    dtype, width = (np.int64, g // 8) if g % 8 == 0 else (np.uint8, g)
+    rows_s = src[: src.size // g * g].view(dtype).reshape(-1, width)
+    rows_d = dst[: dst.size // g * g].view(dtype).reshape(-1, width)
+    rs, rd, rn = v[:k] // g, v[k : 2 * k] // g, v[2 * k :] // g
     # Row ids of every row of every block: start_i + (0 .. n_i-1), built without a Python loop.
-    within = torch.arange(int(nt.sum()), dtype=torch.int64) - torch.repeat_interleave(torch.cumsum(nt, 0) - nt, nt)
-    rows_d.index_copy_(0, torch.repeat_interleave(dt, nt) + within.flip(0), rows_s.index_select(0, torch.repeat_interleave(st, nt) + within))
-
+    within = np.arange(int(rn.sum()), dtype=np.int64) - np.repeat(np.cumsum(rn) - rn, rn)
+    rows_d[np.repeat(rd, rn) + within] = rows_s[np.repeat(rs, rn) + within]
