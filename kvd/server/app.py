@@ -55,14 +55,10 @@ def validate(settings: Settings) -> None:
             f"backend={settings.backend!r} cannot: set backend, or turn speculative off"
         )
     if settings.backend == "mooncake":
-        try:
-            import mooncake.engine  # noqa: F401
-        except ImportError as exc:
-            raise Unavailable(
-                f"backend=mooncake but the Mooncake Transfer Engine is not importable ({exc}); install it with "
-                "`pip install mooncake-transfer-engine-non-cuda` (GPU hosts: mooncake-transfer-engine) and "
-                "`apt-get install -y libibverbs1`, or choose backend=local"
-            ) from exc
+        # Raises Unavailable with the install commands; sets Mooncake's env defaults first.
+        from kvd.backends.mooncake import check_installed
+
+        check_installed()
 
 
 @dataclass
