@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import fcntl
 import mmap
 import os
+import struct
 import uuid
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ import torch
 
 from kvd.errors import InvalidArgument
 
-__all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared"]
+__all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared", "reap_stale", "is_live"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,10 @@ class ShmArena(Arena):
             os.close(self._fd)
             os.unlink(self.path)
             raise
+        # Liveness: an open-file-description read lock held for the arena's lifetime. The kernel
+        # drops it when this process dies (even by SIGKILL), so reap_stale() can tell a dead
+        # daemon's leftover file from a live arena without trusting pids.
+        _ofd_lock(self._fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._full = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._backed = 0
@@ -179,6 +185,45 @@ class ShmArena(Arena):
             self.close()
         except Exception:
             pass
+
+
+# struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK = "hhqqi4x"
+
+
+def _ofd_lock(fd: int, cmd: int, kind: int) -> int:
+    res = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0))
+    return struct.unpack(_FLOCK, res)[0]
+
+
+def is_live(path: str) -> bool:
+    """Whether a live process holds the arena file at ``path`` (its owner's liveness lock)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return _ofd_lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
+
+
+def reap_stale(directory: str, prefix: str = "kvd-") -> list[str]:
+    """Remove arena files in ``directory`` whose owner died without closing them (SIGKILL,
+    OOM): on tmpfs they would hold their memory until reboot. Returns the removed paths."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name.startswith(prefix) or not os.path.isfile(path):
+            continue
+        try:
+            if not is_live(path):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue  # vanished or not ours to read: leave it
+    return removed
 
 
 def map_shared(handle: ArenaHandle) -> tuple[mmap.mmap, torch.Tensor]:

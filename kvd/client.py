@@ -265,7 +265,16 @@ def _target(address: str) -> str:
     return f"unix:{address}" if address.startswith("/") else address
 
 
-_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # After the daemon restarts, a client (or a new one: by default channels share connections
+    # process-wide) must reach it within a second, not after gRPC's reconnect backoff, which
+    # grows to 2 minutes while the old client's heartbeats keep failing.
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class Client(_Surface):

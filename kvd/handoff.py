@@ -185,10 +185,21 @@ class Inbox:
                 self.node.leases.renew(ib.lease_id)
 
     def abort(self, ref: TransferRef, reason: str, drained: bool) -> None:
+        """The sender gave up. A transfer already over keeps its outcome and reason (READY stays
+        READY); a FAILED one only learns that the sender's writes have drained, which ends its
+        fence. A reference from another boot names nothing here, even if rid and lease id match
+        (lease ids start again at every boot)."""
         with self._cond:
             ib = self._by_rid.get(ref.rid)
-            if ib is None or ib.lease_id != ref.lease_id:
+            if ref.boot_id != self.node.pool.boot_id or ib is None or ib.lease_id != ref.lease_id:
                 return  # nothing to abort: already gone
+            if ib.state is TransferState.READY:
+                return
+            if ib.state is TransferState.FAILED:
+                if drained and ib.fence_until is not None:
+                    self.node.leases.drop(ib.lease_id)
+                    ib.fence_until = None
+                return
             self._fail(ib, f"sender aborted: {reason}", drained)
 
     def heartbeat(self, sender: str, refs: list[TransferRef]) -> list[int]:
@@ -264,6 +275,10 @@ class Inbox:
             ib.fence_until = None
         else:
             ib.fence_until = self.node.clock() + self.fence_s
+            try:  # the lease is the fence: it must not run out before the fence does
+                self.node.leases.renew(ib.lease_id, self.fence_s + 1.0)
+            except NotFound:
+                pass
         self._cond.notify_all()
 
     def sweep(self) -> list[str]:
@@ -290,7 +305,9 @@ class _Outbound:
     ticket: TicketInfo
     session: str
     aborted: str = ""  # reason, once the transfer must stop
+    aborted_at: float = 0.0  # when the receiver aborted it (an idle entry answers later Sends a while)
     active: int = 0  # Send calls in progress
+    began: bool = False  # the receiver accepted the ticket at least once
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,12 +369,14 @@ class Outbox:
         lease = None
         t_start = time.perf_counter()
         wrote = 0
+        began = False  # the receiver accepted this ticket for this call: writes may follow
         try:
             lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
             end = src.tokens if not t1 else t1
             plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, last)
             # Before the first byte: the receiver confirms boot, epoch, lease and layout.
             self.link.check_ticket(ticket.peer_address, raw, self.address)
+            began = ob.began = True
             wrote = self._write(ob, plan, ticket)
             self.link.commit(ticket.peer_address, ticket.ref, last, wrote)
             self.bytes_total += wrote
@@ -366,7 +385,9 @@ class Outbox:
             return SendResult(wrote, len(plan.blocks), time.perf_counter() - t_start, dict(plan.pages))
         except KvdError as exc:
             self.failed_total += 1
-            if not isinstance(exc, (InvalidArgument, NotFound)) or wrote:
+            # A ticket refused before any write must not fail the receiver's transfer (it may be
+            # forged or stale); once writes may have happened, the receiver must learn at once.
+            if began:
                 ob.aborted = ob.aborted or str(exc)
                 self._tell_receiver(ticket, f"{type(exc).__name__}: {exc}")
             raise
@@ -378,7 +399,8 @@ class Outbox:
                     pass  # expired meanwhile: nothing pins the pages anyway
             with self._lock:
                 ob.active -= 1
-                if (last or ob.aborted) and ob.active == 0:
+                # Done, failed, or never accepted by the receiver (nothing to heartbeat for).
+                if (last or ob.aborted or not ob.began) and ob.active == 0:
                     self._open.pop(key, None)
 
     def _write(self, ob: _Outbound, plan: Plan, ticket: TicketInfo) -> int:
@@ -420,16 +442,23 @@ class Outbox:
         return bool(obs)
 
     def abort_remote(self, ref: TransferRef, reason: str) -> None:
-        """The receiver aborted: stop writing at the next batch."""
+        """The receiver aborted: stop writing at the next batch. An idle transfer (between
+        chunks) stays listed for ``lease_ttl`` so the engine's next Send gets the reason; the
+        heartbeat loop drops it after that."""
         with self._lock:
             ob = self._open.get((ref.boot_id, ref.lease_id))
-            if ob is not None:
-                ob.aborted = ob.aborted or f"receiver aborted: {reason}"
+            if ob is not None and not ob.aborted:
+                ob.aborted, ob.aborted_at = f"receiver aborted: {reason}", time.monotonic()
 
     def heartbeat_once(self) -> None:
         """Tell every receiver with an open transfer that this sender is alive; stop transfers
-        the receiver no longer accepts, and those whose receiver cannot be reached."""
+        the receiver no longer accepts, and those whose receiver cannot be reached. Forgets
+        transfers the receiver aborted while idle once ``lease_ttl`` has passed."""
         with self._lock:
+            now = time.monotonic()
+            for key, ob in list(self._open.items()):
+                if ob.aborted and ob.active == 0 and now - ob.aborted_at > self.lease_ttl:
+                    del self._open[key]
             by_peer: dict[str, list[_Outbound]] = {}
             for ob in self._open.values():
                 if not ob.aborted:
@@ -449,8 +478,9 @@ class Outbox:
                             self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
 
     def open_count(self) -> int:
+        """Outbound transfers in progress (a transfer aborted while idle no longer counts)."""
         with self._lock:
-            return len(self._open)
+            return sum(1 for ob in self._open.values() if ob.active or not ob.aborted)
 
 
 def run_every(interval: float, stop: threading.Event, fn: Callable[[], None], name: str) -> threading.Thread:

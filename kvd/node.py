@@ -140,6 +140,8 @@ class Node:
 
     def close_session(self, session_id: str, free_requests: bool = True) -> tuple[int, int]:
         """End a session: release its leases and free its requests. Returns (freed, released).
+        A request fenced after a failed transfer keeps its RECV lease until the fence ends and
+        is freed then (see :meth:`_reap`).
 
         With ``free_requests=False`` the requests are kept, and so is the session record that
         owns them, until the session's TTL runs out from now; then :meth:`sweep` frees them as
@@ -148,25 +150,31 @@ class Node:
             s = self.touch(session_id)
             if free_requests or not s.rids:
                 return self._reap(s)
-            leases = self.leases.for_session(session_id)
+            leases = [lease for lease in self.leases.for_session(session_id) if not self.inbox.fenced(lease.rid)]
             for lease in leases:
                 self.leases.drop(lease.lease_id)
             return 0, len(leases)
 
     def _reap(self, s: SessionInfo) -> tuple[int, int]:
-        leases = self.leases.for_session(s.session_id)
+        """Release a session's leases and free its requests. A request whose failed sender may
+        still be writing keeps its fencing lease and is freed when the fence ends (as by
+        :meth:`free`)."""
+        fenced = {rid for rid in s.rids if self.inbox.fenced(rid)}
+        leases = [lease for lease in self.leases.for_session(s.session_id) if lease.rid not in fenced]
         for lease in leases:
             self.leases.drop(lease.lease_id)
         freed = 0
         # Also drop leases other sessions hold on these requests' pages: the pages are going away.
-        for rid in list(s.rids):
+        for rid in s.rids - fenced:
             for lease in self.leases.for_rid(rid):
                 self.leases.drop(lease.lease_id)
         if s.rids:
-            self.pool.free_many(sorted(s.rids))
+            self.pool.free_many(sorted(s.rids - fenced))
+            self._doomed.update(fenced)
             for rid in s.rids:
                 self._owner.pop(rid, None)
-                self.inbox.forget(rid)
+                if rid not in fenced:
+                    self.inbox.forget(rid)
             freed = len(s.rids)
             s.rids.clear()
         del self._sessions[s.session_id]

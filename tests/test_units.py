@@ -230,3 +230,32 @@ def test_map_shared_refusals(kvd_arena_factory) -> None:
     finally:
         del view
         mm.close()
+
+
+def test_reap_stale_removes_only_dead_owners_files(tmp_path) -> None:
+    """A SIGKILLed daemon leaves its arena file on tmpfs; the next daemon removes it, but never a
+    live arena's file."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from kvd.arena import ShmArena, is_live, reap_stale
+
+    live = ShmArena(1 << 20, 1 << 16, directory=str(tmp_path))
+    code = (
+        "import sys, time; from kvd.arena import ShmArena; "
+        f"a = ShmArena(1 << 20, 1 << 16, directory={str(tmp_path)!r}); print(a.path, flush=True); time.sleep(60)"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        dead = p.stdout.readline().strip()
+        assert is_live(dead) and is_live(live.path)
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        assert not is_live(dead)
+        assert reap_stale(str(tmp_path)) == [dead]
+        assert os.path.exists(live.path) and not os.path.exists(dead)
+    finally:
+        p.kill()
+        live.close()

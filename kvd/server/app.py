@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd.arena import ShmArena
+from kvd.arena import ShmArena, reap_stale
 from kvd.backends.base import Backend, make_backend
 from kvd.handoff import Outbox, run_every
 from kvd.config import Settings
@@ -79,6 +79,8 @@ class Daemon:
     def start(cls, settings: Settings) -> Daemon:
         validate(settings)
         layout = load_layout(settings.layout)
+        for path in reap_stale(settings.arena_dir):
+            log.warning("removed %s: an arena file left by a daemon that died without cleaning up", path)
         arena = ShmArena(settings.reserved, 0 if settings.post_capture else settings.arena_bytes, directory=settings.arena_dir)
         try:
             pool = Pool(layout, arena, post_capture=settings.post_capture)

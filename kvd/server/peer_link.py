@@ -22,6 +22,13 @@ __all__ = ["GrpcPeerLink"]
 class GrpcPeerLink:
     def __init__(self, *, token: str | None = None, timeout: float = 1.0) -> None:
         self.timeout = timeout
+        # gRPC backs off reconnecting to a peer that refused (up to 2 minutes by default), and
+        # heartbeats to a dead peer keep it backing off: a peer restarted on the same address
+        # would look dead that long. Retry at least every `timeout` seconds instead.
+        self._options = (
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", max(100, int(timeout * 1000))),
+        )
         self._md = ((TOKEN_KEY, token),) if token else ()
         self._stubs: dict[str, pb_grpc.PeerStub] = {}
         self._channels: list[grpc.Channel] = []
@@ -32,7 +39,7 @@ class GrpcPeerLink:
             stub = self._stubs.get(address)
             if stub is None:
                 target = f"unix:{address}" if address.startswith("/") else address
-                ch = grpc.insecure_channel(target)
+                ch = grpc.insecure_channel(target, options=self._options)
                 self._channels.append(ch)
                 stub = self._stubs[address] = pb_grpc.PeerStub(ch)
             return stub

@@ -15,13 +15,13 @@ from __future__ import annotations
 import os
 
 import pytest
-from daemon_kit import ARENAS, Target, start_inproc, start_subproc, stop_inproc, stop_subproc
+from daemon_kit import ARENAS, STOPPED, Target, start_inproc, start_subproc, stop_inproc, stop_subproc
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_arena_left_behind():
     yield
-    left = [p for p in ARENAS if os.path.exists(p)]
+    left = [p for p in ARENAS if p in STOPPED and os.path.exists(p)]
     assert not left, f"arena files of this session's daemons left behind: {left}"
 
 

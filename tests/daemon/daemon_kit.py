@@ -44,6 +44,8 @@ DAEMON_DEFAULTS: dict[str, Any] = dict(
 REPO = Path(__file__).resolve().parents[2]
 #: /dev/shm paths of every arena a daemon started here created (checked at the end of the session).
 ARENAS: list[str] = []
+#: the subset whose daemon was stopped here (a daemon still serving another test folder is not checked)
+STOPPED: set[str] = set()
 
 
 def rid(prefix: str = "r") -> str:
@@ -161,6 +163,7 @@ def stop_inproc(t: Target) -> None:
     t.close_clients()
     assert t.daemon is not None
     t.daemon.stop(0)
+    STOPPED.add(f"/dev/shm/{t.region_id}")
     assert not os.path.exists(f"/dev/shm/{t.region_id}"), f"arena file {t.region_id} left in /dev/shm"
     assert not os.path.exists(t.unix.removeprefix("unix:")), "socket file left behind"
 
@@ -200,6 +203,7 @@ def start_subproc(tmp_path: Path, *extra: str, **overrides: Any) -> Target:
 def stop_subproc(t: Target, timeout: float = 10.0) -> int:
     """SIGTERM the daemon and wait; kill it if it does not exit. Returns the exit status."""
     t.close_clients()
+    STOPPED.add(f"/dev/shm/{t.region_id}")
     p = t.proc
     assert p is not None
     if p.poll() is None:
