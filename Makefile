@@ -1,5 +1,6 @@
 # One entry point for setting up, testing and benchmarking kvd.
 #   make venv   -> .venv with torch (CPU pin on these machines), kvd and its dev/test extras
+#   make demo   -> a prefill node and a decode node on loopback, every output checked (kvd demo)
 #   make test   -> the whole CPU test suite (what CI runs)
 PY        ?= python3
 VENV      ?= .venv
@@ -7,7 +8,7 @@ BIN        = $(VENV)/bin
 # The CPU build of torch that lies on these machines' disk; any other version pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv serve test bench clean proto
+.PHONY: venv demo serve test bench clean proto
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,8 +19,15 @@ $(BIN)/.installed: pyproject.toml
 
 venv: $(BIN)/.installed
 
-# kvd's main job on the embedded default: a daemon over a CPU shared-memory arena on
-# unix:/tmp/kvd.sock (tiny-hybrid layout; see `kvd serve --help`). Ctrl-C / SIGTERM drains and stops.
+# kvd's main job on the embedded default, end to end: a prefill node and a decode node (two
+# daemons over CPU shared-memory arenas, Mooncake TCP between them when installed) with the
+# reference engine on top; 64 requests, each output checked against the colocated run. Exit 1 if
+# any differs. `kvd demo --help` for the options.
+demo: venv
+	$(BIN)/kvd demo
+
+# One daemon on the embedded default: unix:/tmp/kvd.sock, tiny-hybrid layout (`kvd serve --help`).
+# Ctrl-C / SIGTERM drains and stops.
 serve: venv
 	$(BIN)/kvd serve
 

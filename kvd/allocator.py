@@ -188,7 +188,9 @@ class GroupAllocator:
         if self.used == 0:
             self.collapse()
         else:
-            self._holes[self.n_holes : self.n_holes + pages.numel()] = pages
+            # Pushed in reverse so bind() pops them back ascending: a request reusing freed pages
+            # gets the same runs (few transfer blocks) it had, not one block per page.
+            self._holes[self.n_holes : self.n_holes + pages.numel()] = pages.flip(0)
             self.n_holes += pages.numel()
         return pages
 

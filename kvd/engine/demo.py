@@ -1,0 +1,307 @@
+"""``kvd demo``: a prefill node and a decode node on loopback, proven against the colocated run.
+
+What runs (every box its own process; engines talk only to their own daemon)::
+
+    kvd serve (prefill node) ◀── prefill engine ─┐                      ┌─ reference process
+             ║ Mooncake TCP (or local)             router (this process)   run_colocated()
+    kvd serve (decode node)  ◀── decode engine  ─┘                      └─ (same engine code, one pool)
+
+Both daemons start post-capture (only the sink backed); each engine calls ``finalize(bytes)``
+before serving. The decode node's budget is small on purpose: at peak a new request does not
+fit, so the decode engine retracts (offloads) a running one, restores it later, and compacts at
+step boundaries. The run passes only if every request's output equals the colocated reference
+token for token, with bit-identical logit traces (exit status 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+import torch
+
+from kvd.engine.records import Completion, EngineConfig, Request
+from kvd.errors import Unavailable
+from kvd.engine.model import TargetConfig, build_models
+from kvd.engine.reference import compare, run_colocated
+from kvd.engine.router import EngineSpec, Ready, Router, engine_main, recv_or_raise
+
+__all__ = ["DemoOptions", "run_demo", "workload", "choose_backend"]
+
+PREFILL_BYTES = 4 << 20  # one prompt at a time, every SWA page of it
+DECODE_BYTES = 2 << 20  # ~10 of the workload's requests at once, 16 in flight: pressure is part of the demo
+RESERVE_BYTES = 64 << 20  # the post-capture reservation (address space only)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    requests: int = 64
+    backend: str = "auto"  # auto | mooncake | local
+    quick: bool = False
+    seed: int = 0
+    spec_k: int = 3
+    chunk: int = 64
+    max_inflight: int = 16
+    fault: str | None = None  # test only: inject a named ticket fault (kvd.engine.faults.FAULTS)
+
+
+def choose_backend(asked: str, err: TextIO) -> str:
+    """``auto``: Mooncake when importable, else ``local`` with a notice saying why. An explicit
+    ``mooncake`` that is not importable is refused (Unavailable) before anything starts."""
+    if asked == "local":
+        return asked
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        if asked == "mooncake":
+            raise Unavailable(
+                f"--backend mooncake but the Mooncake Transfer Engine is not importable ({exc}); install it with "
+                "`pip install mooncake-transfer-engine-non-cuda` (and `apt-get install -y libibverbs1`), or use --backend local"
+            ) from exc
+        print(f"kvd demo: NOTICE: Mooncake Transfer Engine not importable ({exc}); falling back to the `local` "
+              "backend (same-host shared-memory copy). Install it with `pip install mooncake-transfer-engine-non-cuda`.",
+              file=err)
+        return "local"
+    return "mooncake"
+
+
+def workload(n: int, seed: int, *, quick: bool = False) -> list[Request]:
+    """``n`` requests with mixed prompt lengths: a quarter shorter than the SWA window, a quarter
+    one to three windows, half four to ten windows; 32..48 new tokens each (32 with ``quick``)."""
+    w = TargetConfig().window
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        kind = i % 4
+        lo, hi = [(4, w - 1), (w + 1, 3 * w), (4 * w, 10 * w), (4 * w, 10 * w)][kind]
+        plen = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        prompt = tuple(torch.randint(0, TargetConfig().vocab, (plen,), generator=g).tolist())
+        max_new = 32 if quick else int(torch.randint(32, 49, (1,), generator=g))
+        out.append(Request(f"req-{i:03d}", prompt, max_new))
+    return out
+
+
+def _reference_main(requests: list[Request], cfg: EngineConfig, conn) -> None:
+    torch.set_num_threads(1)
+    try:
+        conn.send(run_colocated(requests, build_models(), cfg))
+    except BaseException as exc:  # noqa: BLE001
+        conn.send(RuntimeError(f"colocated reference failed: {type(exc).__name__}: {exc}"))
+
+
+class _Daemon:
+    """A ``kvd serve`` subprocess; its log goes to a file, its first stdout line says it serves."""
+
+    def __init__(self, name: str, workdir: str, arena_dir: str, layout_path: str, backend: str, speculative: bool) -> None:
+        self.name = name
+        self.sock = os.path.join(workdir, f"{name}.sock")
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        cmd = [
+            sys.executable, "-m", "kvd.cli", "serve", "--layout", layout_path, "--listen-unix", self.sock,
+            "--listen-tcp", "127.0.0.1:0", "--backend", backend, "--post-capture",
+            "--arena-bytes", str(PREFILL_BYTES if name == "prefill" else DECODE_BYTES),
+            "--reserve-bytes", str(RESERVE_BYTES), "--arena-dir", arena_dir, "--grace-s", "1", "--log-level", "WARNING",
+        ]
+        if speculative:
+            cmd.append("--speculative")
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.sock}"
+
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline().decode(errors="replace")
+            if "serving on" in line:
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        raise RuntimeError(f"{self.name} daemon did not start (exit {self.proc.poll()}); its log:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+class _Progress:
+    """A ``\\r``-updated line on stderr."""
+
+    def __init__(self, err: TextIO, t0: float) -> None:
+        self.err, self.t0 = err, t0
+        self.tty = err.isatty()
+
+    def __call__(self, done: int, total: int) -> None:
+        width = 30
+        filled = width * done // total
+        line = f"\rkvd demo [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests  {time.perf_counter() - self.t0:5.1f} s"
+        if self.tty or done == total or done % max(1, total // 8) == 0:
+            self.err.write(line)
+            self.err.flush()
+        if done == total:
+            self.err.write("\n")
+
+
+def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Run the demo; print the summary to ``out``. Returns 0 when every output is identical."""
+    t0 = time.perf_counter()
+    n = opts.requests
+    backend = choose_backend(opts.backend, err)
+    cfg = EngineConfig(chunk=opts.chunk, spec_k=opts.spec_k)
+    models = build_models()
+    requests = workload(n, opts.seed, quick=opts.quick)
+    workdir = tempfile.mkdtemp(prefix="kvd-demo-")
+    arena_dir = tempfile.mkdtemp(prefix="kvd-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    layout_path = os.path.join(workdir, "layout.json")
+    with open(layout_path, "w", encoding="utf-8") as f:
+        json.dump(models.layout.model_dump(mode="json"), f)
+    ctx = mp.get_context("spawn")
+    daemons: list[_Daemon] = []
+    procs: list = []
+    router = None
+    try:
+        # Everything starts at once; the engines connect when their daemon serves.
+        ref_recv, ref_send = ctx.Pipe(duplex=False)
+        ref = ctx.Process(target=_reference_main, args=(requests, cfg, ref_send), name="kvd-demo-reference", daemon=True)
+        ref.start()
+        procs.append(ref)
+        for name in ("prefill", "decode"):
+            daemons.append(_Daemon(name, workdir, arena_dir, layout_path, backend, speculative=opts.spec_k > 0))
+        conns = {}
+        for d, budget in zip(daemons, (PREFILL_BYTES, DECODE_BYTES)):
+            parent, child = ctx.Pipe()
+            spec = EngineSpec(d.name, d.address, cfg, budget, fault=opts.fault if d.name == "prefill" else None)
+            p = ctx.Process(target=engine_main, args=(spec, child),
+                            name=f"kvd-demo-{d.name}-engine", daemon=True)
+            p.start()
+            procs.append(p)
+            conns[d.name] = parent
+        for d in daemons:
+            d.wait_serving()
+        for name, conn in conns.items():
+            msg = recv_or_raise(conn)
+            if not isinstance(msg, Ready):
+                raise RuntimeError(f"{name} engine did not start: {getattr(msg, 'error', msg)}")
+        router = Router(conns["prefill"], conns["decode"], max_inflight=opts.max_inflight)
+        progress = _Progress(err, t0)
+        result = router.run(requests, progress)
+        reports = router.shutdown()
+        router = None
+        reference = recv_or_raise(ref_recv)
+        if isinstance(reference, BaseException):
+            raise reference
+        stats = {d.name: _daemon_stats(d.address) for d in daemons}
+        for p in procs:
+            p.join(30)
+        wall = time.perf_counter() - t0
+        differs = compare(result.completions, reference)
+        _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall)
+        return 1 if differs else 0
+    finally:
+        if router is not None:
+            try:
+                router.shutdown(timeout_s=5)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+        left = os.listdir(arena_dir)
+        if left:
+            print(f"kvd demo: WARNING: the daemons left arena files behind: {left} (removed now)", file=err)
+        shutil.rmtree(arena_dir, ignore_errors=True)
+
+
+def _daemon_stats(address: str):
+    from kvd.client import Client
+
+    with Client.connect(address, name="kvd-demo-observer", timeout=5) as kv:
+        return kv.stats()
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineConfig, requests: list[Request], result,
+             reference: dict[str, Completion], differs: list[str], reports: dict, stats: dict, wall: float) -> None:
+    w = TargetConfig().window
+    plens = [len(r.prompt) for r in requests]
+    comps = result.completions.values()
+    dec = reports.get("decode", {})
+    pre = reports.get("prefill", {})
+    nbytes = sum(f.nbytes for f in result.firsts.values())
+    send_s = sum(f.send_seconds for f in result.firsts.values())
+    chunks = sum(f.chunks for f in result.firsts.values())
+    decode_tokens = sum(max(0, len(c.tokens) - 1) for c in comps)
+    ttft = [v * 1e3 for v in result.ttft_s.values()]
+    ps, ds = stats["prefill"], stats["decode"]
+    identical = len(requests) - len(differs)
+    rows = [
+        ("requests", f"{len(requests)}  (prompts {min(plens)}..{max(plens)} tokens: {sum(p < w for p in plens)} shorter than "
+                     f"the {w}-token SWA window, {sum(p >= 4 * w for p in plens)} four or more windows long)"),
+        ("outputs identical to colocated", f"{identical} / {len(requests)}" + ("" if not differs else f"   DIFFER: {', '.join(differs[:8])}")),
+        ("time to first token", f"p50 {statistics.median(ttft):.1f} ms   p95 {_pct(ttft, 0.95):.1f} ms   max {max(ttft):.1f} ms"),
+        ("decode", f"{decode_tokens:,d} tokens in {result.decode_window_s:.1f} s = {decode_tokens / max(result.decode_window_s, 1e-9):,.0f} tokens/s"
+                   + (f"   (speculative k={cfg.spec_k}: {dec.get('accepted', 0):,d} of {dec.get('proposed', 0):,d} draft tokens accepted)" if cfg.spec_k else "")),
+        ("KV bytes moved", f"{nbytes / 2**20:,.2f} MiB in {chunks} Send calls; {send_s:.2f} s inside Send = "
+                           f"{nbytes / max(send_s, 1e-9) / 1e9:.3f} GB/s (per call: ticket check + data + commit)"),
+        ("compactions", f"{ds.pool.compactions_done} on the decode node ({dec.get('compactions_refused', 0)} refused for live leases, "
+                        f"then done around them; {ds.pool.pages_moved:,d} pages moved)"),
+        ("retractions", f"{dec.get('retractions', 0)} offloaded to host, {dec.get('restores', 0)} restored; "
+                        f"{dec.get('deferred', 0)} admissions waited for memory"),
+        ("leases", f"{dec.get('recv_leases', 0)} RECV + {pre.get('send_leases', 0)} SEND; live at end {ds.leases_live + ps.leases_live}, "
+                   f"expired {ds.leases_expired_total + ps.leases_expired_total}"),
+        ("stale refusals", f"{ds.stale_refusals_total + ps.stale_refusals_total}"),
+        ("wall time", f"{wall:.1f} s"),
+    ]
+    if opts.fault:
+        print(f"\nkvd demo: FAULT INJECTED (test only): {opts.fault}", file=out)
+    print(f"\nkvd demo: prefill node -> decode node over {backend}{' (tcp)' if backend == 'mooncake' else ''}; "
+          f"layout {layout.name} ({layout.fingerprint}); chunked prefill {cfg.chunk} tokens; "
+          f"post-capture budgets {PREFILL_BYTES >> 20} MiB / {DECODE_BYTES >> 20} MiB", file=out)
+    width = max(len(k) for k, _ in rows)
+    print("-" * (width + 60), file=out)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}", file=out)
+    print("-" * (width + 60), file=out)
+    if not dec.get("retractions") or not ds.pool.compactions_done:
+        print("NOTE: no retraction or no compaction this run (not enough memory pressure); try more --requests", file=out)
+    print("PASS: every output is identical to the colocated reference" if not differs
+          else f"FAIL: {len(differs)} output(s) differ from the colocated reference", file=out)

@@ -1,0 +1,64 @@
+"""The engine-facing calls over an in-process :class:`~kvd.pool.Pool` -- no daemon, no handoff.
+
+The colocated reference runs the same engine code as the prefill-decode pair, prefill and decode
+in one pool; this adapter gives it the subset of :class:`kvd.client.Client` the engines use, with
+the same names, arguments and exceptions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvd.arena import ShmArena
+from kvd.layout import Layout
+from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
+from kvd.views import LayerKV, all_views
+
+__all__ = ["LocalKV"]
+
+
+class LocalKV:
+    """A pool over its own shared-memory arena, spoken to like a daemon. Close when done."""
+
+    def __init__(self, layout: Layout, nbytes: int) -> None:
+        self.arena = ShmArena(nbytes, nbytes)
+        try:
+            self.pool = Pool(layout, self.arena)
+        except BaseException:
+            self.arena.close()
+            raise
+
+    @property
+    def views(self) -> dict[str, list[LayerKV]]:
+        return all_views(self.pool.layout, self.arena.tensor())
+
+    def allocate(self, rid: str, tokens: int, *, receive: bool = False) -> IndexVectors:
+        return self.pool.allocate(rid, tokens, receive=receive)
+
+    def extend_many(self, items: Sequence[tuple[str, int]]) -> list[IndexVectors]:
+        return self.pool.extend_many(items)
+
+    def vectors(self, rid: str) -> IndexVectors:
+        return self.pool.vectors(rid)
+
+    def vectors_many(self, rids: Sequence[str]) -> list[IndexVectors]:
+        return [self.pool.vectors(r) for r in rids]
+
+    def shortfall(self, specs: Sequence[AllocSpec | tuple]) -> int:
+        return self.pool.shortfall_bytes([s if isinstance(s, AllocSpec) else AllocSpec(*s) for s in specs])
+
+    def free(self, *rids: str) -> int:
+        self.pool.free_many(list(rids))
+        return len(rids)
+
+    def offload(self, rid: str) -> int:
+        return self.pool.offload(rid)
+
+    def restore(self, rid: str) -> IndexVectors:
+        return self.pool.restore(rid)
+
+    def compact(self, *, around_pinned: bool = False) -> CompactionResult:
+        return self.pool.compact((), around_pinned=around_pinned)
+
+    def close(self) -> None:
+        self.arena.close()

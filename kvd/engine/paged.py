@@ -1,0 +1,106 @@
+"""Paged KV access: one request's KV in the daemon's arena, by physical page id.
+
+The arena's per-layer views (:func:`kvd.views.all_views`) are ``[pages, page_size, kv_heads,
+head_dim]`` tensors over shared memory; a request's pages are the physical ids in its
+:class:`~kvd.pool.IndexVectors`. Token ``t`` of group ``g`` lives at page
+``ids[t // page_size - first]``, slot ``t % page_size``, where ``ids``/``first`` are::
+
+    full    vec.full   first 0                 every page of the request
+    swa     vec.swa    first vec.swa_first_page only the window tail: older pages are released
+    draft   vec.draft  first 0                 the draft model's own page size
+    state   vec.state  one slot (the recurrent state after the last committed token)
+
+Reading a position whose page the vectors do not cover raises ``RuntimeError``: it means the
+engine asked for KV the pool released (an engine bug), never something to paper over.
+
+A :class:`SeqKV` holds vectors of one epoch; after the daemon compacts, restores or extends,
+make a new one from the fresh vectors (:meth:`PagedKV.seq`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvd.layout import GroupKind, Layout
+from kvd.pool import IndexVectors
+from kvd.views import LayerKV
+
+__all__ = ["PagedKV", "SeqKV"]
+
+
+class PagedKV:
+    """The arena views of one engine process (from ``Client.attach().views`` or an in-process
+    pool's arena), shared by every request."""
+
+    def __init__(self, layout: Layout, views: dict[str, list[LayerKV]]) -> None:
+        self.layout = layout
+        self.views = views
+        self.page_size = {g.name: layout.page_size_of(g) for g in layout.groups}
+
+    def seq(self, vec: IndexVectors) -> SeqKV:
+        return SeqKV(self, vec)
+
+
+class SeqKV:
+    """One request's KV, addressed through its physical index vectors."""
+
+    def __init__(self, kv: PagedKV, vec: IndexVectors) -> None:
+        self.kv = kv
+        self.vec = vec
+
+    def _ids(self, group: str) -> tuple[torch.Tensor, int]:
+        v = self.vec
+        if group == GroupKind.FULL.value:
+            return v.full, 0
+        if group == GroupKind.SWA.value:
+            return v.swa, v.swa_first_page
+        if group == GroupKind.DRAFT.value:
+            return v.draft, 0
+        raise ValueError(f"group {group!r} is not paged")
+
+    def _pages(self, group: str, lo: int, hi: int) -> tuple[torch.Tensor, int]:
+        """Physical pages holding positions ``[lo, hi)`` and the first page's request index."""
+        ids, first = self._ids(group)
+        ps = self.kv.page_size[group]
+        p0, p1 = lo // ps, -(-hi // ps)
+        if p0 < first or p1 - first > ids.numel():
+            raise RuntimeError(
+                f"request {self.vec.rid!r}: {group} positions [{lo}, {hi}) need request pages [{p0}, {p1}) but the "
+                f"vectors cover [{first}, {first + ids.numel()}) -- the engine reads KV the pool does not hold for it"
+            )
+        return ids[p0 - first : p1 - first].to(torch.int64), p0
+
+    def read(self, group: str, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions ``[lo, hi)``: ``[hi - lo, kv_heads, head_dim]`` copies."""
+        pages, p0 = self._pages(group, lo, hi)
+        ps = self.kv.page_size[group]
+        view = self.kv.views[group][layer]
+        off = lo - p0 * ps
+        k = view.k.index_select(0, pages).flatten(0, 1)[off : off + hi - lo]
+        v = view.v.index_select(0, pages).flatten(0, 1)[off : off + hi - lo]
+        return k, v
+
+    def write(self, group: str, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V for positions ``[lo, lo + len(k))`` in place."""
+        n = k.shape[0]
+        ids, first = self._ids(group)
+        ps = self.kv.page_size[group]
+        self._pages(group, lo, lo + n)  # bounds check with a clear message
+        pos = torch.arange(lo, lo + n)
+        page = ids[pos // ps - first].to(torch.int64)
+        slot = pos % ps
+        view = self.kv.views[group][layer]
+        view.k.index_put_((page, slot), k.to(view.k.dtype))
+        view.v.index_put_((page, slot), v.to(view.v.dtype))
+
+    def read_state(self, layer: int) -> torch.Tensor:
+        return self.kv.views[GroupKind.STATE.value][layer].k[self._slot()].clone()
+
+    def write_state(self, layer: int, h: torch.Tensor) -> None:
+        view = self.kv.views[GroupKind.STATE.value][layer].k
+        view[self._slot()] = h.to(view.dtype)
+
+    def _slot(self) -> int:
+        if self.vec.state is None:
+            raise RuntimeError(f"request {self.vec.rid!r} has no state slot; the layout needs a state group")
+        return self.vec.state
