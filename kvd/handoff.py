@@ -374,8 +374,11 @@ class Outbox:
             lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
             end = src.tokens if not t1 else t1
             plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, last)
-            # Before the first byte: the receiver confirms boot, epoch, lease and layout.
-            self.link.check_ticket(ticket.peer_address, raw, self.address)
+            # Before the first byte: the receiver confirms boot, epoch, lease and layout. Later
+            # chunks skip the round trip: the RECV lease pins the receiver's pages until the
+            # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
+            if not ob.began:
+                self.link.check_ticket(ticket.peer_address, raw, self.address)
             began = ob.began = True
             wrote = self._write(ob, plan, ticket)
             self.link.commit(ticket.peer_address, ticket.ref, last, wrote)
