@@ -658,7 +658,8 @@ class Pool:
         for k in up + down:
             src, dst = slides[k]
             view = self.page_view(k)
-            view.index_copy_(0, dst.long(), view.index_select(0, src.long()))
+            d, sr = dst.long().to(view.device), src.long().to(view.device)  # tables live on the host
+            view.index_copy_(0, d, view.index_select(0, sr))
             moved_handles.update(self._owner_handles(k, self.groups[k].p2v[src]))
             passes[k].append((self.groups[k].p2v[src].clone(), src, dst))
             moved_bytes += src.numel() * self.groups[k].pb
@@ -759,7 +760,8 @@ class Pool:
             vids = self._request_vids(k, r)
             if vids.numel():
                 pages = a.v2p[vids].to(torch.int64)
-                off.host[k] = self.page_view(k).index_select(0, pages).to("cpu")
+                view = self.page_view(k)
+                off.host[k] = view.index_select(0, pages.to(view.device)).to("cpu")
                 nbytes += off.host[k].numel()
         self._release(self._requests.pop(rid))
         self._offloaded[rid] = off
@@ -783,7 +785,7 @@ class Pool:
         self._bind_step(r, step, plan)
         for k, host in off.host.items():
             pages = self.groups[k].v2p[self._request_vids(k, r)].to(torch.int64)
-            self.page_view(k).index_copy_(0, pages, host.to(self.arena.device))
+            self.page_view(k).index_copy_(0, pages.to(self.arena.device), host.to(self.arena.device))
         del self._offloaded[rid]
         self.epoch += 1
         r.moved_epoch = self.epoch

@@ -1,0 +1,420 @@
+"""CUDA virtual-memory arena: reserve a device address range once, back a prefix of it with
+physical chunks, share the chunks with other processes as POSIX file descriptors.
+
+    base                              backed  mapped                         reserved
+     |<-- chunk 0 -->|<----- chunk 1 ----->|--|<-------- address space only -------->|
+     [ sink | pages of every group ...     |  (touching this faults the kernel)      ]
+
+* The address range (``cuMemAddressReserve``) is reserved once, rounded up to the allocation
+  granularity (2 MiB on an H200); :attr:`base` never changes.
+* :meth:`set_backed` grows in place by creating one physical chunk (``cuMemCreate``, exportable
+  as a POSIX fd) for the missing bytes and mapping it right after the last one
+  (``cuMemMap`` + ``cuMemSetAccess``). It shrinks by unmapping and releasing whole chunks that
+  start at or past the new end (rounded up to the granularity); a chunk that straddles the new
+  end stays mapped (:attr:`mapped_bytes` says how much physical memory is held). CUDA maps a
+  physical allocation only whole (the map offset must be zero), so a straddling chunk cannot be
+  cut: growth is made of chunks of at most ``chunk_bytes`` (1 GiB by default), so shrinking gives
+  memory back at that grain and a 140 GiB arena exports 140 fds (SCM_RIGHTS passes up to 253
+  per message).
+* :meth:`tensor` is a ``torch.uint8`` CUDA tensor over ``[0, backed)`` built from
+  ``__cuda_array_interface__`` (zero copy; ``data_ptr() == base``).
+* :meth:`export_fds` exports each mapped chunk as a POSIX fd (pass them over a Unix socket with
+  ``socket.send_fds``); :func:`map_imported` maps them in the receiving process at an address of
+  its own, in order, so byte ``i`` is the same memory in both processes.
+
+``cuda.bindings.driver`` (the ``cuda-python`` package) is imported when an arena is made, not when
+this module is imported: kvd runs without it on CPU nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvd.arena import Arena, ArenaHandle
+from kvd.errors import CapacityError, InvalidArgument, Unavailable
+
+__all__ = ["CudaVmmArena", "ImportedVmm", "map_imported", "driver"]
+
+_DRIVER: Any = None
+_LOCK = threading.Lock()
+#: Default cap of one physical chunk: the grain at which shrinking gives memory back.
+DEFAULT_CHUNK_BYTES = 1 << 30
+
+
+def driver() -> Any:
+    """The ``cuda.bindings.driver`` module; :class:`~kvd.errors.Unavailable` if it is missing."""
+    global _DRIVER
+    if _DRIVER is None:
+        try:
+            from cuda.bindings import driver as drv  # cuda-python >= 12.6
+        except ImportError as exc:
+            try:
+                from cuda import cuda as drv  # type: ignore[no-redef]  # older cuda-python layout
+            except ImportError:
+                raise Unavailable(
+                    "the CUDA virtual-memory arena needs the `cuda-python` package (module "
+                    "cuda.bindings.driver); install cuda-python matching the node's CUDA driver, or "
+                    "use the shm arena"
+                ) from exc
+        _DRIVER = drv
+    return _DRIVER
+
+
+def _ok(result: Any, what: str, nbytes: int = 0) -> Any:
+    """Unpack a ``cuda.bindings`` result tuple ``(CUresult, *values)``; raise on an error."""
+    cu = driver()
+    err, vals = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = getattr(err, "name", str(err))
+        if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            raise CapacityError(
+                f"{what}: the GPU has no {nbytes:,d} bytes of free memory ({name}); ask for less or free "
+                "device memory first",
+                shortfall_bytes=nbytes,
+            )
+        raise Unavailable(f"{what} failed: {name}")
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else vals
+
+
+def _device_index(device: int | str | torch.device | None) -> int:
+    if not torch.cuda.is_available():
+        raise Unavailable("the CUDA virtual-memory arena needs a CUDA device; torch.cuda.is_available() is false")
+    if device is None:
+        return torch.cuda.current_device()
+    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if d.type != "cuda":
+        raise InvalidArgument(f"the CUDA virtual-memory arena lives on a cuda device, not {d}")
+    idx = torch.cuda.current_device() if d.index is None else d.index
+    if not 0 <= idx < torch.cuda.device_count():
+        raise InvalidArgument(f"cuda device {idx} does not exist (this host has {torch.cuda.device_count()})")
+    return idx
+
+
+def _on(dev: int) -> torch.cuda.device:
+    """``with _on(dev):`` makes ``dev``'s primary context current for driver calls (and creates it
+    the first time), without changing the caller's current device afterwards."""
+    torch.cuda.init()
+    return torch.cuda.device(dev)
+
+
+def _prop(dev: int) -> Any:
+    cu = driver()
+    p = cu.CUmemAllocationProp()
+    p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.location.id = dev
+    p.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return p
+
+
+def _granularity(prop: Any) -> int:
+    cu = driver()
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return int(_ok(cu.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"))
+
+
+def _set_access(ptr: int, size: int, dev: int) -> None:
+    cu = driver()
+    d = cu.CUmemAccessDesc()
+    d.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    d.location.id = dev
+    d.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    _ok(cu.cuMemSetAccess(ptr, size, [d], 1), f"cuMemSetAccess of {size:,d} bytes")
+
+
+def _round_up(n: int, g: int) -> int:
+    return -(-n // g) * g
+
+
+class _CudaArrayInterface:
+    """A bare ``__cuda_array_interface__`` so torch wraps device memory it does not own."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def _wrap(ptr: int, nbytes: int, dev: int) -> torch.Tensor:
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}")
+    t = torch.as_tensor(_CudaArrayInterface(ptr, nbytes), device=f"cuda:{dev}")
+    if t.data_ptr() != ptr or t.dtype != torch.uint8 or t.numel() != nbytes:
+        raise Unavailable(f"torch wrapped device address {ptr:#x} as {t.dtype}[{t.numel()}] at {t.data_ptr():#x}")
+    return t
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    offset: int  # bytes from base
+    size: int  # bytes, a multiple of the granularity
+    handle: Any  # CUmemGenericAllocationHandle
+
+
+class CudaVmmArena(Arena):
+    """An :class:`~kvd.arena.Arena` in CUDA virtual memory on one device.
+
+    ``reserved`` bytes of address space are reserved up front (nothing is allocated for them);
+    ``backed`` bytes are backed now. ``chunk_bytes`` caps the size of one physical chunk (rounded
+    up to the granularity): shrinking gives memory back at that grain, and each chunk is one fd
+    to export. ``None`` makes each growth step one chunk."""
+
+    def __init__(
+        self,
+        reserved: int,
+        backed: int = 0,
+        *,
+        device: int | str | torch.device | None = None,
+        name: str | None = None,
+        chunk_bytes: int | None = DEFAULT_CHUNK_BYTES,
+    ) -> None:
+        if not isinstance(reserved, int) or isinstance(reserved, bool) or reserved <= 0:
+            raise InvalidArgument(f"arena reservation must be a positive byte count, got {reserved!r}")
+        cu = driver()
+        self._dev = _device_index(device)
+        with _on(self._dev):
+            torch.zeros(1, device=self.device)  # the primary context exists from here on
+            self._prop = _prop(self._dev)
+            self._gran = _granularity(self._prop)
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0):
+            raise InvalidArgument(f"chunk_bytes must be a positive byte count, got {chunk_bytes!r}")
+        self._chunk_cap = None if chunk_bytes is None else _round_up(chunk_bytes, self._gran)
+        self._reserved = reserved
+        self._va_size = _round_up(reserved, self._gran)
+        self.region_id = name or f"kvd-vmm-{uuid.uuid4().hex[:12]}"
+        with _on(self._dev):
+            self._base = int(
+                _ok(cu.cuMemAddressReserve(self._va_size, 0, 0, 0), f"cuMemAddressReserve of {self._va_size:,d} bytes")
+            )
+        self._chunks: list[_Chunk] = []
+        self._mapped = 0
+        self._backed = 0
+        self._view: torch.Tensor | None = None
+        self._closed = False
+        try:
+            self.set_backed(backed)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- Arena interface ---------------------------------------------------------------------
+    @property
+    def reserved(self) -> int:
+        return self._reserved
+
+    @property
+    def backed(self) -> int:
+        return self._backed
+
+    @property
+    def base(self) -> int:
+        return self._base
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", self._dev)
+
+    @property
+    def granularity(self) -> int:
+        """Bytes of one allocation grain: chunk sizes and offsets are multiples of it."""
+        return self._gran
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Physical bytes mapped now (``backed`` rounded up, plus any straddling chunk)."""
+        return self._mapped
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every mapped chunk, in address order."""
+        return [(c.offset, c.size) for c in self._chunks]
+
+    def set_backed(self, nbytes: int) -> None:
+        self._check_open()
+        self._check_size(nbytes)
+        want = _round_up(nbytes, self._gran)
+        with _LOCK, _on(self._dev):
+            if want > self._mapped:
+                self._grow(want)
+            elif want < self._mapped:
+                self._shrink(want)
+            self._backed = nbytes
+            self._view = None
+
+    def tensor(self) -> torch.Tensor:
+        self._check_open()
+        if self._view is None:
+            self._view = _wrap(self._base, self._backed, self._dev)
+        return self._view
+
+    def handle(self) -> ArenaHandle:
+        self._check_open()
+        return ArenaHandle(kind="cuda-vmm", path="", backed=self._backed, region_id=self.region_id)
+
+    def export_fds(self) -> list[tuple[int, int]]:
+        """Export every mapped chunk as a POSIX fd: ``[(fd, size), ...]`` in address order.
+
+        The fds are new and belong to the caller (send them with ``socket.send_fds``, then
+        ``os.close`` them). Mapped in order by :func:`map_imported`, they cover ``[0, mapped)``,
+        which includes the backed prefix."""
+        self._check_open()
+        cu = driver()
+        kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        out: list[tuple[int, int]] = []
+        try:
+            with _on(self._dev):
+                for c in self._chunks:
+                    fd = _ok(cu.cuMemExportToShareableHandle(c.handle, kind, 0), "cuMemExportToShareableHandle")
+                    out.append((int(fd), c.size))
+        except BaseException:
+            for fd, _ in out:
+                os.close(fd)
+            raise
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._view = None
+        cu = driver()
+        if self._chunks:
+            torch.cuda.synchronize(self._dev)  # nothing may still be reading the memory we unmap
+        with _LOCK, _on(self._dev):
+            while self._chunks:
+                self._release_last()
+            _ok(cu.cuMemAddressFree(self._base, self._va_size), "cuMemAddressFree")
+
+    def __del__(self) -> None:  # best effort: give the memory back if the owner forgot
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgument(f"arena {self.region_id} is closed")
+
+    def _grow(self, want: int) -> None:
+        cu = driver()
+        while self._mapped < want:
+            size = want - self._mapped
+            if self._chunk_cap is not None:
+                size = min(size, self._chunk_cap)
+            h = _ok(cu.cuMemCreate(size, self._prop, 0), f"cuMemCreate of {size:,d} bytes", size)
+            ptr = self._base + self._mapped
+            try:
+                _ok(cu.cuMemMap(ptr, size, 0, h, 0), f"cuMemMap of {size:,d} bytes at offset {self._mapped:,d}")
+                try:
+                    _set_access(ptr, size, self._dev)
+                except BaseException:
+                    cu.cuMemUnmap(ptr, size)
+                    raise
+            except BaseException:
+                cu.cuMemRelease(h)
+                raise
+            self._chunks.append(_Chunk(self._mapped, size, h))
+            self._mapped += size
+
+    def _shrink(self, want: int) -> None:
+        if self._chunks and self._chunks[-1].offset >= want:
+            torch.cuda.synchronize(self._dev)
+        while self._chunks and self._chunks[-1].offset >= want:
+            self._release_last()
+
+    def _release_last(self) -> None:
+        cu = driver()
+        c = self._chunks.pop()
+        _ok(cu.cuMemUnmap(self._base + c.offset, c.size), "cuMemUnmap")
+        _ok(cu.cuMemRelease(c.handle), "cuMemRelease")
+        self._mapped = c.offset
+
+
+class ImportedVmm:
+    """Chunks of another process's arena, mapped here in order. Keep it alive while the tensor
+    from :func:`map_imported` is in use; :meth:`close` unmaps (drop the tensor first)."""
+
+    def __init__(self, dev: int, base: int, va_size: int, chunks: list[_Chunk]) -> None:
+        self.device = torch.device("cuda", dev)
+        self.base = base
+        self.size = sum(c.size for c in chunks)
+        self._va_size = va_size
+        self._chunks = chunks
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        cu = driver()
+        with _on(self.device.index):
+            if self._chunks:
+                torch.cuda.synchronize(self.device)
+            while self._chunks:
+                c = self._chunks.pop()
+                _ok(cu.cuMemUnmap(self.base + c.offset, c.size), "cuMemUnmap")
+                _ok(cu.cuMemRelease(c.handle), "cuMemRelease")
+            _ok(cu.cuMemAddressFree(self.base, self._va_size), "cuMemAddressFree")
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def map_imported(
+    fds_sizes: list[tuple[int, int]], device: int | str | torch.device | None = None, *, nbytes: int | None = None
+) -> tuple[ImportedVmm, torch.Tensor]:
+    """Map chunks exported by :meth:`CudaVmmArena.export_fds` (received over ``SCM_RIGHTS``)
+    contiguously at a new address on ``device``. Returns the owner (keep it alive; ``close()``
+    unmaps) and a ``uint8`` tensor over the first ``nbytes`` (default: every chunk's bytes).
+
+    The fds are not closed here; the memory stays alive through the mapping, so the caller may
+    close them as soon as this returns."""
+    if not fds_sizes:
+        raise InvalidArgument("map_imported: no chunks given; pass the (fd, size) pairs of export_fds()")
+    cu = driver()
+    dev = _device_index(device)
+    with _on(dev):
+        torch.zeros(1, device=f"cuda:{dev}")  # the primary context exists from here on
+        gran = _granularity(_prop(dev))
+        for fd, size in fds_sizes:
+            if not isinstance(fd, int) or fd < 0 or not isinstance(size, int) or size <= 0 or size % gran:
+                raise InvalidArgument(
+                    f"map_imported: chunk (fd={fd!r}, size={size!r}) is not a valid fd with a positive size that is "
+                    f"a multiple of the {gran:,d}-byte granularity"
+                )
+        total = sum(size for _, size in fds_sizes)
+        if nbytes is None:
+            nbytes = total
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= total:
+            raise InvalidArgument(f"map_imported: nbytes={nbytes!r} is outside [0, {total:,d}] (the chunks' bytes)")
+        kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        base = int(_ok(cu.cuMemAddressReserve(total, 0, 0, 0), f"cuMemAddressReserve of {total:,d} bytes"))
+        owner = ImportedVmm(dev, base, total, [])
+        try:
+            off = 0
+            for fd, size in fds_sizes:
+                h = _ok(cu.cuMemImportFromShareableHandle(fd, kind), f"cuMemImportFromShareableHandle(fd={fd})")
+                try:
+                    _ok(cu.cuMemMap(base + off, size, 0, h, 0), f"cuMemMap of an imported chunk of {size:,d} bytes")
+                except BaseException:
+                    cu.cuMemRelease(h)
+                    raise
+                owner._chunks.append(_Chunk(off, size, h))
+                _set_access(base + off, size, dev)
+                off += size
+        except BaseException:
+            owner.close()
+            raise
+        owner.size = total
+        return owner, _wrap(base, nbytes, dev)
