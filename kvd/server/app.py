@@ -15,6 +15,7 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -78,6 +79,8 @@ class Daemon:
     @classmethod
     def start(cls, settings: Settings) -> Daemon:
         validate(settings)
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
         layout = load_layout(settings.layout)
         for path in reap_stale(settings.arena_dir):
             log.warning("removed %s: an arena file left by a daemon that died without cleaning up", path)
