@@ -54,19 +54,25 @@ class Arena(abc.ABC):
     """
 
     region_id: str
+    # Set by every implementation's constructor; read through the properties below.
+    _reserved: int
+    _backed: int
+    _base: int
 
     @property
-    @abc.abstractmethod
-    def reserved(self) -> int: ...
+    def reserved(self) -> int:
+        """Bytes of address space reserved; fixed for the arena's lifetime."""
+        return self._reserved
 
     @property
-    @abc.abstractmethod
-    def backed(self) -> int: ...
+    def backed(self) -> int:
+        """Bytes ``[0, backed)`` backed by memory now."""
+        return self._backed
 
     @property
-    @abc.abstractmethod
     def base(self) -> int:
         """Address of byte 0 (host address for CPU arenas, device address for CUDA ones)."""
+        return self._base
 
     @property
     @abc.abstractmethod
@@ -134,18 +140,6 @@ class ShmArena(Arena):
         self._full = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._backed = 0
         self.set_backed(backed)
-
-    @property
-    def reserved(self) -> int:
-        return self._reserved
-
-    @property
-    def backed(self) -> int:
-        return self._backed
-
-    @property
-    def base(self) -> int:
-        return self._base
 
     @property
     def device(self) -> torch.device:

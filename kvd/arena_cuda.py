@@ -205,18 +205,6 @@ class CudaVmmArena(Arena):
 
     # ---- Arena interface ---------------------------------------------------------------------
     @property
-    def reserved(self) -> int:
-        return self._reserved
-
-    @property
-    def backed(self) -> int:
-        return self._backed
-
-    @property
-    def base(self) -> int:
-        return self._base
-
-    @property
     def device(self) -> torch.device:
         return torch.device("cuda", self._dev)
 
