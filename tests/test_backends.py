@@ -367,3 +367,21 @@ def test_local_backend_misuse_is_refused() -> None:
     b.close()
     with pytest.raises(FailedPrecondition, match="closed"):
         b.write(PeerRegion("/dev/shm/x", 0, 4096, "x"), [0], [0], [1])
+
+
+def test_local_backend_lets_go_of_dead_peers_arenas(lone_writer: Callable[[str, int], Writer]) -> None:
+    """A decode daemon that restarts comes back with a new arena file; the prefill side must not
+    keep the dead one mapped (a whole arena of RAM per restart)."""
+    w = lone_writer("local", 4 * MiB)
+    old, new = Peer("local", 16 * MiB, 4 * MiB), Peer("local", 16 * MiB, 4 * MiB)
+    try:
+        r_old, r_new = old.region, new.region
+        w.backend.write(r_old, [w.arena.base], [r_old.base], [MiB])
+        assert r_old.endpoint in w.backend._maps
+        old.kill()
+        w.backend.write(r_new, [w.arena.base], [r_new.base], [MiB])  # mapping a new peer prunes dead ones
+        assert r_old.endpoint not in w.backend._maps and r_new.endpoint in w.backend._maps
+        assert new.hash(0, MiB) == digest(w.arena.tensor()[:MiB])
+    finally:
+        old.close()
+        new.close()

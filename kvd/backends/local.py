@@ -156,6 +156,8 @@ class LocalBackend(Backend):
         try:
             st = os.stat(path)
         except FileNotFoundError as exc:
+            with self._maps_lock:
+                self._maps.pop(path, None)  # the peer is gone: let its mapping go too
             raise Unavailable(f"peer arena {peer.region_id!r} is gone: {path} does not exist") from exc
         with self._maps_lock:
             m = self._maps.get(path)
@@ -163,6 +165,11 @@ class LocalBackend(Backend):
                 del self._maps[path]  # writes still holding it finish on the old mapping
                 m = None
             if m is None:
+                # A new peer: drop mappings of peers that died meanwhile (each holds a whole
+                # arena's worth of tmpfs pages alive until it is unmapped).
+                for other, om in list(self._maps.items()):
+                    if not _owner_alive(om.fd):
+                        del self._maps[other]
                 m = self._map(path, peer)
                 self._maps[path] = m
             return m
@@ -189,11 +196,17 @@ class LocalBackend(Backend):
             raise
         return _Mapping(mm, np.frombuffer(mm, dtype=np.uint8), fd, st.st_ino, peer.backed_bytes)
 
+    def _forget(self, path: str, m: _Mapping) -> None:
+        with self._maps_lock:
+            if self._maps.get(path) is m:
+                del self._maps[path]
+
     # -- the copy ---------------------------------------------------------------------------
 
     def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         m = self._mapping(peer)
         if not _owner_alive(m.fd):
+            self._forget(peer.endpoint, m)  # a dead peer's arena must not stay mapped (its RAM)
             raise Unavailable(f"peer arena {peer.region_id!r} ({peer.endpoint}) has no live owner; nothing was written")
         src_view, dst_view = self._src, m.view
         if src_view is None:  # Backend.write checked that an arena is registered
