@@ -134,11 +134,22 @@ def _stats(r: pb.Stats) -> NodeStats:
     return NodeStats(pool, r.layout_name, r.leases_live, r.leases_expired_total, r.stale_refusals_total, r.sessions_live, r.sessions_expired_total)
 
 
+def _tokens(n: object, what: str) -> int:
+    """A token count the wire can carry; the daemon judges its value (0, negative, too big)."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise InvalidArgument(f"{what}: token count must be an int, got {n!r}")
+    if not -(2**63) <= n < 2**63:
+        raise InvalidArgument(f"{what}: token count {n} does not fit in 64 bits")
+    return n
+
+
 def _specs(specs: Sequence[AllocSpec | tuple]) -> list[pb.AllocSpec]:
     out = []
     for s in specs:
         s = s if isinstance(s, AllocSpec) else AllocSpec(*s)
-        out.append(pb.AllocSpec(rid=s.rid, tokens=s.tokens, receive=s.receive))
+        if not isinstance(s.rid, str):
+            raise InvalidArgument(f"allocate: request id must be a string, got {s.rid!r}")
+        out.append(pb.AllocSpec(rid=s.rid, tokens=_tokens(s.tokens, "allocate"), receive=bool(s.receive)))
     return out
 
 
@@ -183,11 +194,11 @@ class _Surface:
         return self._call("CanAllocate", pb.CanAllocateRequest(requests=_specs(specs)), lambda r: r.shortfall_bytes)
 
     def extend(self, rid: str, tokens: int) -> IndexVectors:
-        req = pb.ExtendRequest(items=[pb.ExtendItem(rid=rid, tokens=tokens)])
+        req = pb.ExtendRequest(items=[pb.ExtendItem(rid=rid, tokens=_tokens(tokens, "extend"))])
         return self._call("Extend", req, lambda r: vectors_from_pb(r.vectors[0]))
 
     def extend_many(self, items: Sequence[tuple[str, int]]) -> list[IndexVectors]:
-        req = pb.ExtendRequest(items=[pb.ExtendItem(rid=rid, tokens=n) for rid, n in items])
+        req = pb.ExtendRequest(items=[pb.ExtendItem(rid=rid, tokens=_tokens(n, "extend")) for rid, n in items])
         return self._call("Extend", req, lambda r: [vectors_from_pb(v) for v in r.vectors])
 
     def free(self, *rids: str) -> int:

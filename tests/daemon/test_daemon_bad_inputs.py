@@ -298,3 +298,17 @@ def test_peer_token_required_when_configured(tmp_path):
             assert t.node.stats() == before
     finally:
         stop_inproc(t)
+
+
+@pytest.mark.parametrize("bad", ["12", 1.5, True, 2**64])
+def test_client_refuses_token_counts_the_wire_cannot_carry(inproc: Target, bad: object) -> None:
+    """A token count that is not a 64-bit int is the caller's mistake: InvalidArgument from the
+    client (not a TypeError from protobuf), nothing sent, the pool unchanged."""
+    c = inproc.connect(name="types")
+    before = inproc.snapshot(c)
+    with pytest.raises(E.InvalidArgument, match="token count"):
+        c.allocate(rid(), bad)  # type: ignore[arg-type]
+    with pytest.raises(E.InvalidArgument, match="token count"):
+        c.allocate_many([(rid(), 4), (rid(), bad)])  # type: ignore[list-item]
+    assert inproc.snapshot(c) == before
+    inproc.check()
