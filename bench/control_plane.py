@@ -36,19 +36,15 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
-import platform
-import re
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from benchkit import BenchDaemon, cpu_model, cpu_snap, own_cpu  # noqa: E402  (bench/ is sys.path[0])
 
 GIB = 1 << 30
 SINGLE = ("echo", "allocate", "vectors", "lease SEND", "release", "free")
@@ -78,50 +74,6 @@ def request_bytes(layout_name: str, tokens: int, receive: bool) -> int:
         else:  # state: one slot
             total += layout.page_bytes(g)
     return total
-
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen
-    unix: str
-    tcp: str | None
-    tmp: str
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def start_daemon(layout: str, arena_bytes: int, tcp: bool) -> Daemon:
-    tmp = tempfile.mkdtemp(prefix="kvd-bench-")
-    sock = os.path.join(tmp, "kvd.sock")
-    cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", sock, "--arena-bytes", str(arena_bytes),
-           "--layout", layout, "--log-level", "WARNING"]
-    if tcp:
-        cmd += ["--listen-tcp", "127.0.0.1:0"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
-    d = Daemon(proc, f"unix:{sock}", None, tmp)
-    deadline = time.monotonic() + 60
-    for line in proc.stdout:  # type: ignore[union-attr]
-        m = re.match(r"kvd: serving on (.*?)(;|$)", line.strip())
-        if m:
-            for a in m.group(1).split(", "):
-                if not a.startswith("unix:"):
-                    d.tcp = a
-            break
-        if time.monotonic() > deadline:
-            break
-    if proc.poll() is not None or not os.path.exists(sock):
-        d.stop()
-        raise RuntimeError(f"daemon did not start: {' '.join(cmd)}")
-    return d
 
 
 # =============================================================================================
@@ -259,33 +211,12 @@ def run_config(address: str, transport: str, clients: int, plan: Plan) -> dict[s
 # report
 # =============================================================================================
 def machine() -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     import google.protobuf
     import grpc
     from google.protobuf.internal import api_implementation
 
-    return (f"{os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}, Python {platform.python_version()}, "
-            f"grpcio {grpc.__version__}, protobuf {google.protobuf.__version__} ({api_implementation.Type()})")
-
-
-def cpu_snap() -> tuple[float, float]:
-    """(all CPUs' total seconds, busy seconds) from /proc/stat."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    hz = os.sysconf("SC_CLK_TCK")
-    return sum(v) / hz, (sum(v) - v[3] - v[4]) / hz  # idle and iowait are not busy
-
-
-def own_cpu() -> float:
-    """CPU seconds of this process and its waited-for children (the daemon, the clients)."""
-    import resource
-
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return (f"{cpu_model()}, grpcio {grpc.__version__}, protobuf {google.protobuf.__version__} "
+            f"({api_implementation.Type()})")
 
 
 def proc_cpu(pid: int) -> float:
@@ -350,7 +281,8 @@ def main() -> None:
     busy = busy_fraction()
     t_all = time.perf_counter()
     cpu0, own0 = cpu_snap(), own_cpu()
-    d = start_daemon(args.layout, arena, tcp="tcp" in transports)
+    extra = ["--listen-tcp", "127.0.0.1:0"] if "tcp" in transports else []
+    d = BenchDaemon.spawn("--arena-bytes", str(arena), "--layout", args.layout, *extra).wait_ready()
     print(f"kvd control-plane benchmark -- {machine()}")
     print(f"daemon: {args.layout}, {args.tokens}-token {'received' if args.receive else 'computed'} requests "
           f"({per_req / 2**20:,.0f} MiB each), sparse {arena / 2**40:.2f} TiB shm arena; "

@@ -47,13 +47,9 @@ import inspect
 import json
 import mmap
 import os
-import platform
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -61,6 +57,8 @@ from dataclasses import dataclass, field
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from benchkit import BenchDaemon, cpu_model, cpu_snap, own_cpu  # noqa: E402  (bench/ is sys.path[0])
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -235,50 +233,6 @@ def pieces(nbytes: int, piece: int) -> list[int]:
 # =============================================================================================
 # daemons
 # =============================================================================================
-@dataclass
-class Daemon:
-    proc: subprocess.Popen
-    unix: str
-    tmp: str
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def spawn_daemon(backend: str, arena_bytes: int) -> Daemon:
-    tmp = tempfile.mkdtemp(prefix="kvd-bench-")
-    sock = os.path.join(tmp, "kvd.sock")
-    cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", sock, "--listen-tcp", "127.0.0.1:0",
-           "--backend", backend, "--layout", LAYOUT, "--arena-bytes", str(arena_bytes), "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
-    return Daemon(proc, f"unix:{sock}", tmp)
-
-
-def wait_daemon(d: Daemon) -> Daemon:
-    """Wait for the "serving" line, then keep draining the daemon's output (engine logs) so the
-    pipe never fills and blocks it."""
-    import threading
-
-    seen = []
-    for line in d.proc.stdout:  # type: ignore[union-attr]
-        seen.append(line)
-        if line.startswith("kvd: serving on"):
-            break
-    if d.proc.poll() is not None or not os.path.exists(d.unix[len("unix:"):]):
-        d.stop()
-        raise RuntimeError(f"daemon did not start: {' '.join(d.proc.args)}\n{''.join(seen)}")
-    threading.Thread(target=lambda: [None for _ in d.proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-    return d
-
-
 # =============================================================================================
 # sizes, scatter, data
 # =============================================================================================
@@ -462,13 +416,14 @@ def run_backend(backend: str, args, log) -> list[Row]:
     max_bytes = max(sizes(layout, t)["bytes"] for t in big + small)
     raw_buf = min(args.raw_buffer_mib * MIB, -(-max_bytes // (64 * MIB)) * 64 * MIB)
     t0 = time.perf_counter()
-    P, D = spawn_daemon(backend, arena), spawn_daemon(backend, arena)
+    args_ = ("--listen-tcp", "127.0.0.1:0", "--backend", backend, "--layout", LAYOUT, "--arena-bytes", str(arena))
+    P, D = BenchDaemon.spawn(*args_), BenchDaemon.spawn(*args_)
     raw = None
     rows: list[Row] = []
     try:
         raw = RawMooncake(raw_buf) if backend == "mooncake" else RawLocal(raw_buf)  # starts while the daemons do
-        wait_daemon(P)
-        wait_daemon(D)
+        P.wait_ready()
+        D.wait_ready()
         pc = Client.connect(P.unix, name="bench-prefill", timeout=120)
         dc = Client.connect(D.unix, name="bench-decode", timeout=120)
         p_att, d_att = pc.attach(), dc.attach()
@@ -608,12 +563,6 @@ def run_backend(backend: str, args, log) -> list[Row]:
 # report
 # =============================================================================================
 def machine() -> str:
-    cpu = platform.processor() or "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     try:
         from importlib.metadata import version
 
@@ -622,21 +571,7 @@ def machine() -> str:
         mc = "?"
     import torch
 
-    return (f"{os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, mooncake-transfer-engine-non-cuda {mc}")
-
-
-def cpu_snap() -> tuple[float, float]:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:8]]
-    hz = os.sysconf("SC_CLK_TCK")
-    return sum(v) / hz, (sum(v) - v[3] - v[4]) / hz
-
-
-def own_cpu() -> float:
-    import resource
-
-    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+    return f"{cpu_model()}, torch {torch.__version__}, mooncake-transfer-engine-non-cuda {mc}"
 
 
 def table(rows: list[Row]) -> str:

@@ -30,9 +30,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kvd.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, NotFound
+from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, NotFound, StaleEpoch
 from kvd.leases import LeaseKind
 from kvd.pool import Envelope, IndexVectors
 from kvd.transfer import Plan, plan_chunk
@@ -96,17 +96,12 @@ class PeerLink(Protocol):
     def heartbeat(self, address: str, sender: str, refs: list[TransferRef]) -> list[int]: ...
 
 
-class Status(tuple):
-    """``(state, reason, bytes)`` of an inbound transfer."""
+class Status(NamedTuple):
+    """State of an inbound transfer, its failure reason, and the bytes committed so far."""
 
-    __slots__ = ()
-
-    def __new__(cls, state: TransferState, reason: str, nbytes: int) -> Status:
-        return super().__new__(cls, (state, reason, nbytes))
-
-    state = property(lambda self: self[0])
-    reason = property(lambda self: self[1])
-    nbytes = property(lambda self: self[2])
+    state: TransferState
+    reason: str
+    nbytes: int
 
 
 @dataclass(slots=True)
@@ -151,8 +146,6 @@ class Inbox:
     def _find(self, ref: TransferRef) -> _Inbound:
         if ref.boot_id != self.node.pool.boot_id:
             self.node.stale_refusals += 1
-            from kvd.errors import StaleEpoch
-
             raise StaleEpoch(f"transfer names boot {ref.boot_id!r}; this daemon is boot {self.node.pool.boot_id!r} (it restarted)")
         ib = self._by_rid.get(ref.rid)
         if ib is None or ib.lease_id != ref.lease_id:

@@ -272,7 +272,7 @@ class Model:
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
                 window: int | None) -> torch.Tensor:
         """Grouped-query attention: query head ``h`` reads KV head ``h // (heads / kv_heads)``."""
-        T, S = q.shape[0], k.shape[0]
+        T = q.shape[0]
         kvh, hd = self.cfg.n_kv_heads, self.cfg.head_dim
         rep = self.cfg.n_heads // kvh
         qg = q.view(T, kvh, rep, hd).permute(1, 2, 0, 3).reshape(kvh, rep * T, hd)

@@ -1,0 +1,89 @@
+"""What the CPU benchmarks share: a kvd daemon in its own process, and CPU accounting so a
+report can say how busy the machine was while it measured (these VMs are noisy)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class BenchDaemon:
+    """``python -m kvd.cli serve`` on a private Unix socket (plus TCP loopback if asked)."""
+
+    proc: subprocess.Popen
+    unix: str
+    tmp: str
+    tcp: str | None = None
+
+    @classmethod
+    def spawn(cls, *args: str) -> BenchDaemon:
+        """Start the process; call :meth:`wait_ready` before use (spawn several, then wait:
+        their start-ups overlap)."""
+        tmp = tempfile.mkdtemp(prefix="kvd-bench-")
+        sock = os.path.join(tmp, "kvd.sock")
+        cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", sock, "--log-level", "WARNING", *args]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+        return cls(proc, f"unix:{sock}", tmp)
+
+    def wait_ready(self) -> BenchDaemon:
+        """Wait for the "serving" line (recording the TCP address), then keep draining the
+        daemon's output so the pipe never fills and blocks it."""
+        seen = []
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            m = re.match(r"kvd: serving on (.*?)(;|$)", line.strip())
+            if m:
+                self.tcp = next((a for a in m.group(1).split(", ") if not a.startswith("unix:")), None)
+                break
+        if self.proc.poll() is not None or not os.path.exists(self.unix[len("unix:"):]):
+            self.stop()
+            raise RuntimeError(f"daemon did not start: {' '.join(self.proc.args)}\n{''.join(seen)}")
+        threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+        return self
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def cpu_model() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def cpu_snap() -> tuple[float, float]:
+    """(all CPUs' total seconds, busy seconds) from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return sum(v) / hz, (sum(v) - v[3] - v[4]) / hz  # idle and iowait are not busy
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and its waited-for children (the daemons, the clients)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
