@@ -209,9 +209,10 @@ class Inbox:
                 ):
                     dead.append(ref.lease_id)
                     continue
+                # Only CheckTicket begins a transfer: a heartbeat naming a WAITING one (a sender
+                # whose ticket was refused, or that has not reached the receiver yet) keeps the
+                # lease alive but must not make it look like writes have started.
                 ib.last_seen = now
-                if ib.state is TransferState.WAITING:
-                    ib.state, ib.sender = TransferState.RECEIVING, sender
                 self.node.leases.renew(ib.lease_id)
         return dead
 
@@ -457,7 +458,8 @@ class Outbox:
                     del self._open[key]
             by_peer: dict[str, list[_Outbound]] = {}
             for ob in self._open.values():
-                if not ob.aborted:
+                # A Send still validating its ticket has not begun: nothing to keep alive yet.
+                if ob.began and not ob.aborted:
                     by_peer.setdefault(ob.ticket.peer_address, []).append(ob)
         for address, obs in by_peer.items():
             try:

@@ -1,0 +1,96 @@
+"""Pure-core tests of the handoff state machines (:mod:`kvd.handoff`): two in-process nodes, a
+peer link that calls the receiver's Inbox directly, no gRPC. The loopback tier in
+``tests/handoff`` runs the same protocol between daemons; these pin down orderings that the
+loopback tier can only hit by chance (a heartbeat landing inside a Send)."""
+
+from __future__ import annotations
+
+import pytest
+
+import pool_testkit as pk
+from kvd.backends.local import LocalBackend
+from kvd.errors import LayoutMismatch
+from kvd.handoff import Outbox, TicketInfo, TransferRef, TransferState
+from kvd.leases import LeaseKind
+from kvd.node import Node
+from kvd.pool import AllocSpec, Pool
+
+TOKENS = 20
+
+
+class DirectLink:
+    """A PeerLink that calls the receiving node in-process and records every call.
+
+    ``on_check`` runs inside ``check_ticket`` before the receiver sees the ticket: the window in
+    which a Send has registered its transfer but the receiver has not accepted it."""
+
+    def __init__(self, receiver: Node) -> None:
+        self.receiver = receiver
+        self.calls: list[tuple[str, tuple]] = []
+        self.on_check = lambda: None
+
+    def check_ticket(self, address, ticket, sender):
+        self.calls.append(("check_ticket", (address, sender)))
+        self.on_check()
+        raise LayoutMismatch("group swa: page bytes differ (refused by the receiver)")
+
+    def commit(self, address, ref, last, nbytes):
+        self.calls.append(("commit", (ref, last, nbytes)))
+        self.receiver.inbox.commit(ref, last, nbytes)
+
+    def abort_receive(self, address, ref, reason, drained):
+        self.calls.append(("abort_receive", (ref, reason, drained)))
+        self.receiver.inbox.abort(ref, reason, drained)
+
+    def abort_send(self, address, ref, reason):
+        self.calls.append(("abort_send", (ref, reason)))
+
+    def heartbeat(self, address, sender, refs):
+        self.calls.append(("heartbeat", tuple(refs)))
+        return self.receiver.inbox.heartbeat(sender, refs)
+
+
+def _node() -> tuple[Node, str]:
+    s = pk.sizings()["two-group"]
+    node = Node(Pool(s.layout, pk.arena_for(s)))
+    return node, node.open_session("engine").session_id
+
+
+@pytest.fixture
+def pair():
+    (p, ps), (d, ds) = _node(), _node()
+    rid = "req-1"
+    p.allocate(ps, [AllocSpec(rid, TOKENS)])
+    d.allocate(ds, [AllocSpec(rid, TOKENS, receive=True)])
+    lease, vec = d.acquire_lease(ds, rid, LeaseKind.RECV)
+    ticket = TicketInfo(
+        peer_address="decode", boot_id=d.pool.boot_id, epoch=vec.epoch, lease_id=lease.lease_id, rid=rid,
+        layout_fingerprint=d.layout.fingerprint, envelopes=d.pool.envelopes(), vectors=vec,
+        transfer_endpoint="unused", backend="local",
+    )
+    yield p, ps, d, ds, rid, ticket
+    p.check()
+    d.check()
+
+
+def test_heartbeat_inside_a_refused_send_leaves_the_receiver_waiting(pair):
+    p, ps, d, _, rid, ticket = pair
+    link = DirectLink(d)
+    ob = Outbox(p, LocalBackend(), link, address="prefill")
+    link.on_check = ob.heartbeat_once  # the heartbeat thread fires while the ticket is checked
+    with pytest.raises(LayoutMismatch):
+        ob.send(ps, rid, ticket, b"raw", 0, None, last=True)
+    # The receiver never accepted the ticket: no heartbeat named it, it still waits, and the
+    # sender holds nothing open and no lease.
+    assert [c for c, _ in link.calls] == ["check_ticket"]
+    assert d.inbox.status(rid).state is TransferState.WAITING
+    assert ob.open_count() == 0 and len(p.leases) == 0
+
+
+def test_a_receiver_heartbeat_never_begins_a_waiting_transfer(pair):
+    _, _, d, _, rid, ticket = pair
+    assert d.inbox.heartbeat("prefill", [ticket.ref]) == []
+    assert d.inbox.status(rid).state is TransferState.WAITING
+    # A reference from another boot is reported dead and changes nothing.
+    assert d.inbox.heartbeat("prefill", [TransferRef("other-boot", ticket.lease_id, rid)]) == [ticket.lease_id]
+    assert d.inbox.status(rid).state is TransferState.WAITING
