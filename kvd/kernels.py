@@ -6,10 +6,14 @@
   the device into a table of 8 KiB tiles (source offset, destination offset, valid words) and a
   1-D grid launches one program per tile, which copies it with 16-byte loads and stores: no loop,
   no per-run arithmetic, many small equal programs (on an H200, 0.91-0.97 of a contiguous
-  device-to-device copy of the same bytes for 4 KiB - 2 MiB pages; bench/gpu.py). The "tile"
+  device-to-device copy of the same bytes for 4 KiB - 2 MiB pages; bench/gpu.py). A run table
+  on the CPU (what compaction passes) reaches the device without a sync: the host packs it into
+  a reused pinned buffer (:mod:`kvd.staging`), counts the tiles from the CPU lengths, and one
+  asynchronous copy plus one table-building launch precede the move. The "tile"
   and "balanced" strategies (a ``(run piece, tile)`` grid, programs looping over tiles) are kept
   as alternatives; they measured 0.67-0.74.
-* :func:`translate` gathers ``v2p[vids]`` (int32 page ids; ``-1`` for ids outside the table).
+* :func:`translate` gathers ``v2p[vids]`` (int32 page ids; ``-1`` for ids outside the table);
+  :class:`TranslateTuning` selects ids per program, warps and cache hints (``_TRANSLATE``).
 
 Both fall back to the torch implementation when the tensors are on the CPU (or, for moves,
 on different devices, or in a layout the kernel does not cover), so callers need not care.
@@ -20,11 +24,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvd.errors import InvalidArgument
 from kvd.runs import Runs, copy_runs, expand
+from kvd.staging import staging_for
 
 try:  # Triton ships with CUDA builds of torch; CPU nodes run without it.
     import triton
@@ -33,7 +39,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["move_pages", "prepare_runs", "prepare_tiles", "TileTable", "translate", "available"]
+__all__ = ["move_pages", "prepare_runs", "prepare_tiles", "TileTable", "translate", "TranslateTuning", "available"]
 
 #: "tile"/"balanced": bytes one program copies per loop iteration (smaller pages use smaller tiles).
 _TILE_BYTES = 32 * 1024
@@ -52,6 +58,13 @@ _PROGRAMS_PER_SM = 32
 _SPLIT_PER_SM = 4
 #: At most this many pieces in a run table (bounds the table's size for huge moves).
 _MAX_PIECES = 1 << 20
+#: "flat" with the run table on the CPU (what compaction's copy_runs passes): the table goes to
+#: the device through a reused pinned buffer (kvd.staging) in one asynchronous copy, and one
+#: Triton launch expands it to tiles; no device sync, no pageable copy. False: the older torch
+#: expansion (a pageable copy, which waits for the stream, and about ten launches); benchmarks.
+_STAGED_TABLE = True
+#: Tiles per program of the table-building kernel.
+_BUILD_BLOCK = 256
 
 
 def available(device: torch.device | None = None) -> bool:
@@ -118,15 +131,70 @@ if triton is not None:
             x = tl.load(src_ptr + s + lane, mask=m)
             tl.store(dst_ptr + d + lane, x, mask=m)
 
+    @triton.jit(do_not_specialize=["n_runs", "total", "wpp", "block", "steps"])
+    def _tile_rows_kernel(
+        run_src, run_dst, run_len, run_first, table_ptr, n_runs, total, wpp, block, steps, BLOCK: tl.constexpr
+    ):
+        # Rows t of the tile table (see TileTable), BLOCK per program. run_* are int64 per-run
+        # columns (pages, and run_first[r] = tiles of the runs before r: non-decreasing, 0 first).
+        # Tile t belongs to the last run r with run_first[r] <= t, found by a binary search over
+        # [lo, hi): run_first[lo] <= t < run_first[hi] (run_first[n_runs] would be total) holds
+        # throughout, so lo < hi, every probe mid lies in [0, n_runs), and runs with no tiles
+        # (equal run_first) are stepped over. steps >= ceil(log2(n_runs)) halvings end at hi = lo + 1.
+        t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = t < total
+        lo = tl.zeros([BLOCK], dtype=tl.int64)
+        hi = lo + n_runs
+        for _ in range(steps):
+            mid = (lo + hi) >> 1
+            go = tl.load(run_first + mid, mask=m, other=0) <= t
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid)
+        k = (t - tl.load(run_first + lo, mask=m, other=0)) * block  # word offset of the tile in its run
+        rest = tl.load(run_len + lo, mask=m, other=0) * wpp - k
+        row = table_ptr + t * 4
+        tl.store(row, tl.load(run_src + lo, mask=m, other=0) * wpp + k, mask=m)
+        tl.store(row + 1, tl.load(run_dst + lo, mask=m, other=0) * wpp + k, mask=m)
+        tl.store(row + 2, tl.minimum(rest, block), mask=m)
+        tl.store(row + 3, k * 0, mask=m)
+
     @triton.jit
-    def _translate_kernel(v2p_ptr, vids_ptr, out_ptr, n, table_n, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        off = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    def _translate_kernel(
+        v2p_ptr, vids_ptr, out_ptr, n, table_n,
+        BLOCK: tl.constexpr, EVEN: tl.constexpr, STREAM: tl.constexpr, KEEP: tl.constexpr,
+    ):
+        # EVEN: n % BLOCK == 0, no bounds mask on the ids and the output. STREAM: the ids and the
+        # output are touched once (evict_first load, .cs store). KEEP: table entries are kept in
+        # L2 (evict_last) across calls. Out-of-table ids read nothing and give -1 in every case.
+        off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = off < n
-        v = tl.load(vids_ptr + off, mask=m, other=0).to(tl.int64)
+        if EVEN:
+            if STREAM:
+                v = tl.load(vids_ptr + off, eviction_policy="evict_first")
+            else:
+                v = tl.load(vids_ptr + off)
+        else:
+            if STREAM:
+                v = tl.load(vids_ptr + off, mask=m, other=0, eviction_policy="evict_first")
+            else:
+                v = tl.load(vids_ptr + off, mask=m, other=0)
+        v = v.to(tl.int64)
         ok = m & (v >= 0) & (v < table_n)
-        p = tl.load(v2p_ptr + v, mask=ok, other=-1)
-        tl.store(out_ptr + off, p.to(tl.int32), mask=m)
+        if KEEP:
+            p = tl.load(v2p_ptr + v, mask=ok, other=-1, eviction_policy="evict_last")
+        else:
+            p = tl.load(v2p_ptr + v, mask=ok, other=-1)
+        p = p.to(tl.int32)
+        if EVEN:
+            if STREAM:
+                tl.store(out_ptr + off, p, cache_modifier=".cs")
+            else:
+                tl.store(out_ptr + off, p)
+        else:
+            if STREAM:
+                tl.store(out_ptr + off, p, mask=m, cache_modifier=".cs")
+            else:
+                tl.store(out_ptr + off, p, mask=m)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -207,8 +275,57 @@ class TileTable:
 
 
 def _tile_table(runs: Runs, page_bytes: int, word_bytes: int, block: int, device: torch.device) -> TileTable:
-    """Expand ``runs`` to one row per tile. Tile counts come from the host copy of the lengths
-    when ``runs`` is on the CPU (no sync); the expansion itself runs on ``device``."""
+    """Expand ``runs`` to one row per tile, on ``device``: staged (one pinned copy, one launch)
+    when the table is on the CPU and the device is CUDA with Triton, else with torch ops."""
+    if _STAGED_TABLE and triton is not None and device.type == "cuda" and all(t.device.type == "cpu" for t in runs):
+        return _tile_table_staged(runs, page_bytes, word_bytes, block, device)
+    return _tile_table_torch(runs, page_bytes, word_bytes, block, device)
+
+
+def _tile_table_staged(runs: Runs, page_bytes: int, word_bytes: int, block: int, device: torch.device) -> TileTable:
+    """The tile table of a CPU run table, built without a device sync.
+
+    The host writes four int64 columns into a pinned staging buffer (``stride`` apart, even so
+    that every column starts 16-byte aligned)::
+
+        [ src pages | dst pages | lengths | first tile of each run ]   each `stride` long
+
+    computes the total tile count from the lengths (one cumsum, on the host), ships the columns
+    in one asynchronous copy on the current stream and expands them with one launch of
+    ``_tile_rows_kernel`` into a ``[total, 4]`` table allocated from the known total."""
+    n = len(runs)
+    if n == 0:
+        return TileTable(torch.empty(0, 4, dtype=torch.int64, device=device), page_bytes, word_bytes, block)
+    wpp = page_bytes // word_bytes
+    stride = n + (n & 1)
+    staging = staging_for(device)
+    with staging.lock:
+        slot, host = staging.acquire(4 * stride)
+        cols = host[: 4 * stride].view(4, stride)
+        for i, t in enumerate(runs):
+            cols[i, :n].copy_(t.reshape(-1))
+        # Tiles per run; a negative length moves nothing (as copy_runs' slices on the CPU).
+        tiles = (cols[2, :n].clamp(min=0) * wpp + (block - 1)) // block
+        first = cols[3, :n]
+        torch.cumsum(tiles, 0, out=first)
+        total = int(first[-1])
+        first -= tiles
+        if total == 0:
+            return TileTable(torch.empty(0, 4, dtype=torch.int64, device=device), page_bytes, word_bytes, block)
+        dev_cols = staging.to_device(slot, 4 * stride).view(4, stride)
+    table = torch.empty(total, 4, dtype=torch.int64, device=device)
+    with torch.cuda.device(device):
+        _tile_rows_kernel[(triton.cdiv(total, _BUILD_BLOCK),)](
+            dev_cols[0], dev_cols[1], dev_cols[2], dev_cols[3], table,
+            n, total, wpp, block, max(1, (n - 1).bit_length()),
+            BLOCK=_BUILD_BLOCK, num_warps=4,
+        )
+    return TileTable(table, page_bytes, word_bytes, block)
+
+
+def _tile_table_torch(runs: Runs, page_bytes: int, word_bytes: int, block: int, device: torch.device) -> TileTable:
+    """Expand ``runs`` to one row per tile with torch ops. Tile counts come from the host copy
+    of the lengths when ``runs`` is on the CPU (no sync); the expansion itself runs on ``device``."""
     wpp = page_bytes // word_bytes
     length_host = runs.length if runs.length.device.type == "cpu" else None
     small = torch.stack([t.to(torch.int64).reshape(-1) for t in runs]).to(device, non_blocking=True)
@@ -369,15 +486,48 @@ def _launch_flat(src_view: torch.Tensor, dst_view: torch.Tensor, tiles: TileTabl
         )
 
 
+class TranslateTuning(NamedTuple):
+    """How :func:`translate` launches its gather. Every setting gives the same result."""
+
+    block: int = 2048  # ids per program (a power of two): more ids in flight per thread
+    num_warps: int = 4
+    even: bool = False  # no bounds mask on ids and output when the id count is a multiple of block
+    stream: bool = False  # ids loaded evict_first, output stored .cs: both are touched once
+    keep: bool = False  # table entries loaded evict_last: the table stays in L2 between calls
+
+
+#: The tuning :func:`translate` uses by default (the one measured in docs/benchmarks.md).
+_TRANSLATE = TranslateTuning()
+#: Variants bench/gpu.py times side by side (and the GPU tests check), by label.
+TRANSLATE_VARIANTS: dict[str, TranslateTuning] = {
+    "default 2048/4w": _TRANSLATE,
+    "even 2048/4w": TranslateTuning(even=True),
+    "stream 2048/4w": TranslateTuning(even=True, stream=True),
+    "keep 2048/4w": TranslateTuning(even=True, keep=True),
+    "stream+keep 2048/4w": TranslateTuning(even=True, stream=True, keep=True),
+    "stream+keep 4096/4w": TranslateTuning(4096, 4, True, True, True),
+    "stream+keep 4096/8w": TranslateTuning(4096, 8, True, True, True),
+    "stream+keep 8192/8w": TranslateTuning(8192, 8, True, True, True),
+    "stream+keep 1024/4w": TranslateTuning(1024, 4, True, True, True),
+}
+
+
 def translate(
-    v2p: torch.Tensor, vids: torch.Tensor, *, check: bool = False, block: int = 2048, num_warps: int = 4
+    v2p: torch.Tensor,
+    vids: torch.Tensor,
+    *,
+    check: bool = False,
+    block: int | None = None,
+    num_warps: int | None = None,
+    tuning: TranslateTuning | None = None,
 ) -> torch.Tensor:
     """``v2p[vids]`` as a new int32 tensor (one gather on the GPU, ``index_select`` on the CPU).
 
     ``v2p`` is a 1-D int32 table (``-1`` = unbound); ``vids`` any integer tensor of ids. Ids outside
     ``[0, len(v2p))`` give ``-1`` on the GPU; with ``check=True`` (one device sync) they are
     refused with :class:`~kvd.errors.InvalidArgument` on either device, as the pool refuses them.
-    ``block`` (ids per program, a power of two) and ``num_warps`` are tuning knobs."""
+    ``tuning`` (default ``_TRANSLATE``) and ``block`` (ids per program, a power of two) /
+    ``num_warps`` overriding it are tuning knobs (benchmarks)."""
     if v2p.dim() != 1:
         raise InvalidArgument(f"translate: v2p must be 1-D, got shape {tuple(v2p.shape)}")
     if vids.dtype.is_floating_point or vids.dtype == torch.bool:
@@ -401,6 +551,13 @@ def translate(
     table = v2p if v2p.is_contiguous() else v2p.contiguous()
     out = torch.empty(n, dtype=torch.int32, device=dev)
     if n:
+        tu = tuning or _TRANSLATE
+        block, num_warps = block or tu.block, num_warps or tu.num_warps
+        if block <= 0 or block & (block - 1):
+            raise InvalidArgument(f"translate: block must be a power of two, got {block}")
         with torch.cuda.device(dev):
-            _translate_kernel[(triton.cdiv(n, block),)](table, flat, out, n, table_n, BLOCK=block, num_warps=num_warps)
+            _translate_kernel[(triton.cdiv(n, block),)](
+                table, flat, out, n, table_n,
+                BLOCK=block, EVEN=tu.even and n % block == 0, STREAM=tu.stream, KEEP=tu.keep, num_warps=num_warps,
+            )
     return out.view(vids.shape)
