@@ -33,7 +33,7 @@ class Staging:
     Use :meth:`to_device` only while holding :attr:`lock`, from :meth:`acquire` on: the buffer it
     returns is the caller's until :meth:`to_device` has issued the copy."""
 
-    __slots__ = ("device", "lock", "_bufs", "_events", "_turn")
+    __slots__ = ("_bufs", "_events", "_turn", "device", "lock")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

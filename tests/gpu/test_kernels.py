@@ -181,6 +181,146 @@ def test_copy_runs_dispatches_cuda_views_to_the_kernel(monkeypatch) -> None:
     assert torch.equal(g.cpu(), view)
 
 
+# ---- the staged path: run table on the CPU -> pinned buffer -> one copy, one table launch ------
+
+
+@pytest.fixture
+def small_staging(monkeypatch):
+    """Staging buffers made anew for the test, starting at 64 elements (16 runs), so tables of a
+    few hundred runs grow them while earlier copies may still be pending."""
+    from kvd import staging
+
+    monkeypatch.setattr(staging, "_STAGING", {})
+    monkeypatch.setattr(staging, "_MIN_ELEMS", 64)
+    return staging
+
+
+def _random_runs(n: int, gen: torch.Generator, *, zeros: bool = True) -> Runs:
+    """Run tables whose page ids need not be valid (table-only tests): lengths 0..8, one long run."""
+    length = torch.randint(0 if zeros else 1, 9, (n,), generator=gen)
+    length[int(torch.randint(0, n, (1,), generator=gen))] = 300
+    return Runs(torch.randint(0, 1 << 20, (n,), generator=gen), torch.randint(0, 1 << 20, (n,), generator=gen), length)
+
+
+@pytest.mark.parametrize("page_bytes", [8, 16, 100, 4096, 65536 + 8, 1 << 20])
+def test_staged_tile_table_equals_the_torch_build(page_bytes: int, small_staging) -> None:
+    gen = torch.Generator().manual_seed(page_bytes)
+    view = torch.empty(1, page_bytes, dtype=torch.uint8, device="cuda")
+    for n in (1, 2, 3, 5, 17, 500):
+        r = _random_runs(n, gen)
+        for tile in (2048, 8192, 32768):
+            _, w, block, _, _ = kernels._flat_geometry(view, view, tile)
+            got = kernels._tile_table_staged(r, page_bytes, w, block, view.device)
+            ref = kernels._tile_table_torch(r, page_bytes, w, block, view.device)
+            assert (got.page_bytes, got.word_bytes, got.block) == (ref.page_bytes, ref.word_bytes, ref.block)
+            assert torch.equal(got.table.cpu(), ref.table.cpu()), (n, tile)
+
+
+@pytest.mark.parametrize("page_bytes", [16, 4096, 16384, 65536 + 8, 1 << 20])
+def test_staged_moves_of_random_tables_match_cpu(page_bytes: int, small_staging) -> None:
+    gen = torch.Generator().manual_seed(31 + page_bytes)
+    pages = max(256, min(8192, (64 << 20) // page_bytes))
+    for n_runs, slot in ((1, 8), (7, 8), (pages // 32, 8), (pages // 4, 2)):
+        r = _scattered(pages, slot, n_runs, gen)
+        if n_runs > 1:  # int32 ids and a zero-length run are moved like any other table
+            r = Runs(r.src.to(torch.int32), r.dst.to(torch.int32), torch.cat([r.length[:-1], r.length.new_zeros(1)]))
+        cpu = _rand_pages(pages, page_bytes, gen)
+        gpu = cpu.cuda()
+        copy_runs(cpu, cpu, Runs(*(t.to(torch.int64) for t in r)))
+        kernels.move_pages(gpu, gpu, r)
+        assert torch.equal(gpu.cpu(), cpu), (n_runs, slot)
+
+
+def _sleep_stream(ms: float) -> None:
+    """Keep the current stream busy for about ``ms`` (so the host runs ahead of the copies)."""
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(int(ms * 2e6))  # ~2 GHz clocks
+
+
+def test_staged_moves_back_to_back_without_a_sync(small_staging) -> None:
+    """Many calls in a row while the stream sleeps: every table is written into a reused pinned
+    buffer before the copies of earlier calls have run (and the buffers grow meanwhile); each
+    call must still move its own table."""
+    gen = torch.Generator().manual_seed(41)
+    pages, pb, calls = 4096, 1024, 12
+    cpu_src = [_rand_pages(pages, pb, gen) for _ in range(calls)]
+    tables = [_scattered(pages, 2, n, gen) for n in (3, 700, 1, 40, 1000, 5, 300, 1024, 2, 64, 900, 11)]
+    g_src = [c.cuda() for c in cpu_src]
+    g_dst = [torch.zeros(pages, pb, dtype=torch.uint8, device="cuda") for _ in range(calls)]
+    torch.cuda.synchronize()
+    _sleep_stream(50)
+    for i in range(calls):
+        kernels.move_pages(g_src[i], g_dst[i], tables[i])
+    kernels.move_pages(g_dst[0], g_dst[0], Runs(*(torch.empty(0, dtype=torch.int64) for _ in range(3))))  # empty: no-op
+    torch.cuda.synchronize()
+    for i in range(calls):
+        ref = torch.zeros(pages, pb, dtype=torch.uint8)
+        copy_runs(cpu_src[i], ref, tables[i])
+        assert torch.equal(g_dst[i].cpu(), ref), i
+    caps = small_staging.staging_for(g_src[0].device).capacity()
+    assert max(caps) >= 4 * 1024 and min(caps) > 64  # both buffers grew from 64 elements
+
+
+def test_staged_moves_on_a_side_stream(small_staging) -> None:
+    gen = torch.Generator().manual_seed(43)
+    cpu = _rand_pages(2048, 4096, gen)
+    gpu = cpu.cuda()
+    r = [_scattered(2048, 4, 200, gen) for _ in range(4)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _sleep_stream(20)
+        for t in r:
+            kernels.move_pages(gpu, gpu, t)
+    for t in r:
+        copy_runs(cpu, cpu, t)
+    side.synchronize()
+    assert torch.equal(gpu.cpu(), cpu)
+
+
+def test_staged_empty_and_zero_length_tables(small_staging) -> None:
+    gen = torch.Generator().manual_seed(45)
+    g = _rand_pages(64, 4096, gen).cuda()
+    before = g.clone()
+    e = torch.empty(0, dtype=torch.int64)
+    zero = Runs(torch.tensor([0, 5]), torch.tensor([10, 20]), torch.tensor([0, 0]))
+    for r in (Runs(e, e, e), zero):
+        kernels.move_pages(g, g, r)
+        tiles = kernels.prepare_tiles(g, g, r)
+        assert len(tiles) == 0 and tiles.table.shape == (0, 4) and tiles.table.is_cuda
+        kernels.move_pages(g, g, tiles)
+    torch.cuda.synchronize()
+    assert torch.equal(g, before)
+
+
+def test_staged_huge_table_grows_the_buffer(monkeypatch) -> None:
+    """A table far larger than the initial staging buffer (default size): 200k runs of 16-byte pages."""
+    from kvd import staging
+
+    monkeypatch.setattr(staging, "_STAGING", {})
+    gen = torch.Generator().manual_seed(47)
+    pages = 1 << 20
+    r = _scattered(pages, 2, 200_000, gen)
+    cpu = _rand_pages(pages, 16, gen)
+    gpu = cpu.cuda()
+    copy_runs(cpu, cpu, r)
+    kernels.move_pages(gpu, gpu, r)
+    assert torch.equal(gpu.cpu(), cpu)
+    assert 4 * 200_000 > staging._MIN_ELEMS
+    assert max(staging.staging_for(gpu.device).capacity()) >= 4 * 200_000
+
+
+def test_unstaged_torch_table_build_still_moves(monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "_STAGED_TABLE", False)
+    gen = torch.Generator().manual_seed(49)
+    cpu = _rand_pages(1024, 16384, gen)
+    gpu = cpu.cuda()
+    r = _scattered(1024, 8, 60, gen)
+    copy_runs(cpu, cpu, r)
+    kernels.move_pages(gpu, gpu, r)
+    assert torch.equal(gpu.cpu(), cpu)
+
+
 # ---- translate -------------------------------------------------------------------------------
 
 
@@ -212,3 +352,27 @@ def test_translate_out_of_range() -> None:
             kernels.translate(table, vids.to(table.device), check=True)
     with pytest.raises(InvalidArgument, match="ids must be integers"):
         kernels.translate(v2p.cuda(), torch.zeros(3, device="cuda"))
+
+
+@pytest.mark.parametrize("label", list(kernels.TRANSLATE_VARIANTS))
+def test_translate_variants_match_cpu(label: str) -> None:
+    """Every tuning gives index_select's result, -1 for ids outside the table, on even and ragged sizes."""
+    tu = kernels.TRANSLATE_VARIANTS[label]
+    gen = torch.Generator().manual_seed(len(label))
+    table = 1 << 20
+    v2p = torch.randint(-1, 1 << 24, (table,), dtype=torch.int32, generator=gen)
+    g_v2p = v2p.cuda()
+    for n in (tu.block * 64, tu.block * 64 + 37, 5):
+        vids = torch.randint(0, table, (n,), dtype=torch.int64, generator=gen)
+        vids[::97] = -1
+        vids[1::89] = table + 5
+        vids[2::101] = table
+        vids[3::103] = -(1 << 40)
+        inside = (vids >= 0) & (vids < table)
+        ref = torch.where(inside, v2p[vids.clamp(0, table - 1)], torch.full_like(v2p[:1], -1))
+        for dt in (torch.int32, torch.int64):
+            v = vids.to(dt) if dt == torch.int64 else vids.clamp(-(1 << 31), (1 << 31) - 1).to(dt)
+            out = kernels.translate(g_v2p, v.cuda(), tuning=tu)
+            assert out.dtype == torch.int32 and torch.equal(out.cpu(), ref), (n, dt)
+    with pytest.raises(InvalidArgument, match="power of two"):
+        kernels.translate(g_v2p, vids.cuda(), tuning=tu, block=1000)
