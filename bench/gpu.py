@@ -1,11 +1,15 @@
 """GPU data-plane benchmark (issue 6): page moves, id translation and post-capture finalize on a
 CUDA virtual-memory arena, each against a baseline measured in the same run.
 
-    python3 bench/gpu.py            # full run (well under a minute on an H200)
-    python3 bench/gpu.py --quick    # smaller sizes
+    python3 bench/gpu.py            # full run (about a minute on an H200, Triton compiles included)
+    python3 bench/gpu.py --quick    # smaller sizes, the default designs only (~30 s)
     python3 bench/gpu.py --json out.json
     python3 bench/gpu.py --explore  # also: plain Triton / TMA copies of 512 MiB (where the time goes)
-    python3 bench/gpu.py --sweep    # also: translate block/warps variants
+    python3 bench/gpu.py --sweep    # also: translate block x warps x hints grid
+
+Self-checking: every timed variant (page-move design, translate tuning) is first run on its
+inputs and compared with a reference; a variant that fails is reported as such and not timed,
+and the exit status is 1 if anything failed.
 
 1. Copy ceiling. ``dst.copy_(src)`` of 2 GiB inside one arena, GB/s counting bytes read and
    written (the device's practical bandwidth).
@@ -14,16 +18,23 @@ CUDA virtual-memory arena, each against a baseline measured in the same run.
    destinations in random slots of the upper half (no overlap), about 0.56 GiB moved per call.
    Each design of ``kernels.move_pages`` (``DESIGNS``: "flat" 8K/8w is the default) is timed
    with its table prepared on the device (kernel column) and with the run table on the CPU
-   (e2e column: what compaction's ``copy_runs`` pays, table building included), against torch
+   (e2e column: what compaction's ``copy_runs`` pays, table building included: for "flat", the
+   pinned staging buffer, one asynchronous copy and one table-building launch), against torch
    ``index_select``/``index_copy_`` with device indices (the old path) and a contiguous
    ``copy_`` of the same byte count (the baseline). ratio = copy time / kernel time (target
-   >= 0.8 for pages >= 16 KiB). Every design's moved pages are checked against their sources.
+   >= 0.8 for pages >= 16 KiB). For the default design, "e2e unstaged" times the previous CPU
+   path (pageable copy, torch table build) in the same run. Both paths of every design are
+   checked (every moved page against its source) before they are timed.
 3. Translation. ``kernels.translate(v2p, vids)``: a 4M-entry int32 table, 1M and 16M int32 ids,
    random or request-ordered (runs of 64 consecutive ids). Bytes counted: 4 read per id, 4 read
    per table entry, 4 written = 12 B/id. 1M-id cases are replayed from a CUDA graph over 8
-   rotating input sets (96 MiB, more than the 60 MB L2) so neither launch overhead nor cache
-   hits flatter them; the same-traffic copy is timed the same way. ratio = translate GB/s /
-   the 2 GiB copy's GB/s (target >= 0.7).
+   rotating input sets (ids + outputs 64 MiB, more than the L2) so neither launch overhead nor
+   cache hits on the ids flatter them; the same-traffic copy is timed the same way. ratio =
+   translate GB/s / the 2 GiB copy's GB/s (target >= 0.7). The physically required traffic is
+   printed too: ids and output (8 B/id) plus one 32-byte sector per distinct sector of the table
+   the ids touch (a random gather reads a sector to use 4 bytes of it), counted on the inputs.
+   Then every tuning in ``kernels.TRANSLATE_VARIANTS`` is timed the same way on 1M ids (each
+   checked on all 8 sets and on ragged, out-of-range ids first) and the fastest is named.
 4. Finalize. ``Pool(gpt-oss-20b, CudaVmmArena(256 GiB), post_capture=True).finalize(N GiB)``:
    wall time to back N GiB in place (cuMemCreate + cuMemMap + cuMemSetAccess + capacities),
    the base address before and after, and the time to give it back (close).
@@ -63,9 +74,14 @@ def _table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
 
 
+#: Scales do_bench's warmup/rep windows (--quick lowers it).
+_TIME_SCALE = 1.0
+
+
 def _bench(fn, warmup: int = 25, rep: int = 200) -> float:
     import triton.testing
 
+    warmup, rep = max(5, int(warmup * _TIME_SCALE)), max(20, int(rep * _TIME_SCALE))
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
@@ -124,13 +140,24 @@ DESIGNS = [
 ]
 
 
-def page_moves(arena, page_sizes: list[int]) -> list[dict]:
+DEFAULT_DESIGN = "flat 8K/8w"
+
+
+def _move_checked(view, d_idx, s_idx, move) -> bool:
+    """Zero the destinations, run ``move`` once, compare every moved page with its source."""
+    view[d_idx] = 0
+    move()
+    return bool(torch.equal(view[d_idx], view[s_idx]))
+
+
+def page_moves(arena, page_sizes: list[int], designs: list[tuple]) -> list[dict]:
     from kvd import kernels
     from kvd.runs import expand
 
     flat = arena.tensor()
     rows = []
     gen = torch.Generator().manual_seed(0)
+    nan = float("nan")
     for pb in page_sizes:
         pages = flat.numel() // pb
         view = flat[: pages * pb].view(pages, pb)
@@ -141,49 +168,99 @@ def page_moves(arena, page_sizes: list[int]) -> list[dict]:
         c_src, c_dst = flat[:moved], flat[half : half + moved]
         t_copy = _bench(lambda: c_dst.copy_(c_src))
         t_torch = _bench(lambda: view.index_copy_(0, d_idx, view.index_select(0, s_idx)), rep=100)
-        for label, strategy, tile, warps in DESIGNS:
+        for label, strategy, tile, warps in designs:
             if strategy == "flat":
                 prepared = kernels.prepare_tiles(view, view, runs, tile_bytes=tile)
             else:
                 prepared = kernels.prepare_runs(runs, pb, view.device, tile_bytes=tile, strategy=strategy)
             kw = {"tile_bytes": tile, "strategy": strategy, "num_warps": warps}
-            t_kernel = _bench(lambda: kernels.move_pages(view, view, prepared, **kw))
-            t_e2e = _bench(lambda: kernels.move_pages(view, view, runs, **kw), rep=100)  # runs on the CPU
-            view[d_idx] = 0  # correctness: fresh destinations, one move, compare every moved page
-            kernels.move_pages(view, view, runs, **kw)
-            ok = bool(torch.equal(view[d_idx], view[s_idx]))
+            kernel_fn = lambda: kernels.move_pages(view, view, prepared, **kw)  # noqa: E731
+            e2e_fn = lambda: kernels.move_pages(view, view, runs, **kw)  # noqa: E731 - runs on the CPU
+            ok = _move_checked(view, d_idx, s_idx, kernel_fn) and _move_checked(view, d_idx, s_idx, e2e_fn)
+            t_kernel = _bench(kernel_fn) if ok else nan
+            t_e2e = _bench(e2e_fn, rep=100) if ok else nan
+            t_old = nan
+            if ok and label == DEFAULT_DESIGN:  # the previous CPU path, for comparison
+                kernels._STAGED_TABLE = False
+                try:
+                    ok = _move_checked(view, d_idx, s_idx, e2e_fn)
+                    t_old = _bench(e2e_fn, rep=100) if ok else nan
+                finally:
+                    kernels._STAGED_TABLE = True
             rows.append({
                 "page_bytes": pb, "design": label, "runs": len(runs), "programs": len(prepared), "moved_bytes": moved,
-                "kernel_ms": t_kernel, "e2e_ms": t_e2e, "torch_index_ms": t_torch, "contig_copy_ms": t_copy,
-                "kernel_GBps_rw": 2 * moved / t_kernel / 1e6, "ratio": t_copy / t_kernel, "ratio_e2e": t_copy / t_e2e,
-                "correct": ok,
+                "kernel_ms": t_kernel, "e2e_ms": t_e2e, "e2e_unstaged_ms": t_old, "torch_index_ms": t_torch,
+                "contig_copy_ms": t_copy, "kernel_GBps_rw": 2 * moved / t_kernel / 1e6, "ratio": t_copy / t_kernel,
+                "ratio_e2e": t_copy / t_e2e, "ratio_e2e_unstaged": t_copy / t_old, "correct": ok,
             })
     return rows
+
+
+_TABLE_N = 4 << 20  # entries of the translation table (16 MiB of int32)
+
+
+def _id_sets(order: str, n: int, sets: int, g: torch.Generator, *, outside: bool = False) -> list[torch.Tensor]:
+    """``sets`` int32 id tensors; ``outside``: a few ids (1 in ~3,000) outside the table, so the
+    timed inputs also check the -1 path (torch's index_select would refuse them)."""
+    dev = torch.device("cuda")
+    out = []
+    for _ in range(sets):
+        if order == "random":
+            v = torch.randint(0, _TABLE_N, (n,), dtype=torch.int32, device=dev, generator=g)
+        else:
+            starts = torch.randint(0, _TABLE_N - 64, (-(-n // 64),), device=dev, generator=g)
+            v = (starts[:, None] + torch.arange(64, device=dev)[None, :]).flatten()[:n].to(torch.int32)
+        if outside:
+            v[::4099] = -1
+            v[1::8191] = _TABLE_N
+        out.append(v)
+    return out
+
+
+def _reference(v2p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``v2p[v]`` with index_select semantics, -1 where ``v`` is outside the table."""
+    v = v.to(torch.int64)
+    inside = (v >= 0) & (v < v2p.numel())
+    return torch.where(inside, v2p.index_select(0, v.clamp(0, v2p.numel() - 1)), torch.full_like(v2p[:1], -1))
+
+
+def _physical_bytes(ids: list[torch.Tensor]) -> float:
+    """Mean bytes one call must move at least: 4 B id read + 4 B written per id, plus one 32-byte
+    sector per distinct sector of the table the ids touch (8 int32 entries per sector)."""
+    return statistics.mean(8 * v.numel() + 32 * torch.unique(v.to(torch.int64) // 8).numel() for v in ids)
+
+
+def _translate_ok(v2p: torch.Tensor, ids: list[torch.Tensor], refs: list[torch.Tensor], fn, *, ragged: bool = True) -> bool:
+    """``fn(v2p, ids)`` equals the reference on every timed input set; ``ragged``: also on a
+    ragged input (the masked path) with ids outside the table, as int64 and as int32 ids."""
+    if not all(torch.equal(fn(v2p, v), r) for v, r in zip(ids, refs)):
+        return False
+    if not ragged:
+        return True
+    g = torch.Generator(device="cuda").manual_seed(3)
+    odd = torch.randint(-8, _TABLE_N + 8, ((1 << 20) + 37,), dtype=torch.int64, device="cuda", generator=g)
+    odd[::97], odd[1::89], odd[2::101] = -1, _TABLE_N, -(1 << 40)
+    want = _reference(v2p, odd)
+    small = odd.clamp(-(1 << 31), (1 << 31) - 1).to(torch.int32)
+    return bool(torch.equal(fn(v2p, odd), want) and torch.equal(fn(v2p, small), want))
 
 
 def translation(copy_gbps: float, sizes: list[int]) -> list[dict]:
     from kvd import kernels
 
     dev = torch.device("cuda")
-    table_n = 4 << 20
     g = torch.Generator(device=dev).manual_seed(1)
-    v2p = torch.randint(-1, 1 << 24, (table_n,), dtype=torch.int32, device=dev, generator=g)
+    v2p = torch.randint(-1, 1 << 24, (_TABLE_N,), dtype=torch.int32, device=dev, generator=g)
     rows = []
+    nan = float("nan")
     for n in sizes:
         for order in ("random", "request-ordered"):
             sets = 8 if n <= (1 << 22) else 1
-            ids, outs = [], []
-            for _ in range(sets):
-                if order == "random":
-                    v = torch.randint(0, table_n, (n,), dtype=torch.int32, device=dev, generator=g)
-                else:
-                    starts = torch.randint(0, table_n - 64, (-(-n // 64),), device=dev, generator=g)
-                    v = (starts[:, None] + torch.arange(64, device=dev)[None, :]).flatten()[:n].to(torch.int32)
-                ids.append(v)
-                outs.append(torch.empty(n, dtype=torch.int32, device=dev))
-            ref = v2p.index_select(0, ids[0].long())
-            ok = bool(torch.equal(kernels.translate(v2p, ids[0]), ref))
-            nbytes = 12 * n
+            ids = _id_sets(order, n, sets, g)
+            outs = [torch.empty(n, dtype=torch.int32, device=dev) for _ in range(sets)]
+            refs = [v2p.index_select(0, v.long()) for v in ids]
+            ok = _translate_ok(v2p, ids, refs, lambda t, v: kernels.translate(t, v))
+            nbytes, phys = 12 * n, _physical_bytes(ids)
             cp_src = [torch.empty(nbytes // 2, dtype=torch.uint8, device=dev) for _ in range(sets)]
             cp_dst = [torch.empty(nbytes // 2, dtype=torch.uint8, device=dev) for _ in range(sets)]
 
@@ -196,17 +273,96 @@ def translation(copy_gbps: float, sizes: list[int]) -> list[dict]:
             def cp(i):
                 return lambda: cp_dst[i].copy_(cp_src[i])
 
-            t_tr = _graph_time([tr(i) for i in range(sets)])
+            t_tr = _graph_time([tr(i) for i in range(sets)]) if ok else nan
             t_torch = _graph_time([torch_tr(i) for i in range(sets)])
             t_cp = _graph_time([cp(i) for i in range(sets)])
-            t_plain = _bench(tr(0))  # one eager launch, launch overhead included
+            t_plain = _bench(tr(0)) if ok else nan  # one eager launch, launch overhead included
             rows.append({
                 "ids": n, "order": order, "translate_us": t_tr * 1e3, "eager_us": t_plain * 1e3,
                 "index_select_us": t_torch * 1e3, "same_traffic_copy_us": t_cp * 1e3,
                 "GBps": nbytes / t_tr / 1e6, "ratio_vs_copy_ceiling": nbytes / t_tr / 1e6 / copy_gbps,
-                "ratio_vs_same_copy": t_cp / t_tr, "correct": ok,
+                "ratio_vs_same_copy": t_cp / t_tr, "physical_B_per_id": phys / n,
+                "physical_GBps": phys / t_tr / 1e6, "physical_ratio": phys / t_tr / 1e6 / copy_gbps, "correct": ok,
             })
     return rows
+
+
+def translate_variants(copy_gbps: float, variants: dict, n: int = 1 << 20, *, ragged: bool = True) -> list[dict]:
+    """Every tuning on ``n`` ids, random and request-ordered, graph replay over 8 rotating sets;
+    each checked first (a failing or non-compiling tuning is reported, not timed). The timed sets
+    hold a few ids outside the table, so the check covers the -1 path on the timed inputs."""
+    from kvd import kernels
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    v2p = torch.randint(-1, 1 << 24, (_TABLE_N,), dtype=torch.int32, device=dev, generator=g)
+    rows = []
+    for order in ("random", "request-ordered"):
+        ids = _id_sets(order, n, 8, g, outside=True)
+        refs = [_reference(v2p, v) for v in ids]
+        phys = _physical_bytes(ids)
+        for label, tu in variants.items():
+            row = {"variant": label, "order": order, "tuning": tu._asdict(), "ids": n, "us": float("nan"),
+                   "physical_B_per_id": phys / n, "correct": False, "error": ""}
+            try:
+                row["correct"] = _translate_ok(
+                    v2p, ids, refs, lambda t, v, tu=tu: kernels.translate(t, v, tuning=tu), ragged=ragged
+                )
+                if row["correct"]:
+                    t = _graph_time([(lambda i=i, tu=tu: kernels.translate(v2p, ids[i], tuning=tu)) for i in range(8)])
+                    row["us"] = t * 1e3
+            except Exception as e:  # noqa: BLE001 - a tuning that does not compile is a result too
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            row["GBps"] = 12 * n / row["us"] / 1e3
+            row["ratio"] = row["GBps"] / copy_gbps
+            row["physical_GBps"] = phys / row["us"] / 1e3
+            row["physical_ratio"] = row["physical_GBps"] / copy_gbps
+            rows.append(row)
+    return rows
+
+
+def sweep_variants() -> dict:
+    """The --sweep grid: ids per program x warps x (no hints | stream + keep)."""
+    from kvd.kernels import TranslateTuning
+
+    out = {"default 2048/4w": TranslateTuning()}
+    for block in (1024, 2048, 4096, 8192, 16384):
+        for warps in (4, 8, 16):
+            if block // (32 * warps) < 1 or block // (32 * warps) > 64:
+                continue
+            for hints in (False, True):
+                out[f"{block}/{warps}w{' stream+keep' if hints else ''}"] = TranslateTuning(block, warps, True, hints, hints)
+    return out
+
+
+def _l2_mib() -> str:
+    size = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)
+    return f"{size / MiB:.0f}" if size else "?"
+
+
+def _print_variants(title: str, rows: list[dict]) -> None:
+    print(f"\n## {title}: 1M int32 ids, graph replay over 8 rotating sets, 12 B/id counted\n")
+    print(_table(
+        ["variant", "order", "us", "GB/s", "vs copy ceiling", "phys B/id", "phys GB/s", "phys vs ceiling", "ok"],
+        [[r["variant"], r["order"], f"{r['us']:.2f}", f"{r['GBps']:,.0f}", f"{r['ratio']:.2f}",
+          f"{r['physical_B_per_id']:.1f}", f"{r['physical_GBps']:,.0f}", f"{r['physical_ratio']:.2f}",
+          "yes" if r["correct"] else ("NO " + r["error"]).strip()] for r in rows],
+    ))
+    for line in _winners(rows):
+        print(line)
+    print(flush=True)
+
+
+def _winners(rows: list[dict]) -> list[str]:
+    lines = []
+    for order in dict.fromkeys(r["order"] for r in rows):
+        good = [r for r in rows if r["order"] == order and r["correct"] and r["us"] == r["us"]]
+        if good:
+            best = min(good, key=lambda r: r["us"])
+            base = next((r for r in good if r["variant"].startswith("default")), None)
+            vs = f", {base['us'] / best['us']:.2f}x the default" if base else ""
+            lines.append(f"fastest ({order}): {best['variant']} {best['us']:.2f} us, ratio {best['ratio']:.2f}{vs}")
+    return lines
 
 
 def explore(arena) -> list[dict]:
@@ -276,27 +432,6 @@ def explore(arena) -> list[dict]:
     return rows
 
 
-def translate_sweep(copy_gbps: float) -> list[dict]:
-    from kvd import kernels
-
-    dev = torch.device("cuda")
-    table_n, n, sets = 4 << 20, 1 << 20, 8
-    g = torch.Generator(device=dev).manual_seed(2)
-    v2p = torch.randint(-1, 1 << 24, (table_n,), dtype=torch.int32, device=dev, generator=g)
-    ids = []
-    for _ in range(sets):
-        starts = torch.randint(0, table_n - 64, (n // 64,), device=dev, generator=g)
-        ids.append((starts[:, None] + torch.arange(64, device=dev)[None, :]).flatten().to(torch.int32))
-    rows = []
-    for block in (512, 1024, 2048, 4096, 8192):
-        for warps in (4, 8):
-            fns = [(lambda i=i: kernels.translate(v2p, ids[i], block=block, num_warps=warps)) for i in range(sets)]
-            t = _graph_time(fns)
-            rows.append({"block": block, "warps": warps, "us": t * 1e3, "GBps": 12 * n / t / 1e6,
-                         "ratio": 12 * n / t / 1e6 / copy_gbps})
-    return rows
-
-
 def finalize(sizes_gib: list[int]) -> list[dict]:
     from kvd.arena_cuda import CudaVmmArena
     from kvd.pool import Pool
@@ -332,9 +467,9 @@ def finalize(sizes_gib: list[int]) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, default designs only (~30 s)")
     ap.add_argument("--json", help="write every number here")
-    ap.add_argument("--sweep", action="store_true", help="also time translate variants (block, warps)")
+    ap.add_argument("--sweep", action="store_true", help="also time a translate grid (block x warps x hints)")
     ap.add_argument("--explore", action="store_true", help="also time copy-kernel experiments (plain, TMA)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -371,6 +506,8 @@ def main() -> int:
             result[name] = []
         return result[name]
 
+    global _TIME_SCALE
+    _TIME_SCALE = 0.25 if args.quick else 1.0
     arena_gib = 1 if args.quick else 4
     arena = CudaVmmArena(16 * GiB, arena_gib * GiB)
     arena.tensor().random_(0, 256)
@@ -379,17 +516,24 @@ def main() -> int:
     print(f"\n## Copy ceiling: {_fmt_bytes(ceiling['bytes'])} dst.copy_(src): {ceiling['ms']:.3f} ms, "
           f"{ceiling['GBps_rw']:,.0f} GB/s (read + write)\n", flush=True)
 
-    pages = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB]
-    moves = section("page_moves", lambda: page_moves(arena, pages))
+    if args.quick:
+        pages, designs = [16 * KiB, 256 * KiB, 2 * MiB], [d for d in DESIGNS if d[0] == DEFAULT_DESIGN]
+    else:
+        pages, designs = [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB], DESIGNS
+    moves = section("page_moves", lambda: page_moves(arena, pages, designs))
     print("## Page moves (scattered runs of 1-8 pages; ratio = contiguous copy time / kernel time; "
-          "e2e = run table on the CPU, as compaction calls it)\n")
+          "e2e = run table on the CPU, as compaction calls it: pinned staging + one copy + one table launch; "
+          "e2e unstaged = the previous path, pageable copy + torch table build)\n")
     print(_table(
         ["page", "design", "runs", "moved", "kernel ms", "GB/s r+w", "copy ms", "ratio", "e2e ms", "ratio e2e",
-         "torch idx ms", "vs torch", "ok"],
+         "e2e unstaged ms", "ratio unstaged", "torch idx ms", "vs torch", "ok"],
         [[_fmt_bytes(r["page_bytes"]), r["design"], r["runs"], f"{r['moved_bytes'] / MiB:.0f} MiB", f"{r['kernel_ms']:.3f}",
           f"{r['kernel_GBps_rw']:,.0f}", f"{r['contig_copy_ms']:.3f}", f"{r['ratio']:.2f}",
-          f"{r['e2e_ms']:.3f}", f"{r['ratio_e2e']:.2f}", f"{r['torch_index_ms']:.3f}",
-          f"{r['torch_index_ms'] / r['kernel_ms']:.1f}x", "yes" if r["correct"] else "NO"] for r in moves],
+          f"{r['e2e_ms']:.3f}", f"{r['ratio_e2e']:.2f}",
+          "-" if r["e2e_unstaged_ms"] != r["e2e_unstaged_ms"] else f"{r['e2e_unstaged_ms']:.3f}",
+          "-" if r["e2e_unstaged_ms"] != r["e2e_unstaged_ms"] else f"{r['ratio_e2e_unstaged']:.2f}",
+          f"{r['torch_index_ms']:.3f}", f"{r['torch_index_ms'] / r['kernel_ms']:.1f}x",
+          "yes" if r["correct"] else "NO"] for r in moves],
     ), flush=True)
     if args.explore:
         exp = section("explore", lambda: explore(arena))
@@ -400,19 +544,30 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     trans = section("translation", lambda: translation(ceiling["GBps_rw"], [1 << 20] if args.quick else [1 << 20, 16 << 20]))
-    print("\n## Translation (4M-entry table, int32 ids; 12 B/id; CUDA-graph replay, 8 rotating sets for 1M)\n")
+    print(f"\n## Translation ({_TABLE_N >> 20}M-entry int32 table = {_TABLE_N * 4 >> 20} MiB, L2 {_l2_mib()} MiB; "
+          "int32 ids; 12 B/id counted; CUDA-graph replay, 8 rotating sets for 1M; default tuning)\n")
+    print("physical = 8 B/id (ids + output) + 32 B per distinct table sector the ids touch: what DRAM must move "
+          "when the table is not in L2; random ids touch about one sector per id, so 12 B/id understates their traffic.\n")
     print(_table(
-        ["ids", "order", "translate us", "GB/s", "vs copy ceiling", "same-traffic copy us", "vs same copy",
-         "index_select us", "eager us", "ok"],
+        ["ids", "order", "translate us", "GB/s", "vs copy ceiling", "phys B/id", "phys GB/s", "phys vs ceiling",
+         "same-traffic copy us", "vs same copy", "index_select us", "eager us", "ok"],
         [[f"{r['ids']:,}", r["order"], f"{r['translate_us']:.1f}", f"{r['GBps']:,.0f}",
-          f"{r['ratio_vs_copy_ceiling']:.2f}", f"{r['same_traffic_copy_us']:.1f}", f"{r['ratio_vs_same_copy']:.2f}",
+          f"{r['ratio_vs_copy_ceiling']:.2f}", f"{r['physical_B_per_id']:.1f}", f"{r['physical_GBps']:,.0f}",
+          f"{r['physical_ratio']:.2f}", f"{r['same_traffic_copy_us']:.1f}", f"{r['ratio_vs_same_copy']:.2f}",
           f"{r['index_select_us']:.1f}", f"{r['eager_us']:.1f}", "yes" if r["correct"] else "NO"] for r in trans],
     ), flush=True)
+
+    from kvd.kernels import TRANSLATE_VARIANTS
+
+    named = TRANSLATE_VARIANTS
+    if args.quick:
+        named = {k: v for k, v in TRANSLATE_VARIANTS.items() if k in ("default 2048/4w", "stream+keep 2048/4w", "stream+keep 4096/8w")}
+    tvars = section("translate_variants", lambda: translate_variants(ceiling["GBps_rw"], named))
+    _print_variants("Translate tunings (kernels.TRANSLATE_VARIANTS)", tvars)
+    tsweep: list[dict] = []
     if args.sweep:
-        tsweep = section("translate_sweep", lambda: translate_sweep(ceiling["GBps_rw"]))
-        print("\n## Translate sweep (1M request-ordered ids, graph replay)\n")
-        print(_table(["block", "warps", "us", "GB/s", "vs copy ceiling"],
-                     [[r["block"], r["warps"], f"{r['us']:.2f}", f"{r['GBps']:,.0f}", f"{r['ratio']:.2f}"] for r in tsweep]))
+        tsweep = section("translate_sweep", lambda: translate_variants(ceiling["GBps_rw"], sweep_variants(), ragged=False))
+        _print_variants("Translate sweep (ids per program / warps, with and without stream+keep hints)", tsweep)
     torch.cuda.empty_cache()
 
     fin = section("finalize", lambda: finalize([1, 4] if args.quick else [1, 8, 32, 64]))
@@ -426,6 +581,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     bad = [r for r in moves if not r["correct"]] + [r for r in trans if not r["correct"]]
+    bad += [r for r in tvars + tsweep if not r["correct"]]
     bad += [r for r in fin if not r["base_unchanged"]]
     if failed:
         print("sections that failed:", ", ".join(failed))
