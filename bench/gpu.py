@@ -181,12 +181,12 @@ def page_moves(arena, page_sizes: list[int], designs: list[tuple]) -> list[dict]
             t_e2e = _bench(e2e_fn, rep=100) if ok else nan
             t_old = nan
             if ok and label == DEFAULT_DESIGN:  # the previous CPU path, for comparison
-                kernels._STAGED_TABLE = False
+                staged, kernels._STAGED_TABLE = kernels._STAGED_TABLE, False
                 try:
                     ok = _move_checked(view, d_idx, s_idx, e2e_fn)
                     t_old = _bench(e2e_fn, rep=100) if ok else nan
                 finally:
-                    kernels._STAGED_TABLE = True
+                    kernels._STAGED_TABLE = staged
             rows.append({
                 "page_bytes": pb, "design": label, "runs": len(runs), "programs": len(prepared), "moved_bytes": moved,
                 "kernel_ms": t_kernel, "e2e_ms": t_e2e, "e2e_unstaged_ms": t_old, "torch_index_ms": t_torch,
