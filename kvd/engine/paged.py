@@ -15,6 +15,11 @@ engine asked for KV the pool released (an engine bug), never something to paper 
 
 A :class:`SeqKV` holds vectors of one epoch; after the daemon compacts, restores or extends,
 make a new one from the fresh vectors (:meth:`PagedKV.seq`).
+
+Devices: the index vectors arrive from the daemon as CPU int32 tensors; the views live where the
+arena does (shared memory, or GPU memory with ``arena=cuda``). Page ids are moved to the views'
+device before they index them; the K/V given to :meth:`SeqKV.write` must already be there (a
+tensor on another device fails, it is never copied across silently).
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ class PagedKV:
         self.layout = layout
         self.views = views
         self.page_size = {g.name: layout.page_size_of(g) for g in layout.groups}
+        devices = {lkv.k.device for layers in views.values() for lkv in layers}
+        if len(devices) > 1:
+            raise ValueError(f"arena views on more than one device: {sorted(map(str, devices))}")
+        #: where the views (the arena) live; forward passes reading them must compute here
+        self.device = devices.pop() if devices else torch.device("cpu")
 
     def seq(self, vec: IndexVectors) -> SeqKV:
         return SeqKV(self, vec)
@@ -68,7 +78,7 @@ class SeqKV:
                 f"request {self.vec.rid!r}: {group} positions [{lo}, {hi}) need request pages [{p0}, {p1}) but the "
                 f"vectors cover [{first}, {first + ids.numel()}) -- the engine reads KV the pool does not hold for it"
             )
-        return ids[p0 - first : p1 - first].to(torch.int64), p0
+        return ids[p0 - first : p1 - first].to(device=self.kv.device, dtype=torch.int64), p0
 
     def read(self, group: str, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[lo, hi)``: ``[hi - lo, kv_heads, head_dim]`` copies."""
@@ -87,9 +97,12 @@ class SeqKV:
         ps = self.kv.page_size[group]
         self._pages(group, lo, lo + n)  # bounds check with a clear message
         pos = torch.arange(lo, lo + n)
-        page = ids[pos // ps - first].to(torch.int64)
-        slot = pos % ps
+        dev = self.kv.device
+        page = ids[pos // ps - first].to(device=dev, dtype=torch.int64)
+        slot = (pos % ps).to(dev)
         view = self.kv.views[group][layer]
+        if k.device != view.k.device or v.device != view.k.device:
+            raise ValueError(f"K/V on {k.device}/{v.device} for arena views on {view.k.device}")
         view.k.index_put_((page, slot), k.to(view.k.dtype))
         view.v.index_put_((page, slot), v.to(view.v.dtype))
 
@@ -98,6 +111,8 @@ class SeqKV:
 
     def write_state(self, layer: int, h: torch.Tensor) -> None:
         view = self.kv.views[GroupKind.STATE.value][layer].k
+        if h.device != view.device:
+            raise ValueError(f"state on {h.device} for arena views on {view.device}")
         view[self._slot()] = h.to(view.dtype)
 
     def _slot(self) -> int:
