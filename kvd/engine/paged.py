@@ -97,14 +97,13 @@ class SeqKV:
         ps = self.kv.page_size[group]
         self._pages(group, lo, lo + n)  # bounds check with a clear message
         pos = torch.arange(lo, lo + n)
-        dev = self.kv.device
-        page = ids[pos // ps - first].to(device=dev, dtype=torch.int64)
-        slot = (pos % ps).to(dev)
+        page = ids[pos // ps - first].to(torch.int64)
+        slot = pos % ps
         view = self.kv.views[group][layer]
         if k.device != view.k.device or v.device != view.k.device:
             raise ValueError(f"K/V on {k.device}/{v.device} for arena views on {view.k.device}")
-        view.k.index_put_((page, slot), k.to(view.k.dtype))
-        view.v.index_put_((page, slot), v.to(view.v.dtype))
+        _put_rows(view.k, page, slot, k)
+        _put_rows(view.v, page, slot, v)
 
     def read_state(self, layer: int) -> torch.Tensor:
         return self.kv.views[GroupKind.STATE.value][layer].k[self._slot()].clone()
@@ -119,3 +118,26 @@ class SeqKV:
         if self.vec.state is None:
             raise RuntimeError(f"request {self.vec.rid!r} has no state slot; the layout needs a state group")
         return self.vec.state
+
+
+def _put_rows(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, rows: torch.Tensor) -> None:
+    """``view[page[i], slot[i]] = rows[i]`` for a ``[pages, page_size, heads, dim]`` arena view,
+    writing those elements and no other byte. ``page`` and ``slot`` are CPU int64 vectors.
+
+    Not ``view.index_put_``: with deterministic algorithms on (the GPU demo), CUDA's index_put_
+    into a non-contiguous tensor -- an arena view is one: its page stride spans every layer of
+    the group -- copies the whole view out and back. That read-modify-write of every page of the
+    layer would race with the daemon writing other requests' incoming KV into the same arena.
+    Addressing the elements by offset in a flat view of the storage makes every implementation
+    write element by element (the offsets are distinct, so the order does not matter)."""
+    if rows.shape[0] != page.numel() or rows.shape[1:] != view.shape[2:]:
+        raise ValueError(f"rows of shape {tuple(rows.shape)} for {page.numel()} positions of a view {tuple(view.shape)}")
+    inner = torch.zeros((), dtype=torch.int64)
+    for d in range(2, view.dim()):
+        shape = [1] * (view.dim() - 2)
+        shape[d - 2] = view.shape[d]
+        inner = inner + (torch.arange(view.shape[d]) * view.stride(d)).view(shape)
+    base = view.storage_offset() + page * view.stride(0) + slot * view.stride(1)
+    offs = (base.view(-1, *[1] * (view.dim() - 2)) + inner).reshape(-1)
+    flat = torch.as_strided(view, (view.untyped_storage().nbytes() // view.element_size(),), (1,), 0)
+    flat.index_put_((offs.to(view.device),), rows.reshape(-1).to(view.dtype))

@@ -123,7 +123,10 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
     try:
         dev = prepare(spec.device)  # before anything touches CUDA
         models = build_models(device=dev)
-        kv = Fenced.wrap(_connect(Client, spec.address, f"{spec.role}-engine"), dev)
+        # On a GPU the daemon's first compaction or Send JIT-compiles its Triton page-move kernels
+        # (seconds on a cold cache): allow calls that long instead of failing a healthy run.
+        call_timeout = 5.0 if dev.type == "cpu" else 60.0
+        kv = Fenced.wrap(_connect(Client, spec.address, f"{spec.role}-engine", call_timeout=call_timeout), dev)
         info = kv.info()
         if info.layout.fingerprint != models.layout.fingerprint:
             raise RuntimeError(
@@ -165,14 +168,15 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             kv.close()
 
 
-def _connect(client_cls, address: str, name: str, timeout_s: float = 60.0):
-    """Connect once the daemon serves (the demo starts engines and daemons together)."""
+def _connect(client_cls, address: str, name: str, timeout_s: float = 60.0, call_timeout: float = 5.0):
+    """Connect once the daemon serves (the demo starts engines and daemons together); every
+    later call of the client has ``call_timeout`` seconds."""
     from kvd.errors import KvdError
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return client_cls.connect(address, name=name, timeout=5)
+            return client_cls.connect(address, name=name, timeout=call_timeout)
         except KvdError:
             if time.monotonic() > deadline:
                 raise
