@@ -244,12 +244,14 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             conns[d.name] = parent
         for d in daemons:
             d.wait_serving()
+        device_name = ""
         for name, conn in conns.items():
             msg = recv_or_raise(conn)
             if not isinstance(msg, Ready):
                 raise RuntimeError(f"{name} engine did not start: {getattr(msg, 'error', msg)}")
             if msg.device != str(device):
                 raise RuntimeError(f"{name} engine computes on {msg.device}, not on {device}")
+            device_name = msg.device_name
         router = Router(conns["prefill"], conns["decode"], max_inflight=opts.max_inflight)
         progress = _Progress(err, t0)
         result = router.run(requests, progress)
@@ -263,7 +265,8 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             p.join(30)
         wall = time.perf_counter() - t0
         differs = compare(result.completions, reference)
-        _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall, device)
+        _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall, device,
+                 device_name)
         return 1 if differs else 0
     finally:
         if router is not None:
@@ -314,7 +317,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineConfig, requests: list[Request], result,
              reference: dict[str, Completion], differs: list[str], reports: dict, stats: dict, wall: float,
-             device: torch.device = torch.device("cpu")) -> None:
+             device: torch.device = torch.device("cpu"), device_name: str = "") -> None:
     w = TargetConfig().window
     plens = [len(r.prompt) for r in requests]
     comps = result.completions.values()
@@ -351,7 +354,7 @@ def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineCo
           f"layout {layout.name} ({layout.fingerprint}); chunked prefill {cfg.chunk} tokens; "
           f"post-capture budgets {PREFILL_BYTES >> 20} MiB / {DECODE_BYTES >> 20} MiB", file=out)
     if device.type == "cuda":
-        print(f"device {device} ({torch.cuda.get_device_name(device)}): both daemons' arenas (CUDA VMM), both engines "
+        print(f"device {device} ({device_name}): both daemons' arenas (CUDA VMM), both engines "
               "and the colocated reference; local backend GPU -> GPU", file=out)
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 60), file=out)

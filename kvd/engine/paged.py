@@ -97,7 +97,7 @@ class SeqKV:
         ps = self.kv.page_size[group]
         self._pages(group, lo, lo + n)  # bounds check with a clear message
         pos = torch.arange(lo, lo + n)
-        page = ids[pos // ps - first].to(torch.int64)
+        page = ids.cpu()[pos // ps - first].to(torch.int64)  # offsets are computed on the host, moved once
         slot = pos % ps
         view = self.kv.views[group][layer]
         if k.device != view.k.device or v.device != view.k.device:

@@ -99,6 +99,7 @@ class Ready:
     role: str
     finalized_bytes: int
     device: str = "cpu"  # where the engine's models and its daemon's arena views live
+    device_name: str = ""  # the GPU's name (torch.cuda.get_device_name), "" on the CPU
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
                 f"the daemon at {spec.address} keeps its arena on {paged.device}, but this engine computes on {dev}; "
                 "start the daemon with the matching arena (--arena cuda --cuda-device N for a GPU engine)"
             )
-        conn.send(Ready(spec.role, att.tensor.numel(), str(dev)))
+        conn.send(Ready(spec.role, att.tensor.numel(), str(dev), torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""))
         if spec.role == "prefill":
             rewrite = None
             if spec.fault:

@@ -154,3 +154,28 @@ def test_kv_writes_touch_only_their_elements_also_in_deterministic_mode():
     assert int((store != -7.0).sum()) == rows.numel()
     with pytest.raises(ValueError, match="rows of shape"):
         _put_rows(view, page, slot, rows[:, :1])
+
+
+def test_gpu_daemons_are_started_with_a_cuda_arena(monkeypatch, tmp_path):
+    """What ``kvd demo --device cuda`` asks of each ``kvd serve`` (the flags follow the Settings
+    names ``arena`` and ``cuda_device``); the CPU demo's command line stays as it was."""
+    import subprocess
+
+    from kvd.engine import demo
+
+    started: list[tuple[list[str], dict | None]] = []
+
+    class FakePopen:
+        def __init__(self, cmd, *, env=None, **kw):
+            started.append((cmd, env))
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    for dev in (torch.device("cpu"), torch.device("cuda", 0)):
+        d = demo._Daemon("decode", str(tmp_path), str(tmp_path), "layout.json", "local", True, device=dev)
+        d._log.close()
+    (cpu_cmd, cpu_env), (gpu_cmd, gpu_env) = started
+    assert "--arena" not in cpu_cmd and cpu_env is None
+    assert gpu_cmd[:len(cpu_cmd)] == cpu_cmd
+    assert gpu_cmd[len(cpu_cmd):] == ["--arena", "cuda", "--cuda-device", "0", "--peer-timeout-s", "30"]
+    assert gpu_env is not None and gpu_env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
