@@ -24,7 +24,11 @@ all of which this module or the engine code keeps:
 Cross-process ordering. CUDA work is asynchronous, and the daemon touches the arena from another
 process, where stream order does not reach. :class:`Fenced` therefore waits for the engine's
 device work before every call to its daemon (a Send, a compaction, an offload or a free must
-see every KV write the engine queued before it).
+see every KV write the engine queued before it). The daemon's half of that contract: a call that
+moves arena bytes (Send's commit, Compact, Restore) replies only after those bytes moved. And an
+engine's KV write changes only its own positions (:func:`kvd.engine.paged._put_rows`; CUDA's
+deterministic ``index_put_`` would rewrite a whole layer view, racing the daemon's writes into
+other requests' pages).
 """
 
 from __future__ import annotations
