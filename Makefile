@@ -1,6 +1,7 @@
 # One entry point for setting up, testing and benchmarking kvd.
 #   make venv   -> .venv with torch (CPU pin on these machines), kvd and its dev/test extras
 #   make demo   -> a prefill node and a decode node on loopback, every output checked (kvd demo)
+#   make demo-gpu -> the same with both daemons' arenas, both engines and the reference on GPU 0
 #   make test   -> the whole CPU test suite (what CI runs)
 PY        ?= python3
 VENV      ?= .venv
@@ -8,7 +9,7 @@ BIN        = $(VENV)/bin
 # The CPU build of torch that lies on these machines' disk; any other version pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo serve test bench clean proto
+.PHONY: venv demo demo-gpu serve test bench clean proto
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +26,14 @@ venv: $(BIN)/.installed
 # any differs. `kvd demo --help` for the options.
 demo: venv
 	$(BIN)/kvd demo
+
+# The same on GPU 0: two daemons with CUDA virtual-memory arenas, the `local` backend copying KV
+# GPU to GPU, both engines and the colocated reference computing there; exit 1 if any output
+# differs. Needs a CUDA build of torch, cuda-python and Triton in the Python that runs it (not the
+# CPU-pinned .venv): e.g. `make demo-gpu GPU_PY=python3` on a GPU host with them installed.
+GPU_PY ?= $(BIN)/python
+demo-gpu:
+	$(GPU_PY) -m kvd.cli demo --device cuda --backend local
 
 # One daemon on the embedded default: unix:/tmp/kvd.sock, tiny-hybrid layout (`kvd serve --help`).
 # Ctrl-C / SIGTERM drains and stops.

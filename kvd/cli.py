@@ -61,6 +61,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--spec-k", type=int, default=3, help="draft tokens per speculative round (0: plain greedy)")
     p.add_argument("--chunk", type=int, default=64, help="prefill chunk in tokens")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the daemons' arenas, the engines and the colocated reference live; cuda: GPU 0 "
+                   "(CUDA VMM arenas, local backend GPU to GPU; refused where CUDA is not available)")
     p.add_argument("--fault", choices=("swa-full-ids", "draft-scrambled"), default=None,
                    help="TEST ONLY: corrupt every ticket's destination vectors in a known way; the run must then fail")
 
@@ -74,7 +77,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
     try:
         return run_demo(DemoOptions(requests=requests, backend=args.backend, quick=args.quick, seed=args.seed,
-                                    spec_k=args.spec_k, chunk=args.chunk, fault=args.fault))
+                                    spec_k=args.spec_k, chunk=args.chunk, device=args.device, fault=args.fault))
     except (RuntimeError, TimeoutError) as exc:  # a daemon or engine that failed: say so, no traceback of ours
         print(f"kvd demo: FAILED: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ colocated run. The pieces, one noun per module:
 * :mod:`~kvd.engine.local` -- the engine-facing calls over an in-process pool;
 * :mod:`~kvd.engine.reference` -- the colocated reference, the accuracy comparison and a
   no-cache oracle;
+* :mod:`~kvd.engine.device` -- where the engines compute (``kvd demo --device cuda``), the
+  deterministic CUDA set-up of each process and the fence before every daemon call;
 * :mod:`~kvd.engine.router` -- engine processes and the router between them;
 * :mod:`~kvd.engine.demo` -- ``kvd demo``;
 * :mod:`~kvd.engine.faults` -- test-only ticket faults (negative controls).

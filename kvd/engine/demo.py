@@ -11,6 +11,15 @@ before serving. The decode node's budget is small on purpose: at peak a new requ
 fit, so the decode engine retracts (offloads) a running one, restores it later, and compacts at
 step boundaries. The run passes only if every request's output equals the colocated reference
 token for token, with bit-identical logit traces (exit status 1 otherwise).
+
+``--device cuda`` (:attr:`DemoOptions.device`) runs the same thing on GPU 0: both daemons own a
+CUDA virtual-memory arena there (``kvd serve --arena cuda --cuda-device 0``), the ``local``
+backend copies KV GPU to GPU (Mooncake is CPU-only for now: ``auto`` picks ``local``, an
+explicit ``mooncake`` is refused), both engines and the colocated reference compute on that GPU
+with the same weights. Identity still holds because every forward pass is one request's, with
+shapes that depend only on that request (so engine and reference run the very same kernels on
+the very same shapes), under deterministic CUDA settings applied in each process before CUDA
+starts; :mod:`kvd.engine.device` spells the guarantee out.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from typing import TextIO
 
 import torch
 
+from kvd.engine.device import CUBLAS_WORKSPACE, prepare, resolve
 from kvd.engine.records import Completion, EngineConfig, Request
 from kvd.errors import Unavailable
 from kvd.engine.model import TargetConfig, build_models
@@ -52,14 +62,25 @@ class DemoOptions:
     spec_k: int = 3
     chunk: int = 64
     max_inflight: int = 16
+    device: str = "cpu"  # cpu | cuda (GPU 0: daemons' arenas, engines and the reference)
     fault: str | None = None  # test only: inject a named ticket fault (kvd.engine.faults.FAULTS)
 
 
-def choose_backend(asked: str, err: TextIO) -> str:
+def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
     """``auto``: Mooncake when importable, else ``local`` with a notice saying why. An explicit
-    ``mooncake`` that is not importable is refused (Unavailable) before anything starts."""
+    ``mooncake`` that is not importable is refused (Unavailable) before anything starts.
+    With ``device="cuda"``: Mooncake moves CPU arenas only (for now), so ``auto`` is ``local``
+    (GPU to GPU on the one device) and an explicit ``mooncake`` is refused."""
     if asked == "local":
         return asked
+    if device == "cuda":
+        if asked == "mooncake":
+            raise Unavailable(
+                "--backend mooncake with --device cuda: kvd's Mooncake backend moves KV between CPU (shared-memory) "
+                "arenas only for now; use --backend local (GPU-to-GPU copy between the two daemons on the one GPU) "
+                "or --backend auto"
+            )
+        return "local"
     try:
         import mooncake.engine  # noqa: F401
     except ImportError as exc:
@@ -91,10 +112,11 @@ def workload(n: int, seed: int, *, quick: bool = False) -> list[Request]:
     return out
 
 
-def _reference_main(requests: list[Request], cfg: EngineConfig, conn) -> None:
+def _reference_main(requests: list[Request], cfg: EngineConfig, conn, device: str = "cpu") -> None:
     torch.set_num_threads(1)
     try:
-        conn.send(run_colocated(requests, build_models(), cfg))
+        dev = prepare(device)  # before anything touches CUDA, exactly as in the engine processes
+        conn.send(run_colocated(requests, build_models(device=dev), cfg))
     except BaseException as exc:  # noqa: BLE001
         conn.send(RuntimeError(f"colocated reference failed: {type(exc).__name__}: {exc}"))
 
@@ -102,7 +124,8 @@ def _reference_main(requests: list[Request], cfg: EngineConfig, conn) -> None:
 class _Daemon:
     """A ``kvd serve`` subprocess; its log goes to a file, its first stdout line says it serves."""
 
-    def __init__(self, name: str, workdir: str, arena_dir: str, layout_path: str, backend: str, speculative: bool) -> None:
+    def __init__(self, name: str, workdir: str, arena_dir: str, layout_path: str, backend: str, speculative: bool,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.name = name
         self.sock = os.path.join(workdir, f"{name}.sock")
         self.log_path = os.path.join(workdir, f"{name}.log")
@@ -114,8 +137,16 @@ class _Daemon:
         ]
         if speculative:
             cmd.append("--speculative")
+        env = None
+        if device.type == "cuda":  # the daemon owns a CUDA virtual-memory arena on that GPU
+            cmd += ["--arena", "cuda", "--cuda-device", str(device.index or 0)]
+            # The first compaction or Send JIT-compiles Triton kernels in the daemon (seconds on a cold
+            # cache, GIL held); a heartbeat starved that long must not fail a healthy transfer.
+            # Only failure detection gets slower, and the demo injects no peer failure.
+            cmd += ["--peer-timeout-s", "30"]
+            env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)}
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, env=env)
 
     @property
     def address(self) -> str:
@@ -171,10 +202,15 @@ class _Progress:
 
 
 def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
-    """Run the demo; print the summary to ``out``. Returns 0 when every output is identical."""
+    """Run the demo; print the summary to ``out``. Returns 0 when every output is identical.
+    ``opts.device == "cuda"`` where CUDA (or cuda-python / Triton, which the GPU arenas need) is
+    missing raises :class:`~kvd.errors.Unavailable` before anything starts."""
     t0 = time.perf_counter()
     n = opts.requests
-    backend = choose_backend(opts.backend, err)
+    device = resolve(opts.device)  # does not initialise CUDA in this process: the router never computes
+    if device.type == "cuda":
+        _require_gpu_stack()
+    backend = choose_backend(opts.backend, err, device.type)
     cfg = EngineConfig(chunk=opts.chunk, spec_k=opts.spec_k)
     models = build_models()
     requests = workload(n, opts.seed, quick=opts.quick)
@@ -190,15 +226,17 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     try:
         # Everything starts at once; the engines connect when their daemon serves.
         ref_recv, ref_send = ctx.Pipe(duplex=False)
-        ref = ctx.Process(target=_reference_main, args=(requests, cfg, ref_send), name="kvd-demo-reference", daemon=True)
+        ref = ctx.Process(target=_reference_main, args=(requests, cfg, ref_send, str(device)), name="kvd-demo-reference",
+                          daemon=True)
         ref.start()
         procs.append(ref)
         for name in ("prefill", "decode"):
-            daemons.append(_Daemon(name, workdir, arena_dir, layout_path, backend, speculative=opts.spec_k > 0))
+            daemons.append(_Daemon(name, workdir, arena_dir, layout_path, backend, speculative=opts.spec_k > 0, device=device))
         conns = {}
         for d, budget in zip(daemons, (PREFILL_BYTES, DECODE_BYTES)):
             parent, child = ctx.Pipe()
-            spec = EngineSpec(d.name, d.address, cfg, budget, fault=opts.fault if d.name == "prefill" else None)
+            spec = EngineSpec(d.name, d.address, cfg, budget, fault=opts.fault if d.name == "prefill" else None,
+                              device=str(device))
             p = ctx.Process(target=engine_main, args=(spec, child),
                             name=f"kvd-demo-{d.name}-engine", daemon=True)
             p.start()
@@ -206,10 +244,14 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             conns[d.name] = parent
         for d in daemons:
             d.wait_serving()
+        device_name = ""
         for name, conn in conns.items():
             msg = recv_or_raise(conn)
             if not isinstance(msg, Ready):
                 raise RuntimeError(f"{name} engine did not start: {getattr(msg, 'error', msg)}")
+            if msg.device != str(device):
+                raise RuntimeError(f"{name} engine computes on {msg.device}, not on {device}")
+            device_name = msg.device_name
         router = Router(conns["prefill"], conns["decode"], max_inflight=opts.max_inflight)
         progress = _Progress(err, t0)
         result = router.run(requests, progress)
@@ -223,7 +265,8 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             p.join(30)
         wall = time.perf_counter() - t0
         differs = compare(result.completions, reference)
-        _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall)
+        _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall, device,
+                 device_name)
         return 1 if differs else 0
     finally:
         if router is not None:
@@ -245,6 +288,19 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         shutil.rmtree(arena_dir, ignore_errors=True)
 
 
+def _require_gpu_stack() -> None:
+    """The GPU demo's daemons and reference need cuda-python (the VMM arena) and Triton (page
+    moves); say so before anything starts instead of in a daemon's log."""
+    import importlib.util
+
+    from kvd.arena_cuda import driver
+
+    driver()  # Unavailable, with how to install it, when cuda-python is missing
+    if importlib.util.find_spec("triton") is None:
+        raise Unavailable("--device cuda needs Triton (the GPU arenas move pages with Triton kernels); install triton "
+                          "matching torch, or use --device cpu")
+
+
 def _daemon_stats(address: str):
     from kvd.client import Client
 
@@ -260,7 +316,8 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineConfig, requests: list[Request], result,
-             reference: dict[str, Completion], differs: list[str], reports: dict, stats: dict, wall: float) -> None:
+             reference: dict[str, Completion], differs: list[str], reports: dict, stats: dict, wall: float,
+             device: torch.device = torch.device("cpu"), device_name: str = "") -> None:
     w = TargetConfig().window
     plens = [len(r.prompt) for r in requests]
     comps = result.completions.values()
@@ -296,6 +353,9 @@ def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineCo
     print(f"\nkvd demo: prefill node -> decode node over {backend}{' (tcp)' if backend == 'mooncake' else ''}; "
           f"layout {layout.name} ({layout.fingerprint}); chunked prefill {cfg.chunk} tokens; "
           f"post-capture budgets {PREFILL_BYTES >> 20} MiB / {DECODE_BYTES >> 20} MiB", file=out)
+    if device.type == "cuda":
+        print(f"device {device} ({device_name}): both daemons' arenas (CUDA VMM), both engines "
+              "and the colocated reference; local backend GPU -> GPU", file=out)
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 60), file=out)
     for k, v in rows:

@@ -3,13 +3,19 @@
 The colocated reference runs the same engine code as the prefill-decode pair, prefill and decode
 in one pool; this adapter gives it the subset of :class:`kvd.client.Client` the engines use, with
 the same names, arguments and exceptions.
+
+``device="cuda:N"`` puts the pool on a CUDA virtual-memory arena on that GPU (needs
+``cuda-python``, and Triton for compaction), so the reference reads KV from GPU memory as the
+engines of ``kvd demo --device cuda`` do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvd.arena import ShmArena
+import torch
+
+from kvd.arena import Arena, ShmArena
 from kvd.layout import Layout
 from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
 from kvd.views import LayerKV, all_views
@@ -18,10 +24,20 @@ __all__ = ["LocalKV"]
 
 
 class LocalKV:
-    """A pool over its own shared-memory arena, spoken to like a daemon. Close when done."""
+    """A pool over its own arena (shared memory, or GPU memory for a CUDA ``device``), spoken to
+    like a daemon. Close when done."""
 
-    def __init__(self, layout: Layout, nbytes: int) -> None:
-        self.arena = ShmArena(nbytes, nbytes)
+    def __init__(self, layout: Layout, nbytes: int, *, device: torch.device | str = "cpu") -> None:
+        dev = torch.device(device)
+        self.arena: Arena
+        if dev.type == "cuda":
+            from kvd.arena_cuda import CudaVmmArena  # CPU nodes never import cuda-python
+
+            self.arena = CudaVmmArena(nbytes, nbytes, device=dev)
+        elif dev.type == "cpu":
+            self.arena = ShmArena(nbytes, nbytes)
+        else:
+            raise ValueError(f"LocalKV: no arena for device {dev} (cpu or cuda)")
         try:
             self.pool = Pool(layout, self.arena)
         except BaseException:

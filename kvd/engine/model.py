@@ -29,6 +29,12 @@ Where KV lives: a forward pass never keeps a cache of its own. It reads the requ
 from the arena through :class:`kvd.engine.paged.SeqKV` (physical page ids from the daemon) and
 returns the new positions' KV in a :class:`Pending`; the caller writes it back with
 :meth:`Pending.commit` once the pool holds pages for those positions.
+
+Device. ``build_models(device=...)`` draws the weights on the CPU from the fixed seeds and then
+copies them to the device, so a model on the GPU holds the same bits as one on the CPU (and as
+one in any other process). Every tensor a forward pass makes (inputs, positions, masks, states,
+logits) lives on the model's device; the arena views it reads must be on that device too
+(a mismatch fails loudly, nothing moves to the CPU behind the caller's back).
 """
 
 from __future__ import annotations
@@ -151,16 +157,18 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 class _Rope:
     """Rotary embedding with cached cos/sin tables (grown on demand)."""
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, device: torch.device) -> None:
         self.half = head_dim // 2
-        self.inv = 10000.0 ** (-torch.arange(self.half, dtype=F64) / self.half)
-        self.cos = self.sin = torch.empty(0, 1, self.half, dtype=F64)
+        self.device = device
+        self.inv = (10000.0 ** (-torch.arange(self.half, dtype=F64) / self.half)).to(device)
+        self.cos = self.sin = torch.empty(0, 1, self.half, dtype=F64, device=device)
 
     def __call__(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """``x`` ``[T, heads, dim]`` at positions ``start..start+T-1``."""
         end = start + x.shape[0]
         if end > self.cos.shape[0]:
-            ang = torch.arange(max(end, 2 * self.cos.shape[0], 1024), dtype=F64)[:, None] * self.inv[None, :]
+            # element-wise: a position's angle does not depend on how large the table grew
+            ang = torch.arange(max(end, 2 * self.cos.shape[0], 1024), dtype=F64, device=self.device)[:, None] * self.inv[None, :]
             self.cos, self.sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
         cos, sin = self.cos[start:end], self.sin[start:end]
         x1, x2 = x[..., : self.half], x[..., self.half :]
@@ -192,18 +200,19 @@ class Model:
     """One decoder-only model (target or draft). Stateless: every KV byte lives in the arena or
     in the :class:`Pending` a forward call returns."""
 
-    def __init__(self, cfg: TargetConfig | DraftConfig) -> None:
+    def __init__(self, cfg: TargetConfig | DraftConfig, device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
-        g = torch.Generator().manual_seed(cfg.seed)
+        self.device = dev = torch.device(device)
+        g = torch.Generator().manual_seed(cfg.seed)  # CPU: the same bits on every device and in every process
 
         def rnd(*shape: int, scale: float) -> torch.Tensor:
-            return torch.randn(*shape, generator=g, dtype=F64) * scale
+            return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dev)
 
         d, h, kvh, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.embed = rnd(cfg.vocab, d, scale=1.0)
         self.unembed = rnd(d, cfg.vocab, scale=2.0 / math.sqrt(d))
-        self.prior = torch.randn(cfg.vocab, cfg.vocab, generator=torch.Generator().manual_seed(PRIOR_SEED), dtype=F64) * PRIOR_GAIN
-        self.rope = _Rope(hd)
+        self.prior = (torch.randn(cfg.vocab, cfg.vocab, generator=torch.Generator().manual_seed(PRIOR_SEED), dtype=F64) * PRIOR_GAIN).to(dev)
+        self.rope = _Rope(hd, dev)
         self.layers: list[_Attn | _State] = []
         seen: dict[str, int] = {}
         for kind in cfg.layers:
@@ -211,7 +220,7 @@ class Model:
             seen[kind] = idx + 1
             if kind == "state":
                 elems = cfg.state_elems  # type: ignore[union-attr]
-                decay = 0.5 + 0.49 * torch.rand(elems, generator=g, dtype=F64)
+                decay = (0.5 + 0.49 * torch.rand(elems, generator=g, dtype=F64)).to(dev)
                 self.layers.append(_State(idx, decay, rnd(d, elems, scale=1 / math.sqrt(d)), rnd(elems, d, scale=1 / math.sqrt(elems))))
                 continue
             window = cfg.window if kind == "swa" else None  # type: ignore[union-attr]
@@ -231,19 +240,22 @@ class Model:
         Nothing is written to the arena here."""
         if pending.end != start:
             raise ValueError(f"forward at position {start}, but pending KV ends at {pending.end}")
-        toks = torch.as_tensor(tokens, dtype=torch.int64)
+        if seq is not None and seq.kv.device != self.device:
+            raise ValueError(f"model on {self.device} but its KV arena views are on {seq.kv.device}")
+        dev = self.device
+        toks = torch.as_tensor(tokens, dtype=torch.int64, device=dev)
         T = toks.numel()
         cfg = self.cfg
-        pos = torch.arange(start, start + T)
+        pos = torch.arange(start, start + T, device=dev)
         x = self.embed[toks]
         for layer in self.layers:
             if isinstance(layer, _State):
                 h = pending.last_state(layer.index)
                 if h is None:  # the state after position pending.start - 1; zero before the first token
-                    h = seq.read_state(layer.index) if pending.start else torch.zeros(layer.decay.numel())
+                    h = seq.read_state(layer.index) if pending.start else torch.zeros(layer.decay.numel(), device=dev)
                 h = h.to(F64)
                 u = _rms(x) @ layer.w_in
-                out = torch.empty(T, h.numel(), dtype=KV_DTYPE)
+                out = torch.empty(T, h.numel(), dtype=KV_DTYPE, device=dev)
                 for t in range(T):
                     h = (layer.decay * h + u[t]).to(KV_DTYPE).to(F64)  # stored precision, every step
                     out[t] = h
@@ -259,11 +271,10 @@ class Model:
             if lo < pending.start:
                 ak, av = seq.read(layer.group, layer.index, lo, pending.start)
                 keys, vals = torch.cat([ak, pk]), torch.cat([av, pv])
-                kpos = torch.arange(lo, start + T)
             else:
                 skip = lo - pending.start
                 keys, vals = pk[skip:], pv[skip:]
-                kpos = torch.arange(lo, start + T)
+            kpos = torch.arange(lo, start + T, device=dev)
             x = x + self._attend(q, keys, vals, pos, kpos, layer.window) @ layer.wo
             x = x + torch.nn.functional.gelu(_rms(x) @ layer.w1) @ layer.w2
         pending.end = start + T
@@ -295,7 +306,14 @@ class Models:
     draft: Model | None
     layout: Layout
 
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
 
-def build_models(target: TargetConfig | None = None, draft: DraftConfig | None = DraftConfig()) -> Models:
+
+def build_models(target: TargetConfig | None = None, draft: DraftConfig | None = DraftConfig(), *,
+                 device: torch.device | str = "cpu") -> Models:
+    """The target and draft with their weights on ``device`` (drawn on the CPU, then copied)."""
     tcfg = target or TargetConfig()
-    return Models(Model(tcfg), Model(draft) if draft is not None else None, layout_for(tcfg, draft))
+    dev = torch.device(device)
+    return Models(Model(tcfg, dev), Model(draft, dev) if draft is not None else None, layout_for(tcfg, draft))

@@ -15,6 +15,11 @@ engine asked for KV the pool released (an engine bug), never something to paper 
 
 A :class:`SeqKV` holds vectors of one epoch; after the daemon compacts, restores or extends,
 make a new one from the fresh vectors (:meth:`PagedKV.seq`).
+
+Devices: the index vectors arrive from the daemon as CPU int32 tensors; the views live where the
+arena does (shared memory, or GPU memory with ``arena=cuda``). Page ids are moved to the views'
+device before they index them; the K/V given to :meth:`SeqKV.write` must already be there (a
+tensor on another device fails, it is never copied across silently).
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ class PagedKV:
         self.layout = layout
         self.views = views
         self.page_size = {g.name: layout.page_size_of(g) for g in layout.groups}
+        devices = {lkv.k.device for layers in views.values() for lkv in layers}
+        if len(devices) > 1:
+            raise ValueError(f"arena views on more than one device: {sorted(map(str, devices))}")
+        #: where the views (the arena) live; forward passes reading them must compute here
+        self.device = devices.pop() if devices else torch.device("cpu")
 
     def seq(self, vec: IndexVectors) -> SeqKV:
         return SeqKV(self, vec)
@@ -68,7 +78,7 @@ class SeqKV:
                 f"request {self.vec.rid!r}: {group} positions [{lo}, {hi}) need request pages [{p0}, {p1}) but the "
                 f"vectors cover [{first}, {first + ids.numel()}) -- the engine reads KV the pool does not hold for it"
             )
-        return ids[p0 - first : p1 - first].to(torch.int64), p0
+        return ids[p0 - first : p1 - first].to(device=self.kv.device, dtype=torch.int64), p0
 
     def read(self, group: str, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions ``[lo, hi)``: ``[hi - lo, kv_heads, head_dim]`` copies."""
@@ -87,20 +97,47 @@ class SeqKV:
         ps = self.kv.page_size[group]
         self._pages(group, lo, lo + n)  # bounds check with a clear message
         pos = torch.arange(lo, lo + n)
-        page = ids[pos // ps - first].to(torch.int64)
+        page = ids.cpu()[pos // ps - first].to(torch.int64)  # offsets are computed on the host, moved once
         slot = pos % ps
         view = self.kv.views[group][layer]
-        view.k.index_put_((page, slot), k.to(view.k.dtype))
-        view.v.index_put_((page, slot), v.to(view.v.dtype))
+        if k.device != view.k.device or v.device != view.k.device:
+            raise ValueError(f"K/V on {k.device}/{v.device} for arena views on {view.k.device}")
+        _put_rows(view.k, page, slot, k)
+        _put_rows(view.v, page, slot, v)
 
     def read_state(self, layer: int) -> torch.Tensor:
         return self.kv.views[GroupKind.STATE.value][layer].k[self._slot()].clone()
 
     def write_state(self, layer: int, h: torch.Tensor) -> None:
         view = self.kv.views[GroupKind.STATE.value][layer].k
+        if h.device != view.device:
+            raise ValueError(f"state on {h.device} for arena views on {view.device}")
         view[self._slot()] = h.to(view.dtype)
 
     def _slot(self) -> int:
         if self.vec.state is None:
             raise RuntimeError(f"request {self.vec.rid!r} has no state slot; the layout needs a state group")
         return self.vec.state
+
+
+def _put_rows(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, rows: torch.Tensor) -> None:
+    """``view[page[i], slot[i]] = rows[i]`` for a ``[pages, page_size, heads, dim]`` arena view,
+    writing those elements and no other byte. ``page`` and ``slot`` are CPU int64 vectors.
+
+    Not ``view.index_put_``: with deterministic algorithms on (the GPU demo), CUDA's index_put_
+    into a non-contiguous tensor -- an arena view is one: its page stride spans every layer of
+    the group -- copies the whole view out and back. That read-modify-write of every page of the
+    layer would race with the daemon writing other requests' incoming KV into the same arena.
+    Addressing the elements by offset in a flat view of the storage makes every implementation
+    write element by element (the offsets are distinct, so the order does not matter)."""
+    if rows.shape[0] != page.numel() or rows.shape[1:] != view.shape[2:]:
+        raise ValueError(f"rows of shape {tuple(rows.shape)} for {page.numel()} positions of a view {tuple(view.shape)}")
+    inner = torch.zeros((), dtype=torch.int64)
+    for d in range(2, view.dim()):
+        shape = [1] * (view.dim() - 2)
+        shape[d - 2] = view.shape[d]
+        inner = inner + (torch.arange(view.shape[d]) * view.stride(d)).view(shape)
+    base = view.storage_offset() + page * view.stride(0) + slot * view.stride(1)
+    offs = (base.view(-1, *[1] * (view.dim() - 2)) + inner).reshape(-1)
+    flat = torch.as_strided(view, (view.untyped_storage().nbytes() // view.element_size(),), (1,), 0)
+    flat.index_put_((offs.to(view.device),), rows.reshape(-1).to(view.dtype))

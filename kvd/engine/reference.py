@@ -22,8 +22,10 @@ __all__ = ["run_colocated", "compare", "recompute"]
 
 
 def run_colocated(requests: Iterable[Request], models: Models, cfg: EngineConfig, *, arena_bytes: int = 64 << 20) -> dict[str, Completion]:
-    """Run every request to completion in one in-process pool, one at a time."""
-    kv = LocalKV(models.layout, arena_bytes)
+    """Run every request to completion in one in-process pool, one at a time. The pool's arena is
+    on the models' device (a CUDA arena for models on a GPU), so the reference computes and reads
+    KV where a prefill-decode pair on that device does."""
+    kv = LocalKV(models.layout, arena_bytes, device=models.device)
     try:
         paged = PagedKV(models.layout, kv.views)
         pre = PrefillEngine(kv, paged, models, cfg)

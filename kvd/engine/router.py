@@ -12,7 +12,13 @@ first tokens between them over pipes::
     router ◀─ Done(completion) ───┘
 
 Messages are the frozen dataclasses below, pickled by ``multiprocessing``; an engine that fails
-sends :class:`Crashed` with its traceback before exiting.
+sends :class:`Crashed` with its traceback before exiting. No tensor crosses a pipe: tokens and
+traces are Python ints and floats, so an engine on a GPU sends the same messages as one on the CPU.
+
+An engine computes on ``EngineSpec.device``: it prepares the process for deterministic CUDA
+(:func:`kvd.engine.device.prepare`) before anything touches CUDA, builds its models there, and
+refuses a daemon whose arena (``attach()``) lives on another device. Its client is
+:class:`~kvd.engine.device.Fenced`: every daemon call waits for the engine's queued GPU work.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from kvd.engine.decode import DecodeEngine
+from kvd.engine.device import Fenced, prepare
 from kvd.engine.prefill import PrefillEngine
 from kvd.engine.records import Completion, EngineConfig, FirstToken, Request
 from kvd.engine.model import build_models
@@ -45,6 +52,7 @@ class EngineSpec:
     cfg: EngineConfig
     finalize_bytes: int | None = None  # post-capture: the KV budget to back before serving
     fault: str | None = None  # test only: a named ticket fault for the prefill engine (kvd.engine.faults.FAULTS)
+    device: str = "cpu"  # where the engine computes; its daemon's arena must be there too ("cuda:0": arena=cuda)
 
 
 # ---- messages ----------------------------------------------------------------------------
@@ -90,6 +98,8 @@ class Shutdown:
 class Ready:
     role: str
     finalized_bytes: int
+    device: str = "cpu"  # where the engine's models and its daemon's arena views live
+    device_name: str = ""  # the GPU's name (torch.cuda.get_device_name), "" on the CPU
 
 
 @dataclass(frozen=True)
@@ -112,8 +122,12 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
     torch.set_num_threads(1)  # two engines, two daemons and a reference share the cores
     kv = att = None
     try:
-        models = build_models()
-        kv = _connect(Client, spec.address, f"{spec.role}-engine")
+        dev = prepare(spec.device)  # before anything touches CUDA
+        models = build_models(device=dev)
+        # On a GPU the daemon's first compaction or Send JIT-compiles its Triton page-move kernels
+        # (seconds on a cold cache): allow calls that long instead of failing a healthy run.
+        call_timeout = 5.0 if dev.type == "cpu" else 60.0
+        kv = Fenced.wrap(_connect(Client, spec.address, f"{spec.role}-engine", call_timeout=call_timeout), dev)
         info = kv.info()
         if info.layout.fingerprint != models.layout.fingerprint:
             raise RuntimeError(
@@ -124,7 +138,12 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             info = kv.finalize(spec.finalize_bytes)  # graphs are "captured": back the final KV budget
         att = kv.attach()
         paged = PagedKV(models.layout, att.views)
-        conn.send(Ready(spec.role, att.tensor.numel()))
+        if paged.device != dev:
+            raise RuntimeError(
+                f"the daemon at {spec.address} keeps its arena on {paged.device}, but this engine computes on {dev}; "
+                "start the daemon with the matching arena (--arena cuda --cuda-device N for a GPU engine)"
+            )
+        conn.send(Ready(spec.role, att.tensor.numel(), str(dev), torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""))
         if spec.role == "prefill":
             rewrite = None
             if spec.fault:
@@ -141,19 +160,24 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             pass
     finally:
         if att is not None:
-            att.close()
+            try:
+                if att.tensor.is_cuda:
+                    torch.cuda.synchronize(att.tensor.device)  # no kernel of ours may touch the mapping once it is gone
+            finally:
+                att.close()
         if kv is not None:
             kv.close()
 
 
-def _connect(client_cls, address: str, name: str, timeout_s: float = 60.0):
-    """Connect once the daemon serves (the demo starts engines and daemons together)."""
+def _connect(client_cls, address: str, name: str, timeout_s: float = 60.0, call_timeout: float = 5.0):
+    """Connect once the daemon serves (the demo starts engines and daemons together); every
+    later call of the client has ``call_timeout`` seconds."""
     from kvd.errors import KvdError
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return client_cls.connect(address, name=name, timeout=5)
+            return client_cls.connect(address, name=name, timeout=call_timeout)
         except KvdError:
             if time.monotonic() > deadline:
                 raise
