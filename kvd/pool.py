@@ -665,6 +665,8 @@ class Pool:
             moved_bytes += src.numel() * self.groups[k].pb
             self.groups[k].apply_slide(src, dst)
         moved_pages = sum(_net_moves(p) for p in passes.values())
+        if moved_bytes:
+            self._settle()
         if moved_pages:
             self.epoch += 1
             for h in moved_handles:
@@ -743,6 +745,14 @@ class Pool:
             return torch.tensor([r.state] if r.state >= 0 else [], dtype=IDX)
         return r.draft
 
+    def _settle(self) -> None:
+        """Wait until the page copies issued so far have landed. A CUDA copy is asynchronous,
+        and the engine that reads the moved pages runs in another process with its own stream:
+        nothing orders its reads after our kernels but this wait, so every call that moves bytes
+        returns only after they moved. No-op on host arenas (their copies are synchronous)."""
+        if self.arena.device.type == "cuda":
+            torch.cuda.synchronize(self.arena.device)
+
     def _owner_handles(self, kind: GroupKind, vids: torch.Tensor) -> set[int]:
         table = self._vid_req[FULL if kind is SWA else kind]
         return set(table[vids].unique().tolist())
@@ -786,6 +796,7 @@ class Pool:
         for k, host in off.host.items():
             pages = self.groups[k].v2p[self._request_vids(k, r)].to(torch.int64)
             self.page_view(k).index_copy_(0, pages.to(self.arena.device), host.to(self.arena.device))
+        self._settle()
         del self._offloaded[rid]
         self.epoch += 1
         r.moved_epoch = self.epoch

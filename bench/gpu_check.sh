@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Everything kvd checks and times on a GPU, in one call on the lent GPU machine:
+#   1. the GPU tests (tests/gpu: VMM arena, kernels, GPU pool, GPU daemon + attach, same-GPU
+#      handoff, GPU demo),
+#   2. the reference PD demo with both daemons and engines on the GPU (outputs vs colocated),
+#   3. bench/gpu.py (page moves, translation, same-GPU transfer, finalize; ratios vs copy).
+# Logs and the bench's JSON land in $OUT (the device tool brings them back).
+#
+#   bash bench/gpu_check.sh            # all three (~4 min on an H200)
+#   bash bench/gpu_check.sh quick      # bench --quick, demo quick
+#
+# Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvd-gpu-check}
+mkdir -p "$OUT"
+MODE=${1:-full}
+# NVLink multicast stays off on the lent machines (it can wedge a shared host's GPUs).
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+
+rc=0
+step() {  # step NAME SECONDS CMD...: run, log to $OUT/NAME.log, remember a failure
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local r=${PIPESTATUS[0]}
+  echo "=== $name: exit $r after $((SECONDS - t0)) s"
+  [ "$r" -eq 0 ] || rc=1
+}
+
+step tests 300 python3 -m pytest -q -p no:cacheprovider -x --timeout 120 tests/gpu
+if [ "$MODE" = quick ]; then
+  step demo 150 python3 -m kvd.cli demo --device cuda --backend local --quick
+  step bench 200 python3 bench/gpu.py --quick --json "$OUT/bench.json"
+else
+  step demo 200 python3 -m kvd.cli demo --device cuda --backend local
+  step bench 300 python3 bench/gpu.py --json "$OUT/bench.json"
+fi
+exit $rc
