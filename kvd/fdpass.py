@@ -37,7 +37,7 @@ from typing import NamedTuple
 from kvd import errors as E
 from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
 
-__all__ = ["HandleRequest", "HandleHeader", "Handles", "HandleServer", "fetch", "ping", "check_path", "MAX_FDS", "MAX_PATH"]
+__all__ = ["MAX_FDS", "MAX_PATH", "HandleHeader", "HandleRequest", "HandleServer", "Handles", "check_path", "fetch", "ping"]
 
 log = logging.getLogger("kvd.fdpass")
 
@@ -270,7 +270,7 @@ class HandleServer:
                         self.dropped += 1
                     log.info("handle server: dropped a client: %s", exc)
                     return
-                except Exception as exc:  # noqa: BLE001 -- a bug in the exporter must not kill the server
+                except Exception as exc:
                     log.exception("handle server: export failed")
                     self._answer_error(conn, InternalError(f"handle export failed (a bug in kvd): {type(exc).__name__}: {exc}"))
                     return

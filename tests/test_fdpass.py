@@ -18,7 +18,15 @@ import pytest
 from memfd_kit import GRAN, MemfdArena, open_fds
 
 from kvd import errors as E
-from kvd.fdpass import MAX_REQUEST, HandleHeader, HandleRequest, HandleServer, check_path, fetch, ping
+from kvd.fdpass import (
+    MAX_REQUEST,
+    HandleHeader,
+    HandleRequest,
+    HandleServer,
+    check_path,
+    fetch,
+    ping,
+)
 from kvd.node import Node
 from kvd.pool import Pool
 from kvd.presets import preset

@@ -15,10 +15,15 @@ import torch
 from memfd_kit import MemfdArena, memfd_import
 
 from kvd.arena import ShmArena
-from kvd.backends import PeerRegion, make_backend
-from kvd.backends import local_cuda
+from kvd.backends import PeerRegion, local_cuda, make_backend
 from kvd.backends.local_cuda import CudaLocalBackend, copy_blocks
-from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, PermissionDenied, Unavailable
+from kvd.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+)
 from kvd.fdpass import HandleHeader, HandleServer
 
 MiB = 1 << 20
@@ -194,7 +199,7 @@ def test_a_peer_that_shrank_under_the_ticket_is_refused(writer, peer):
 def test_misuse_is_refused(tmp_path):
     b = CudaLocalBackend("")
     with pytest.raises(FailedPrecondition, match="no handle socket"):
-        b.endpoint  # noqa: B018 -- the property raises
+        b.endpoint
     shm = ShmArena(MiB, MiB, directory=str(tmp_path))
     try:
         with pytest.raises(InvalidArgument, match="cuda-vmm arenas only"):

@@ -32,7 +32,13 @@ import torch
 from kvd import fdpass
 from kvd.arena import Arena
 from kvd.backends.base import Backend, PeerRegion
-from kvd.errors import Aborted, FailedPrecondition, InternalError, InvalidArgument, Unavailable
+from kvd.errors import (
+    Aborted,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    Unavailable,
+)
 from kvd.fdpass import HandleHeader
 from kvd.runs import Runs
 
@@ -114,7 +120,7 @@ class CudaLocalBackend(Backend):
         for m in peers:
             try:
                 m.close()
-            except Exception:  # noqa: BLE001 -- closing: give back what can be given back
+            except Exception:
                 pass
 
     # -- peers ------------------------------------------------------------------------------
@@ -150,7 +156,7 @@ class CudaLocalBackend(Backend):
                 alive = self._ping(ep).region_id == m.region_id
             except Unavailable:
                 alive = False
-            except Exception:  # noqa: BLE001 -- a refusal (token) still means someone is there
+            except Exception:
                 alive = True
             if not alive:
                 del self._peers[ep]

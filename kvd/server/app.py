@@ -23,10 +23,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvd.arena import Arena, ShmArena, reap_stale
 from kvd.backends.base import Backend, make_backend
-from kvd.handoff import Outbox, run_every
 from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
 from kvd.fdpass import HandleServer, check_path
+from kvd.handoff import Outbox, run_every
 from kvd.layout import GroupKind
 from kvd.node import Node
 from kvd.pool import Pool
@@ -38,7 +38,7 @@ from kvd.server.service import Endpoint, KvdService, PeerService
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
-__all__ = ["Daemon", "serve", "validate", "handle_socket_path"]
+__all__ = ["Daemon", "handle_socket_path", "serve", "validate"]
 
 log = logging.getLogger("kvd.server")
 

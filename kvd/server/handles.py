@@ -33,7 +33,7 @@ def gpu_uuid(index: int) -> str:
         import torch
 
         return str(torch.cuda.get_device_properties(index).uuid)
-    except Exception:  # noqa: BLE001 -- older torch, no device: the index alone must do
+    except Exception:
         return ""
 
 
