@@ -73,24 +73,18 @@ class ArenaHandles:
     def export(self, want_fds: bool) -> tuple[HandleHeader, list[int]]:
         """The header and, with ``want_fds``, one new fd per chunk covering ``[0, backed)``.
 
-        Holds the node's lock, so the backing cannot change between reading the chunk list and
-        exporting it. The fds belong to the caller (the server closes them after sending)."""
+        An export holds the node's lock, so the backing cannot change between reading the chunk
+        list and exporting it. A ping (no fds) takes no lock: a peer's liveness probe must not
+        wait behind this node's work. The fds belong to the caller (the server closes them)."""
+        if not want_fds:
+            pool = self.node.pool
+            arena = pool.arena
+            return self._header(arena.region_id, pool.boot_id, arena.backed, ()), []
         with self.node.lock:
             pool = self.node.pool
             arena = pool.arena
             backed = arena.backed
             chunks = [(off, size) for off, size in arena.chunks if off < backed]
-            header = HandleHeader(
-                region_id=arena.region_id,
-                boot_id=pool.boot_id,
-                backed=backed,
-                sizes=tuple(size for _, size in chunks) if want_fds else (),
-                generation=self._generation,
-                device=self.device,
-                gpu_uuid=self.gpu_uuid,
-            )
-            if not want_fds:
-                return header, []
             if not chunks:
                 raise FailedPrecondition(
                     f"arena {arena.region_id} has no backed bytes to share yet; finalize the pool first"
@@ -100,9 +94,16 @@ class ArenaHandles:
                     f"arena {arena.region_id} is backed by {len(chunks)} chunks, more than the {MAX_FDS} fds one "
                     "message can carry; back a smaller arena (chunks are at most 1 GiB each)"
                 )
+            header = self._header(arena.region_id, pool.boot_id, backed, tuple(size for _, size in chunks))
             exported = arena.export_fds()
             # Chunks past the backed prefix (none today: the arena releases them on shrink) are
             # never handed out.
             for fd, _ in exported[len(chunks) :]:
                 os.close(fd)
             return header, [fd for fd, _ in exported[: len(chunks)]]
+
+    def _header(self, region_id: str, boot_id: str, backed: int, sizes: tuple[int, ...]) -> HandleHeader:
+        return HandleHeader(
+            region_id=region_id, boot_id=boot_id, backed=backed, sizes=sizes, generation=self._generation,
+            device=self.device, gpu_uuid=self.gpu_uuid,
+        )
