@@ -32,14 +32,17 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvd.arena import Arena, ArenaHandle
-from kvd.errors import CapacityError, InvalidArgument, Unavailable
+from kvd.errors import CapacityError, FailedPrecondition, InvalidArgument, Unavailable
 
-__all__ = ["CudaVmmArena", "ImportedVmm", "map_imported", "driver"]
+if TYPE_CHECKING:
+    from kvd.fdpass import HandleHeader
+
+__all__ = ["CudaVmmArena", "ImportedVmm", "map_imported", "import_arena", "device_for", "driver"]
 
 _DRIVER: Any = None
 _LOCK = threading.Lock()
@@ -406,3 +409,36 @@ def map_imported(
             raise
         owner.size = total
         return owner, _wrap(base, nbytes, dev)
+
+
+def device_for(gpu_uuid: str, index: int) -> int:
+    """This process's index of the CUDA device with ``gpu_uuid`` (another process may number its
+    devices differently: ``CUDA_VISIBLE_DEVICES``). Without a UUID, ``index`` is trusted.
+    FailedPrecondition when this process cannot see that device."""
+    count = torch.cuda.device_count()
+    if gpu_uuid:
+        for i in range(count):
+            try:
+                if str(torch.cuda.get_device_properties(i).uuid) == gpu_uuid:
+                    return i
+            except Exception:  # noqa: BLE001 -- a torch without .uuid: fall back to the index
+                break
+        else:
+            raise FailedPrecondition(
+                f"the arena lives on GPU {gpu_uuid} (cuda:{index} of its owner), which this process does not see; "
+                "check CUDA_VISIBLE_DEVICES"
+            )
+    if not 0 <= index < count:
+        raise FailedPrecondition(f"the arena lives on cuda:{index} of its owner; this process has {count} CUDA device(s)")
+    return index
+
+
+def import_arena(
+    header: HandleHeader, fds: list[int], device: int | str | torch.device | None = None
+) -> tuple[ImportedVmm, torch.Tensor]:
+    """Map an export received over a handle socket (:func:`kvd.fdpass.fetch`): the chunks in
+    order, a ``uint8`` tensor over exactly ``header.backed`` bytes. ``device`` defaults to this
+    process's index of the owner's GPU (:func:`device_for`). The fds stay the caller's to close."""
+    if device is None:
+        device = device_for(header.gpu_uuid, header.device)
+    return map_imported(list(zip(fds, header.sizes)), device, nbytes=header.backed)

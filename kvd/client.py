@@ -20,16 +20,16 @@ the daemon frees its requests after the session TTL.
 from __future__ import annotations
 
 import asyncio
-import mmap
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import grpc
 import torch
 
-from kvd.errors import InvalidArgument
+from kvd.errors import InvalidArgument, Unavailable
 from kvd.handoff import SendResult, TransferState
 from kvd.layout import Layout
 from kvd.leases import LeaseKind
@@ -81,36 +81,69 @@ class LeaseInfo(NamedTuple):
     ticket: bytes  # RECV leases: hand these bytes to the prefill side unchanged
 
 
+class _Owner(Protocol):
+    """What keeps an attachment's memory mapped: an ``mmap`` (shm) or an
+    :class:`~kvd.arena_cuda.ImportedVmm` (cuda-vmm); ``close()`` unmaps."""
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class Attachment:
     """The daemon's arena mapped into this process, with per-group per-layer views.
 
     ``views[group][layer]`` is a :class:`~kvd.views.LayerKV`; index its tensors with physical
-    page ids. Keep the attachment alive as long as the views are used; :meth:`close` unmaps."""
+    page ids. The tensors are on the CPU for a shm arena and on the arena's GPU for a cuda-vmm
+    one; they cover exactly the backed bytes at attach time (attach again after finalize or
+    resize). Keep the attachment alive as long as the views are used; :meth:`close` unmaps.
+    Drop every view first: a GPU view used after close touches unmapped memory (a fault)."""
 
     layout: Layout
     region_id: str
     tensor: torch.Tensor
     views: dict[str, list[LayerKV]]
-    _mm: mmap.mmap
+    _owner: _Owner
 
     def close(self) -> None:
         self.views.clear()
         self.tensor = None  # type: ignore[assignment]
         try:
-            self._mm.close()
+            self._owner.close()
         except BufferError:
-            pass  # a view is still referenced somewhere; the GC unmaps it later
+            pass  # a shm view is still referenced somewhere; the GC unmaps it later
 
 
-def _attach(r: pb.AttachResponse) -> Attachment:
-    from kvd.arena import ArenaHandle, map_shared
-
-    if r.kind != "shm":
-        raise InvalidArgument(f"attach: arena kind {r.kind!r} needs the GPU attach path, not shared memory")
+def _attach(r: pb.AttachResponse, session: str) -> Attachment:
     layout = Layout.model_validate_json(r.layout_json)
-    mm, t = map_shared(ArenaHandle(r.kind, r.path, r.backed_bytes, r.region_id))
-    return Attachment(layout, r.region_id, t, all_views(layout, t), mm)
+    if r.kind == "shm":
+        from kvd.arena import ArenaHandle, map_shared
+
+        mm, t = map_shared(ArenaHandle(r.kind, r.path, r.backed_bytes, r.region_id))
+        return Attachment(layout, r.region_id, t, all_views(layout, t), mm)
+    if r.kind == "cuda-vmm":
+        return _attach_cuda(r, layout, session)
+    raise InvalidArgument(f"attach: arena kind {r.kind!r} is unknown to this client; upgrade kvd")
+
+
+def _attach_cuda(r: pb.AttachResponse, layout: Layout, session: str) -> Attachment:
+    """Fetch the arena's chunk fds over the daemon's handle socket (with this session's id),
+    map them on the same GPU, close the fds (the mapping keeps the memory alive)."""
+    if not torch.cuda.is_available():
+        raise Unavailable(
+            f"attach: the daemon keeps its arena {r.region_id} in GPU memory (cuda-vmm), but this process has no "
+            "CUDA device (torch.cuda.is_available() is false); attach from a process with CUDA on that node, or "
+            "run the daemon with arena=shm"
+        )
+    from kvd import arena_cuda, fdpass
+
+    arena_cuda.driver()  # Unavailable naming cuda-python, before any fd is fetched
+    handles = fdpass.fetch(r.path, session=session)
+    try:
+        owner, t = arena_cuda.import_arena(handles.header, handles.fds)
+    finally:
+        for fd in handles.fds:
+            os.close(fd)
+    return Attachment(layout, handles.header.region_id, t, all_views(layout, t), owner)
 
 
 def _info(r: pb.PoolInfo) -> PoolInfo:
@@ -163,6 +196,8 @@ def _kind(kind: LeaseKind | str) -> int:
 class _Surface:
     """The engine-facing API, once. ``_call`` is the transport's (sync value or awaitable)."""
 
+    session_id: str  # set by the transport on connect
+
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -174,8 +209,12 @@ class _Surface:
         return self._call("GetStats", pb.GetStatsRequest(), _stats)
 
     def attach(self) -> Attachment:
-        """Map the daemon's arena into this process (same host) and build per-layer views."""
-        return self._call("Attach", pb.AttachRequest(), _attach)
+        """Map the daemon's arena into this process (same host) and build per-layer views.
+
+        A shm arena is mapped by its file path; a CUDA arena's chunk fds come over the daemon's
+        handle socket, authorized by this client's session (this process needs CUDA and
+        cuda-python: Unavailable otherwise, saying which is missing)."""
+        return self._call("Attach", pb.AttachRequest(), lambda r: _attach(r, self.session_id))
 
     def echo(self, payload: bytes = b"") -> bytes:
         return self._call("Echo", pb.EchoRequest(payload=payload), lambda r: r.payload)

@@ -48,7 +48,18 @@ class Settings(BaseSettings):
     arena_bytes: int = Field(64 << 20, description="KV pool size in bytes (the backed size; with post_capture, the final size may be set later)")
     reserve_bytes: int | None = Field(None, description="address space to reserve (default: arena_bytes; post_capture: 4x arena_bytes)")
     post_capture: bool = Field(False, description="start with only the sink backed; the engine calls Finalize(bytes) after capturing its graphs")
-    arena_dir: str = Field("/dev/shm", description="tmpfs directory holding the shared arena file (engines map it from here)")
+    arena: Literal["shm", "cuda"] = Field(
+        "shm",
+        description="where the pool lives: shm (a shared-memory file, any host) or cuda (CUDA virtual memory on "
+        "cuda_device, shared with engines as fds over handle_socket; needs a GPU and cuda-python)",
+    )
+    arena_dir: str = Field("/dev/shm", description="tmpfs directory holding the shared arena file (engines map it from here; arena=shm only)")
+    cuda_device: int = Field(0, ge=0, description="CUDA device index of the arena (arena=cuda; as this process numbers devices)")
+    handle_socket: str | None = Field(
+        None,
+        description="Unix socket that passes the CUDA arena's fds to engines and peer daemons (arena=cuda only); "
+        "default: <listen_unix>.handles, or <tmpdir>/kvd-<pid>-<random>.handles without a Unix listener",
+    )
     listen_unix: str | None = Field("/tmp/kvd.sock", description="Unix socket path for engines ('' to disable)")
     listen_tcp: str | None = Field(None, description="host:port for TCP (engines and peer daemons); port 0 picks one")
     advertise: str | None = Field(None, description="address peers use to reach this daemon (default: the TCP address, else the Unix socket)")
@@ -73,7 +84,7 @@ class Settings(BaseSettings):
 
     _size = field_validator("arena_bytes", "reserve_bytes", mode="before")(lambda cls, v: None if v is None else parse_bytes(v))
 
-    @field_validator("listen_unix", "listen_tcp", mode="after")
+    @field_validator("listen_unix", "listen_tcp", "handle_socket", mode="after")
     @classmethod
     def _empty_is_none(cls, v: str | None) -> str | None:
         return v or None
@@ -87,6 +98,11 @@ class Settings(BaseSettings):
         if self.reserve_bytes is not None and self.reserve_bytes < self.arena_bytes:
             raise ValueError(
                 f"reserve_bytes ({self.reserve_bytes:,d}) is below arena_bytes ({self.arena_bytes:,d}); reserve at least the arena size"
+            )
+        if self.arena == "shm" and self.handle_socket:
+            raise ValueError(
+                "handle_socket passes CUDA arena fds; a shm arena is mapped by its file path: drop handle_socket "
+                "or set arena=cuda"
             )
         if self.listen_tcp and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen_tcp):
             raise ValueError(f"listen_tcp {self.listen_tcp!r} must be host:port, e.g. 127.0.0.1:50051")

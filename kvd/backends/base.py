@@ -215,12 +215,23 @@ class Backend(abc.ABC):
                 )
 
 
-def make_backend(name: str, *, host: str = "127.0.0.1") -> Backend:
-    """A backend by name: ``"local"`` (same host, shm) or ``"mooncake"`` (tcp, any host).
+def make_backend(
+    name: str, *, host: str = "127.0.0.1", arena_kind: str = "shm", handle_endpoint: str = "", peer_token: str | None = None
+) -> Backend:
+    """A backend by name: ``"local"`` (same host) or ``"mooncake"`` (tcp, any host).
 
     ``host`` is the address peers use to reach a mooncake backend (ignored by ``local``).
+    ``local`` depends on the kind of arena it will register (``Arena.handle().kind``): ``"shm"``
+    maps peers' arena files; ``"cuda-vmm"`` imports peers' CUDA arenas over their handle sockets,
+    advertising ``handle_endpoint`` (this daemon's handle socket) and presenting ``peer_token``.
     Raises Unavailable for an unknown name or when the backend's packages are missing."""
     if name == "local":
+        if arena_kind == "cuda-vmm":
+            from kvd.backends.local_cuda import CudaLocalBackend
+
+            return CudaLocalBackend(handle_endpoint, token=peer_token)
+        if arena_kind != "shm":
+            raise InvalidArgument(f"the local backend copies between shm or cuda-vmm arenas, not {arena_kind!r}")
         from kvd.backends.local import LocalBackend
 
         return LocalBackend()

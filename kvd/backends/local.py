@@ -1,4 +1,5 @@
-"""Same-host backend: map the peer's shm arena file and copy.
+"""Same-host backend for shm arenas: map the peer's arena file and copy (CUDA arenas:
+:mod:`kvd.backends.local_cuda`).
 
 The endpoint is the arena's file path (``/dev/shm/kvd-...``). A writer maps the peer's file
 (once per path; again when the peer's backed size grows) and copies block by block; many
@@ -91,7 +92,7 @@ class LocalBackend(Backend):
     """Writes into peer shm arenas on the same host by mapping their files.
 
     Only :class:`~kvd.arena.ShmArena` (``handle().kind == "shm"``) can be registered; other
-    arena kinds raise InvalidArgument (CUDA IPC is not implemented yet).
+    arena kinds raise InvalidArgument (CUDA arenas go to :mod:`kvd.backends.local_cuda`).
 
     ``max_batch`` bounds the blocks copied per step (the gather path's temporary buffer is at
     most ``max_batch`` x the average small block)."""
@@ -123,7 +124,10 @@ class LocalBackend(Backend):
         self._check_open()
         handle = arena.handle()
         if handle.kind != "shm":
-            raise InvalidArgument(f"the local backend registers shm arenas only, not {handle.kind!r}; use 'mooncake'")
+            raise InvalidArgument(
+                f"the shm local backend registers shm arenas only, not {handle.kind!r}; a cuda-vmm arena takes "
+                "make_backend('local', arena_kind='cuda-vmm', handle_endpoint=...)"
+            )
         if handle.path != self._path:
             # Take the liveness lock for the life of the registration, even while backed == 0.
             fd = os.open(handle.path, os.O_RDWR)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import threading
+import uuid
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -19,22 +21,24 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd.arena import ShmArena, reap_stale
+from kvd.arena import Arena, ShmArena, reap_stale
 from kvd.backends.base import Backend, make_backend
-from kvd.handoff import Outbox, run_every
 from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
+from kvd.fdpass import HandleServer, check_path
+from kvd.handoff import Outbox, run_every
 from kvd.layout import GroupKind
 from kvd.node import Node
 from kvd.pool import Pool
 from kvd.presets import load_layout
+from kvd.server.handles import ArenaHandles
 from kvd.server.metrics import Metrics
 from kvd.server.peer_link import GrpcPeerLink
 from kvd.server.service import Endpoint, KvdService, PeerService
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
-__all__ = ["Daemon", "serve", "validate"]
+__all__ = ["Daemon", "handle_socket_path", "serve", "validate"]
 
 log = logging.getLogger("kvd.server")
 
@@ -60,6 +64,47 @@ def validate(settings: Settings) -> None:
         from kvd.backends.mooncake import check_installed
 
         check_installed()
+    if settings.arena == "cuda":
+        _check_cuda(settings)
+
+
+def _check_cuda(settings: Settings) -> None:
+    if not torch.cuda.is_available():
+        raise Unavailable(
+            "arena=cuda needs a CUDA device, but torch.cuda.is_available() is false on this host (no GPU, no driver, "
+            "or a CPU-only torch build); run the daemon on a GPU node or set arena=shm"
+        )
+    count = torch.cuda.device_count()
+    if settings.cuda_device >= count:
+        raise InvalidArgument(
+            f"cuda_device={settings.cuda_device} does not exist: this process sees {count} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES applies); set cuda_device below {count}"
+        )
+    from kvd.arena_cuda import driver
+
+    driver()  # Unavailable naming the cuda-python package when it is missing
+    check_path(handle_socket_path(settings))
+
+
+def handle_socket_path(settings: Settings) -> str:
+    """Where a CUDA arena's fds are handed out: ``handle_socket``, else ``<listen_unix>.handles``,
+    else a fresh name in the temp directory (a daemon without a Unix listener)."""
+    if settings.handle_socket:
+        return settings.handle_socket
+    if settings.listen_unix:
+        return settings.listen_unix + ".handles"
+    return os.path.join(tempfile.gettempdir(), f"kvd-{os.getpid()}-{uuid.uuid4().hex[:8]}.handles")
+
+
+def _make_arena(settings: Settings) -> Arena:
+    backed = 0 if settings.post_capture else settings.arena_bytes
+    if settings.arena == "cuda":
+        from kvd.arena_cuda import CudaVmmArena
+
+        return CudaVmmArena(settings.reserved, backed, device=settings.cuda_device)
+    for path in reap_stale(settings.arena_dir):
+        log.warning("removed %s: an arena file left by a daemon that died without cleaning up", path)
+    return ShmArena(settings.reserved, backed, directory=settings.arena_dir)
 
 
 @dataclass
@@ -73,6 +118,7 @@ class Daemon:
     backend: Backend | None = None
     outbox: Outbox | None = None
     link: GrpcPeerLink | None = None
+    handles: HandleServer | None = None  # arena=cuda: hands the arena's fds to engines and peers
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -82,9 +128,7 @@ class Daemon:
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         layout = load_layout(settings.layout)
-        for path in reap_stale(settings.arena_dir):
-            log.warning("removed %s: an arena file left by a daemon that died without cleaning up", path)
-        arena = ShmArena(settings.reserved, 0 if settings.post_capture else settings.arena_bytes, directory=settings.arena_dir)
+        arena = _make_arena(settings)
         try:
             pool = Pool(layout, arena, post_capture=settings.post_capture)
         except BaseException:
@@ -104,6 +148,21 @@ class Daemon:
             options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
         )
         addresses: list[str] = []
+        handle_server: HandleServer | None = None
+
+        def undo() -> None:  # a start-up failure leaves nothing behind: no socket, no arena
+            if handle_server is not None:
+                handle_server.stop()
+            arena.close()
+
+        if arena.handle().kind == "cuda-vmm":
+            try:
+                exporter = ArenaHandles(node, settings.peer_token)
+                node.on_backing_change.append(exporter.backing_changed)
+                handle_server = HandleServer(handle_socket_path(settings), exporter.export, authorize=exporter.authorize).start()
+            except BaseException:
+                arena.close()
+                raise
         try:
             if settings.listen_unix:
                 if os.path.exists(settings.listen_unix):
@@ -117,19 +176,27 @@ class Daemon:
                 host = settings.listen_tcp.rsplit(":", 1)[0]
                 addresses.append(f"{host}:{port}")
         except BaseException:
-            arena.close()
+            undo()
             raise
         peer = settings.advertise or (addresses[-1] if settings.listen_tcp else addresses[0])
         caps = ["post-capture", "offload", "compaction-around-pins", "draft-vectors"]
+        if handle_server is not None:
+            caps.append("cuda-arena")
         backend = outbox = link = None
         if settings.backend != "none":
             try:
-                backend = make_backend(settings.backend, host=settings.transfer_host)
+                backend = make_backend(
+                    settings.backend,
+                    host=settings.transfer_host,
+                    arena_kind=arena.handle().kind,
+                    handle_endpoint=handle_server.path if handle_server else "",
+                    peer_token=settings.peer_token,
+                )
                 backend.register(arena)
             except BaseException:
                 if backend is not None:
                     backend.close()
-                arena.close()
+                undo()
                 raise
             # Register the whole arena again whenever its backing changes (post-capture sizing).
             node.on_backing_change.append(lambda: backend.register(arena))
@@ -142,6 +209,7 @@ class Daemon:
             backend=settings.backend,
             transfer_endpoint=backend.endpoint if backend else "",
             capabilities=tuple(caps),
+            handle_socket=handle_server.path if handle_server else "",
         )
         pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link), server)
         pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, settings.peer_token, outbox), server)
@@ -159,7 +227,7 @@ class Daemon:
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         if settings.metrics_port is not None:
             metrics.serve(settings.metrics_host, settings.metrics_port)
-        d = cls(settings, node, server, hs, addresses, metrics, backend=backend, outbox=outbox, link=link)
+        d = cls(settings, node, server, hs, addresses, metrics, backend=backend, outbox=outbox, link=link, handles=handle_server)
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
         d._sweeper.start()
         if outbox is not None:
@@ -196,6 +264,8 @@ class Daemon:
             self.link.close()
         if self.backend is not None:
             self.backend.close()
+        if self.handles is not None:
+            self.handles.stop()  # unlinks the socket; engines' and peers' mappings stay valid
         self.node.pool.arena.close()
         if self.settings.listen_unix and os.path.exists(self.settings.listen_unix):
             os.unlink(self.settings.listen_unix)

@@ -46,11 +46,19 @@ _UINT64_MAX = 2**64 - 1
 class Endpoint:
     """How the outside world reaches this daemon: written into PoolInfo and tickets."""
 
-    def __init__(self, peer_address: str = "", backend: str = "none", transfer_endpoint: str = "", capabilities: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        peer_address: str = "",
+        backend: str = "none",
+        transfer_endpoint: str = "",
+        capabilities: tuple[str, ...] = (),
+        handle_socket: str = "",
+    ):
         self.peer_address = peer_address
         self.backend = backend
         self.transfer_endpoint = transfer_endpoint
         self.capabilities = capabilities
+        self.handle_socket = handle_socket  # where a CUDA arena's fds are handed out ("" for shm)
 
 
 class _Base:
@@ -139,10 +147,17 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         return self._run(context, lambda: stats_to_pb(self.node.stats()))
 
     def Attach(self, request, context):
+        # shm: the path of the arena file. cuda-vmm: the handle socket, where the client fetches
+        # the chunk fds with its session id (kvd.fdpass); only the backed prefix is exported.
         def go():
             h = self.node.pool.arena.handle()
+            path = h.path
+            if h.kind == "cuda-vmm":
+                if not self.endpoint.handle_socket:
+                    raise FailedPrecondition(f"arena {h.region_id} is in GPU memory but this daemon serves no handle socket")
+                path = self.endpoint.handle_socket
             return pb.AttachResponse(
-                kind=h.kind, path=h.path, backed_bytes=h.backed, region_id=h.region_id, layout_json=self.node.layout.model_dump_json()
+                kind=h.kind, path=path, backed_bytes=h.backed, region_id=h.region_id, layout_json=self.node.layout.model_dump_json()
             )
 
         return self._run(context, lambda: self._with_session(context, go))

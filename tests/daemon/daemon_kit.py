@@ -25,6 +25,7 @@ import grpc
 import pytest
 
 from kvd import errors as E
+from kvd.arena import ShmArena
 from kvd.client import Client
 from kvd.config import load_settings
 from kvd.node import NodeStats
@@ -154,7 +155,8 @@ def start_inproc(tmp_path: Path, **overrides: Any) -> Target:
     d = Daemon.start(settings)
     unix = next(a for a in d.addresses if a.startswith("unix:")) if settings.listen_unix else ""
     tcp = next(a for a in d.addresses if not a.startswith("unix:")) if settings.listen_tcp else ""
-    ARENAS.append(d.node.pool.arena.path)
+    if isinstance(d.node.pool.arena, ShmArena):  # a CUDA arena leaves no file to check for
+        ARENAS.append(d.node.pool.arena.path)
     port = d.metrics.port if d.metrics and d.metrics.port else 0
     return Target("inproc", unix, tcp, port, d.node.pool.arena.region_id, node=d.node, daemon=d)
 

@@ -153,3 +153,80 @@ def test_serve_refuses_bad_flags_with_exit_status_2(capsys):
     assert err.startswith("kvd serve: InvalidArgument: invalid configuration") and "no listener" in err
     assert cli_main(["serve", "--arena-bytes", "4MiB", "--reserve-bytes", "1MiB", "--listen-unix", "/tmp/x.sock"]) == 2
     assert "reserve at least the arena size" in capsys.readouterr().err
+
+
+# ---- arena=cuda (issue 6): refused on a host that cannot run it, saying what to change ----------
+
+
+def test_cuda_arena_settings_and_their_refusals(tmp_path):
+    s = load_settings(arena="cuda", cuda_device=1, listen_unix=str(tmp_path / "k.sock"))
+    assert (s.arena, s.cuda_device, s.handle_socket) == ("cuda", 1, None)
+    from kvd.server.app import handle_socket_path
+
+    assert handle_socket_path(s) == str(tmp_path / "k.sock") + ".handles"
+    assert handle_socket_path(load_settings(arena="cuda", handle_socket="/tmp/h.sock")) == "/tmp/h.sock"
+    tcp_only = handle_socket_path(load_settings(arena="cuda", listen_unix="", listen_tcp="127.0.0.1:0"))
+    assert re.fullmatch(rf".*/kvd-{os.getpid()}-[0-9a-f]{{8}}\.handles", tcp_only)
+    for overrides, phrase in [
+        (dict(handle_socket="/tmp/h.sock"), "handle_socket passes CUDA arena fds"),
+        (dict(arena="gpu"), "'shm' or 'cuda'"),
+        (dict(arena="cuda", cuda_device=-1), "cuda_device"),
+    ]:
+        with pytest.raises(InvalidArgument, match=re.escape(phrase)):
+            load_settings(**overrides)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_cuda_arena_without_cuda_is_refused_at_start_leaving_nothing(tmp_path):
+    from kvd.errors import Unavailable
+
+    s = load_settings(arena="cuda", listen_unix=str(tmp_path / "kvd.sock"), backend="local")
+    with pytest.raises(Unavailable, match=r"arena=cuda needs a CUDA device, but torch.cuda.is_available\(\) is false.*set arena=shm"):
+        Daemon.start(s)
+    assert sorted(os.listdir(tmp_path)) == []  # no socket, no handle socket
+
+
+def _pretend_cuda(monkeypatch, devices: int = 1) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+
+
+def test_cuda_arena_refusals_name_the_device_and_the_package(tmp_path, monkeypatch):
+    import sys
+
+    from kvd import arena_cuda
+    from kvd.errors import Unavailable
+
+    _pretend_cuda(monkeypatch, devices=2)
+    with pytest.raises(InvalidArgument, match=r"cuda_device=2 does not exist: this process sees 2 CUDA device\(s\).*set cuda_device below 2"):
+        validate(load_settings(arena="cuda", cuda_device=2, listen_unix=str(tmp_path / "k.sock")))
+    monkeypatch.setattr(arena_cuda, "_DRIVER", None)
+    for mod in ("cuda", "cuda.bindings", "cuda.bindings.driver"):
+        monkeypatch.setitem(sys.modules, mod, None)  # cuda-python not installed
+    with pytest.raises(Unavailable, match="needs the `cuda-python` package"):
+        validate(load_settings(arena="cuda", listen_unix=str(tmp_path / "k.sock")))
+    monkeypatch.setattr(arena_cuda, "driver", lambda: None)
+    long_sock = str(tmp_path / ("x" * 110))
+    with pytest.raises(InvalidArgument, match="set handle_socket \\(or listen_unix\\) to a shorter path"):
+        validate(load_settings(arena="cuda", listen_unix=str(tmp_path / "k.sock"), handle_socket=long_sock))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_attaching_a_cuda_arena_without_cuda_says_why():
+    import torch
+
+    from kvd.client import _attach
+    from kvd.errors import Unavailable
+    from kvd.presets import preset
+    from kvd.v1 import kvd_pb2 as pb
+
+    r = pb.AttachResponse(kind="cuda-vmm", path="/nonexistent.handles", backed_bytes=MiB, region_id="kvd-vmm-x",
+                          layout_json=preset("tiny-hybrid").model_dump_json())
+    if not torch.cuda.is_available():
+        with pytest.raises(Unavailable, match=r"in GPU memory \(cuda-vmm\), but this process has no CUDA device"):
+            _attach(r, "sid")
+    r.kind = "nvme"
+    with pytest.raises(InvalidArgument, match="arena kind 'nvme' is unknown to this client"):
+        _attach(r, "sid")

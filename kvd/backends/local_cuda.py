@@ -1,0 +1,244 @@
+"""Same-host backend for CUDA arenas: import the peer's arena chunks and copy on the GPU.
+
+The endpoint is this daemon's handle socket (:mod:`kvd.fdpass`). A writer fetches the peer's
+chunk fds once (credential: the shared peer token), maps them on its own GPU
+(:func:`kvd.arena_cuda.import_arena`) and keeps the mapping, keyed by the peer's endpoint and
+checked against its ``region_id`` and backing ``generation``; it maps again when the ticket
+promises more bytes than are mapped, or the peer's backing changed, or the peer restarted.
+
+The copy. Source is this arena's tensor, destination the imported one; the planner's blocks
+(absolute addresses) become runs over ``[N, g]`` byte-row views of both, ``g`` the gcd of every
+offset and length (so every block is whole rows), and :func:`kvd.kernels.move_pages` moves them
+in one Triton launch. The write then waits for the launch to finish: the receiver is told READY
+as soon as ``write`` returns.
+
+Liveness. An imported chunk keeps the peer's physical memory alive even after the peer died (the
+import holds a reference), so a write never faults; it may only land in memory nobody owns any
+more. The writer therefore pings the peer's handle socket before the copy (no answer or another
+``region_id`` -> Unavailable, nothing written) and after it (-> Aborted: the bytes are lost), and
+drops the mapping of a dead peer at once: it pins a whole arena of GPU memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvd import fdpass
+from kvd.arena import Arena
+from kvd.backends.base import Backend, PeerRegion
+from kvd.errors import (
+    Aborted,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    Unavailable,
+)
+from kvd.fdpass import HandleHeader
+from kvd.runs import Runs
+
+__all__ = ["CudaLocalBackend", "copy_blocks"]
+
+#: Seconds to wait for a peer's handle server; a dead peer answers at once (connection refused).
+_PROBE_TIMEOUT_S = 2.0
+
+
+def _import(header: HandleHeader, fds: list[int], device: torch.device) -> tuple[Any, torch.Tensor]:
+    """Map a peer's export on ``device``; the seam CPU tests replace (they map memfds instead)."""
+    from kvd import arena_cuda
+
+    return arena_cuda.import_arena(header, fds, device)
+
+
+@dataclass(slots=True)
+class _Import:
+    """One peer arena mapped into this process."""
+
+    owner: Any  # ImportedVmm: close() unmaps (and the GC does, for a replaced mapping)
+    view: torch.Tensor  # uint8 over the peer's [0, size)
+    region_id: str
+    generation: int
+    size: int
+
+    def close(self) -> None:
+        """Unmap now (only when no write can be using it)."""
+        self.view = None  # type: ignore[assignment]
+        self.owner.close()
+
+
+class CudaLocalBackend(Backend):
+    """Writes into CUDA arenas of peer daemons on the same host (see the module docstring).
+
+    ``endpoint`` is this daemon's handle socket path (what peers fetch this arena's fds from; it
+    goes into tickets). ``token`` is the shared peer token presented to peers' handle servers.
+    Only a CUDA arena (``handle().kind == "cuda-vmm"``) can be registered."""
+
+    name = "local"
+
+    def __init__(self, endpoint: str, *, token: str | None = None, timeout: float = _PROBE_TIMEOUT_S) -> None:
+        super().__init__()
+        self._endpoint = endpoint
+        self._token = token or ""
+        self.timeout = timeout
+        self._src: torch.Tensor | None = None  # uint8 over the registered range
+        self._dev: torch.device | None = None
+        self._peers: dict[str, _Import] = {}
+        self._peers_lock = threading.Lock()
+
+    @property
+    def endpoint(self) -> str:
+        """This daemon's handle socket path."""
+        if not self._endpoint:
+            raise FailedPrecondition("local cuda backend: no handle socket to advertise; the daemon passes one")
+        return self._endpoint
+
+    # -- registration -----------------------------------------------------------------------
+
+    def register(self, arena: Arena) -> float:
+        """See :meth:`Backend.register`; refuses arenas that are not CUDA arenas (InvalidArgument)."""
+        self._check_open()
+        kind = arena.handle().kind
+        if kind != "cuda-vmm":
+            raise InvalidArgument(f"the local cuda backend registers cuda-vmm arenas only, not {kind!r}; use LocalBackend for shm")
+        self._dev = arena.device
+        return super().register(arena)
+
+    def _register(self, arena: Arena) -> None:
+        self._src = arena.tensor()  # a view, no copy: [0, backed) at this moment
+
+    def _unregister(self) -> None:
+        self._src = None
+
+    def _close(self) -> None:
+        with self._peers_lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for m in peers:
+            try:
+                m.close()
+            except Exception:
+                pass
+
+    # -- peers ------------------------------------------------------------------------------
+
+    def _ping(self, endpoint: str) -> HandleHeader:
+        return fdpass.ping(endpoint, token=self._token, timeout=self.timeout)
+
+    def _drop(self, endpoint: str, m: _Import | None = None) -> None:
+        """Forget (and unmap, when nobody else can be using it) the mapping of a dead peer."""
+        with self._peers_lock:
+            cur = self._peers.get(endpoint)
+            if cur is not None and (m is None or cur is m):
+                del self._peers[endpoint]
+        # Not closed here: a write in another thread may still copy through it; the last
+        # reference unmaps it (ImportedVmm closes itself when collected).
+
+    def _mapping(self, peer: PeerRegion, head: HandleHeader) -> _Import:
+        """The mapping of ``peer`` that matches the peer's ``head`` and covers the ticket."""
+        with self._peers_lock:
+            m = self._peers.get(peer.endpoint)
+            if m is not None and m.region_id == head.region_id and m.generation == head.generation and m.size >= peer.backed_bytes:
+                return m
+            self._peers.pop(peer.endpoint, None)
+            self._prune()
+            m = self._map(peer)
+            self._peers[peer.endpoint] = m
+            return m
+
+    def _prune(self) -> None:
+        """Drop mappings of peers that no longer answer (called with the lock, before a new import)."""
+        for ep, m in list(self._peers.items()):
+            try:
+                alive = self._ping(ep).region_id == m.region_id
+            except Unavailable:
+                alive = False
+            except Exception:
+                alive = True
+            if not alive:
+                del self._peers[ep]
+
+    def _map(self, peer: PeerRegion) -> _Import:
+        handles = fdpass.fetch(peer.endpoint, token=self._token, timeout=self.timeout)
+        h = handles.header
+        try:
+            if h.region_id != peer.region_id:
+                raise Unavailable(
+                    f"peer arena {peer.region_id!r} is gone: {peer.endpoint} now serves {h.region_id!r} (the peer "
+                    "restarted); nothing was written"
+                )
+            if h.backed < peer.backed_bytes:
+                raise Aborted(
+                    f"peer arena {peer.region_id!r} exports {h.backed:,d} bytes but its ticket promises "
+                    f"{peer.backed_bytes:,d}; the peer shrank under a live lease"
+                )
+            if self._dev is None:
+                raise InternalError("local cuda backend: mapping a peer before an arena was registered")
+            owner, view = _import(h, handles.fds, self._dev)
+        finally:
+            for fd in handles.fds:
+                os.close(fd)  # the mapping keeps the memory alive
+        return _Import(owner, view, h.region_id, h.generation, h.backed)
+
+    # -- the copy ---------------------------------------------------------------------------
+
+    def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+        src = self._src
+        if src is None:  # Backend.write checked that an arena is registered
+            raise InternalError("local cuda backend: write reached the copy with no registered source view")
+        try:
+            head = self._ping(peer.endpoint)
+        except Unavailable as exc:
+            self._drop(peer.endpoint)
+            raise Unavailable(f"peer arena {peer.region_id!r} ({peer.endpoint}) does not answer: {exc}; nothing was written") from exc
+        if head.region_id != peer.region_id:
+            self._drop(peer.endpoint)
+            raise Unavailable(
+                f"peer arena {peer.region_id!r} is gone: {peer.endpoint} now serves {head.region_id!r} (the peer "
+                "restarted); nothing was written"
+            )
+        m = self._mapping(peer, head)
+        lo = self.registered[0]
+        try:
+            copy_blocks(src, m.view, [a - lo for a in srcs], [a - peer.base for a in dsts], lens)
+            if m.view.is_cuda:
+                # The receiver is told READY once write returns: every byte must have landed.
+                torch.cuda.current_stream(m.view.device).synchronize()
+        except RuntimeError as exc:  # a CUDA error from the launch or the wait
+            raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
+        self._account(sum(lens))
+        try:
+            after = self._ping(peer.endpoint)
+        except Unavailable as exc:
+            self._drop(peer.endpoint, m)
+            raise Aborted(f"peer arena {peer.region_id!r} lost its owner during the write ({exc}); its bytes are undefined") from exc
+        if after.region_id != m.region_id:
+            self._drop(peer.endpoint, m)
+            raise Aborted(f"peer arena {peer.region_id!r} was replaced during the write (now {after.region_id!r}); its bytes are undefined")
+
+
+def copy_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> int:
+    """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` (byte offsets into two uint8 tensors) in
+    one :func:`kvd.kernels.move_pages` call; returns the bytes moved.
+
+    Both tensors are viewed as rows of ``g`` bytes, ``g`` the gcd of every offset and length, so
+    each block is a run of whole rows. ``g`` is whatever the blocks allow: page-aligned blocks of
+    the pool give a multiple of the smallest page size (hundreds of bytes), which lets the kernel
+    move 16-byte words. Off the GPU, ``move_pages`` falls back to torch."""
+    if not n:
+        return 0
+    from kvd.kernels import move_pages  # imported here: CPU nodes never load Triton
+
+    g = math.gcd(*s, *d, *n)
+    rows_s = src[: src.numel() // g * g].view(-1, g)
+    rows_d = dst[: dst.numel() // g * g].view(-1, g)
+    runs = Runs(
+        torch.tensor(s, dtype=torch.int64) // g,
+        torch.tensor(d, dtype=torch.int64) // g,
+        torch.tensor(n, dtype=torch.int64) // g,
+    )
+    move_pages(rows_s, rows_d, runs)
+    return sum(n)

@@ -1,0 +1,410 @@
+"""Handle passing: hand an arena's memory fds to another process over a Unix socket (SCM_RIGHTS).
+
+A CUDA arena cannot be mapped by path as a shm file can: the owner exports each physical chunk
+as a POSIX fd, and the fds travel to the importer as ``SCM_RIGHTS`` ancillary data. This module
+is the protocol only -- no gRPC, no CUDA -- so the daemon, the engine-side client and the
+data-plane backends all use it, and CPU tests drive it with memfds.
+
+One connection, one exchange::
+
+    importer                                   owner (HandleServer thread)
+    ── [u32 n][n bytes JSON request] ───────▶  read (bounded, timed), authorize(request)
+                                               export(want_fds) -> (HandleHeader, fds)
+    ◀── [u32 n][n bytes JSON header] + fds ──  one sendmsg; the owner closes its copies
+    close                                      close
+
+The request is ``{"op": "export" | "ping", "session": ..., "token": ...}``: an engine presents its
+session id on the daemon, a peer daemon the shared ``peer_token`` (empty when none is configured;
+the owner's ``authorize`` decides). ``ping`` answers the header without fds: it is the liveness
+probe of a peer (a restarted peer answers with another ``region_id``). A refusal is a header
+``{"ok": false, "error": <kvd error class>, "message": ...}`` that :func:`fetch` raises as that
+class, so an importer sees the same exceptions as over gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import NamedTuple
+
+from kvd import errors as E
+from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
+
+__all__ = ["MAX_FDS", "MAX_PATH", "HandleHeader", "HandleRequest", "HandleServer", "Handles", "check_path", "fetch", "ping"]
+
+log = logging.getLogger("kvd.fdpass")
+
+#: The kernel's limit of fds in one SCM_RIGHTS message (SCM_MAX_FD).
+MAX_FDS = 253
+#: Bytes of a Unix socket path (sun_path is 108 bytes with its terminating NUL).
+MAX_PATH = 107
+#: A request larger than this is refused unread: a real one is well under 1 KiB.
+MAX_REQUEST = 4096
+#: A reply header larger than this is refused by the importer (253 sizes fit in ~4 KiB).
+MAX_REPLY = 1 << 16
+_LEN = struct.Struct(">I")
+_OPS = ("export", "ping")
+
+
+@dataclass(frozen=True, slots=True)
+class HandleRequest:
+    """What an importer asks for, and with which credential."""
+
+    op: str  # "export" (header + fds) or "ping" (header only: liveness)
+    session: str = ""  # an engine's session id on the owner's daemon
+    token: str = ""  # a peer daemon's peer_token ("" when none is configured)
+
+
+@dataclass(frozen=True, slots=True)
+class HandleHeader:
+    """What comes with the fds: how to map them, and which arena they belong to."""
+
+    region_id: str  # the arena's stable name; a restarted owner has another one
+    boot_id: str  # the owner pool's boot id
+    backed: int  # bytes the importer may touch: map with nbytes=backed, never more
+    sizes: tuple[int, ...]  # bytes of each chunk, in address order, one per fd (empty for ping)
+    generation: int  # changes whenever the owner's chunks may have changed: re-import then
+    device: int = -1  # the owner's CUDA device index in its own process (-1: not a GPU arena)
+    gpu_uuid: str = ""  # that device's UUID ("" when unknown): importers pick their device by it
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["sizes"] = list(self.sizes)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> HandleHeader:
+        try:
+            h = cls(
+                region_id=str(d["region_id"]), boot_id=str(d["boot_id"]), backed=int(d["backed"]),
+                sizes=tuple(int(s) for s in d["sizes"]), generation=int(d["generation"]),
+                device=int(d.get("device", -1)), gpu_uuid=str(d.get("gpu_uuid", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise Unavailable(f"handle server sent a malformed header ({type(exc).__name__}: {exc})") from exc
+        if h.backed < 0 or any(s <= 0 for s in h.sizes) or (h.sizes and sum(h.sizes) < h.backed):
+            raise Unavailable(f"handle server sent an inconsistent header: backed={h.backed:,d}, chunk sizes {list(h.sizes)}")
+        return h
+
+
+class Handles(NamedTuple):
+    """A received export: the header and the fds, which now belong to the caller (close them
+    once mapped)."""
+
+    header: HandleHeader
+    fds: list[int]
+
+
+#: ``export(want_fds) -> (header, fds)``. Called per request; the fds are new and are closed by
+#: the server after sending. Raise a KvdError to refuse (it reaches the importer by name).
+Exporter = Callable[[bool], "tuple[HandleHeader, list[int]]"]
+#: ``authorize(request)`` raises a KvdError (PermissionDenied, NotFound, ...) to refuse.
+Authorizer = Callable[[HandleRequest], None]
+
+
+def check_path(path: str) -> None:
+    """InvalidArgument unless ``path`` can name a Unix socket (not empty, at most 107 bytes)."""
+    if not path:
+        raise InvalidArgument("handle socket: empty path; set handle_socket to a socket path")
+    if len(os.fsencode(path)) > MAX_PATH:
+        raise InvalidArgument(
+            f"handle socket path {path!r} is {len(os.fsencode(path))} bytes; Unix sockets allow {MAX_PATH}: "
+            "set handle_socket (or listen_unix) to a shorter path"
+        )
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+class HandleServer:
+    """A thread that answers handle requests on an ``AF_UNIX`` stream socket at ``path``.
+
+    Each connection is served in its own short-lived thread (at most ``max_clients`` at once;
+    more are refused with Unavailable) under a ``timeout`` for the whole exchange, so a slow or
+    silent client cannot hold the others up. A client that sends garbage gets an InvalidArgument
+    header; one that disconnects mid-request is dropped; neither stops the server.
+
+    :meth:`start` binds (replacing a stale socket file left by a dead owner, refusing a live
+    one); :meth:`stop` closes the socket, waits for the threads and unlinks the path."""
+
+    def __init__(
+        self,
+        path: str,
+        export: Exporter,
+        *,
+        authorize: Authorizer | None = None,
+        timeout: float = 2.0,
+        max_clients: int = 8,
+    ) -> None:
+        check_path(path)
+        if timeout <= 0 or max_clients <= 0:
+            raise InvalidArgument(f"handle server: timeout ({timeout}) and max_clients ({max_clients}) must be positive")
+        self.path = path
+        self.timeout = timeout
+        self._export = export
+        self._authorize = authorize
+        self._slots = threading.BoundedSemaphore(max_clients)
+        self._sock: socket.socket | None = None
+        self._ino = 0  # inode of the socket file we bound: stop() unlinks only that one
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._workers: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        #: exchanges answered with a header (``served``: ok; ``refused``: an error header) and
+        #: connections dropped without an answer (client gone or too slow).
+        self.served = self.refused = self.dropped = 0
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def start(self) -> HandleServer:
+        self._clear_stale()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.bind(self.path)
+            s.listen(64)
+            # accept() wakes this often to see stop(); closing a socket does not wake a blocked accept.
+            s.settimeout(0.1)
+            self._ino = os.stat(self.path).st_ino
+        except OSError as exc:
+            s.close()
+            raise Unavailable(f"cannot serve handles on {self.path}: {exc}; set handle_socket to a writable path") from exc
+        self._sock = s
+        self._thread = threading.Thread(target=self._accept_loop, name="kvd-handles", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, wait for exchanges in flight (each bounded by ``timeout``), unlink."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            workers = list(self._workers)
+        for w in workers:
+            w.join(self.timeout + 1.0)
+        if self._sock is not None:
+            self._sock.close()
+        try:
+            if self._ino and os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> HandleServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _clear_stale(self) -> None:
+        try:
+            st = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise InvalidArgument(f"handle socket path {self.path} exists and is not a socket; set handle_socket to another path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.path)
+        except OSError:
+            os.unlink(self.path)  # nobody listens: a socket file left by a dead owner
+            return
+        finally:
+            probe.close()
+        raise Unavailable(f"another process serves handles on {self.path}; stop it or set handle_socket to another path")
+
+    # -- serving -----------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("handle server: accept failed")
+                continue
+            if not self._slots.acquire(blocking=False):
+                self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"))
+                conn.close()
+                continue
+            t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
+            with self._lock:
+                self._workers.add(t)
+            t.start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                conn.settimeout(self.timeout)
+                try:
+                    req = self._read_request(conn)
+                    if self._authorize is not None:
+                        self._authorize(req)
+                    header, fds = self._export(req.op == "export")
+                except KvdError as exc:  # first: DeadlineExceeded is an OSError too
+                    self._answer_error(conn, exc)
+                    return
+                except OSError as exc:  # gone or too slow (ConnectionError, TimeoutError)
+                    with self._lock:
+                        self.dropped += 1
+                    log.info("handle server: dropped a client: %s", exc)
+                    return
+                except Exception as exc:
+                    log.exception("handle server: export failed")
+                    self._answer_error(conn, InternalError(f"handle export failed (a bug in kvd): {type(exc).__name__}: {exc}"))
+                    return
+                try:
+                    if req.op == "export" and len(fds) != len(header.sizes):
+                        raise InternalError(f"handle export produced {len(fds)} fds for {len(header.sizes)} chunks (a bug in kvd)")
+                    self._send(conn, {"ok": True, **header.to_json()}, fds if req.op == "export" else [])
+                    with self._lock:
+                        self.served += 1
+                except KvdError as exc:
+                    self._answer_error(conn, exc)
+                except OSError as exc:
+                    with self._lock:
+                        self.dropped += 1
+                    log.info("handle server: client left before the reply: %s", exc)
+                finally:
+                    for fd in fds:
+                        os.close(fd)  # the importer has its own copies now (or never will)
+        finally:
+            self._slots.release()
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+
+    def _read_request(self, conn: socket.socket) -> HandleRequest:
+        (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+        if n > MAX_REQUEST:
+            raise InvalidArgument(f"handle request of {n:,d} bytes exceeds the {MAX_REQUEST:,d}-byte limit")
+        raw = _recv_exact(conn, n)
+        try:
+            d = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise InvalidArgument(f"handle request is not JSON: {exc}") from exc
+        if not isinstance(d, dict):
+            raise InvalidArgument("handle request must be a JSON object with op, session and token")
+        op, session, token = d.get("op"), d.get("session", ""), d.get("token", "")
+        if op not in _OPS:
+            raise InvalidArgument(f"handle request op {op!r} is unknown; use one of {list(_OPS)}")
+        if not isinstance(session, str) or not isinstance(token, str):
+            raise InvalidArgument("handle request session and token must be strings")
+        return HandleRequest(op, session, token)
+
+    @staticmethod
+    def _send(conn: socket.socket, header: dict, fds: list[int]) -> None:
+        body = json.dumps(header).encode()
+        msg = _LEN.pack(len(body)) + body
+        # The fds ride on the first byte of the message; the rest goes out as ordinary data.
+        sent = socket.send_fds(conn, [msg], fds) if fds else conn.send(msg)
+        if sent < len(msg):
+            conn.sendall(msg[sent:])
+
+    def _answer_error(self, conn: socket.socket, exc: KvdError) -> None:
+        with self._lock:
+            self.refused += 1
+        cls = next(c for c in type(exc).__mro__ if c.__module__ == E.__name__)
+        try:
+            conn.settimeout(self.timeout)
+            self._send(conn, {"ok": False, "error": cls.__name__, "message": str(exc)}, [])
+        except OSError:
+            pass  # the client is gone; nothing else to do
+
+
+# ---- the importer's side -----------------------------------------------------------------------
+
+
+def _error(name: str, message: str) -> KvdError:
+    cls = getattr(E, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, KvdError)):
+        cls = KvdError
+    return cls(message)
+
+
+def _request(path: str, req: HandleRequest, timeout: float) -> Handles:
+    check_path(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    fds: list[int] = []
+    try:
+        try:
+            s.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise Unavailable(f"no handle server at {path} ({exc.strerror}): the daemon is not running or has restarted") from exc
+        body = json.dumps({"op": req.op, "session": req.session, "token": req.token}).encode()
+        s.sendall(_LEN.pack(len(body)) + body)
+        buf = bytearray()
+        need = _LEN.size
+        while len(buf) < need:
+            data, got, flags, _ = socket.recv_fds(s, max(need - len(buf), 4096), MAX_FDS)
+            fds += got
+            if flags & getattr(socket, "MSG_CTRUNC", 0):
+                raise Unavailable(f"handle server at {path} sent more fds than fit in one message ({MAX_FDS})")
+            if not data:
+                raise Unavailable(f"handle server at {path} closed the connection before its reply was complete")
+            buf += data
+            if need == _LEN.size and len(buf) >= _LEN.size:
+                (n,) = _LEN.unpack(buf[: _LEN.size])
+                if n > MAX_REPLY:
+                    raise Unavailable(f"handle server at {path} announced a {n:,d}-byte header; the limit is {MAX_REPLY:,d}")
+                need = _LEN.size + n
+        try:
+            d = json.loads(bytes(buf[_LEN.size : need]))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Unavailable(f"handle server at {path} sent a reply that is not JSON: {exc}") from exc
+        if not isinstance(d, dict):
+            raise Unavailable(f"handle server at {path} sent a reply that is not a JSON object")
+        if not d.get("ok"):
+            raise _error(str(d.get("error", "KvdError")), str(d.get("message", "refused without a reason")))
+        header = HandleHeader.from_json(d)
+        if req.op == "export" and len(fds) != len(header.sizes):
+            raise Unavailable(f"handle server at {path} sent {len(fds)} fds for {len(header.sizes)} chunks")
+        return Handles(header, fds)
+    except BaseException as exc:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, TimeoutError) and not isinstance(exc, KvdError):
+            raise Unavailable(f"handle server at {path} did not answer within {timeout:g}s") from exc
+        if isinstance(exc, OSError) and not isinstance(exc, KvdError):
+            raise Unavailable(f"handle server at {path} failed: {exc}") from exc
+        raise
+    finally:
+        s.close()
+
+
+def fetch(path: str, *, session: str = "", token: str | None = None, timeout: float = 5.0) -> Handles:
+    """Ask the handle server at ``path`` for its arena's chunk fds.
+
+    Credentials: an engine passes its ``session`` id on that daemon; a peer daemon passes the
+    shared ``token`` (None or "" when none is configured). Returns the header and the fds, which
+    belong to the caller (close them after mapping). Raises the server's refusal as its kvd
+    class (NotFound for an unknown session, PermissionDenied for a wrong token, ...), and
+    Unavailable when nobody serves ``path`` or the reply is malformed or late."""
+    return _request(path, HandleRequest("export", session, token or ""), timeout)
+
+
+def ping(path: str, *, session: str = "", token: str | None = None, timeout: float = 5.0) -> HandleHeader:
+    """The header of the arena served at ``path``, without fds: a liveness probe (Unavailable
+    when nobody serves it; a new ``region_id`` when its owner restarted)."""
+    return _request(path, HandleRequest("ping", session, token or ""), timeout).header

@@ -1,0 +1,342 @@
+"""Handle passing (kvd.fdpass) and the daemon's exporter (kvd.server.handles), on the CPU.
+
+memfds stand in for CUDA chunk fds: the bytes must be visible through the received fds, the
+server must close its copies, refusals must come back as the same kvd exception, and no client
+-- garbage, oversized, silent, or gone mid-request -- may stop the server."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+
+import pytest
+from memfd_kit import GRAN, MemfdArena, open_fds
+
+from kvd import errors as E
+from kvd.fdpass import (
+    MAX_REQUEST,
+    HandleHeader,
+    HandleRequest,
+    HandleServer,
+    check_path,
+    fetch,
+    ping,
+)
+from kvd.node import Node
+from kvd.pool import Pool
+from kvd.presets import preset
+from kvd.server.handles import ArenaHandles
+
+KiB = 1 << 10
+
+
+def _memfd(data: bytes) -> int:
+    fd = os.memfd_create("kvd-test")
+    os.write(fd, data)
+    return fd
+
+
+class Exporter:
+    """Two memfd chunks with known bytes; exports dups of them (new fds, as export_fds does)."""
+
+    def __init__(self) -> None:
+        self.data = [bytes(range(256)) * 16, b"\xa5" * 8192]
+        self.fds = [_memfd(d) for d in self.data]
+        self.fail: E.KvdError | Exception | None = None
+        self.calls = 0
+
+    def __call__(self, want_fds: bool) -> tuple[HandleHeader, list[int]]:
+        self.calls += 1
+        if self.fail is not None:
+            raise self.fail
+        sizes = tuple(len(d) for d in self.data)
+        header = HandleHeader("kvd-memfd-test", "boot-1", sum(sizes) - 100, sizes if want_fds else (), 3)
+        return header, [os.dup(fd) for fd in self.fds] if want_fds else []
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+
+
+@pytest.fixture
+def served(tmp_path):
+    exp = Exporter()
+    srv = HandleServer(str(tmp_path / "h.sock"), exp, timeout=0.5).start()
+    yield srv, exp
+    srv.stop()
+    exp.close()
+
+
+def _raw(path: str, payload: bytes, *, close_after: bool = False) -> dict | None:
+    """Send raw bytes; return the decoded reply header (None when the server sent nothing)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(payload)
+        if close_after:
+            return None
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+    if not buf:
+        return None
+    (n,) = struct.unpack(">I", buf[:4])
+    return json.loads(buf[4 : 4 + n])
+
+
+def _framed(obj: object) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def test_fds_arrive_and_map_the_same_bytes(served):
+    srv, exp = served
+    before = open_fds()
+    header, fds = fetch(srv.path, session="s")
+    try:
+        assert header == HandleHeader("kvd-memfd-test", "boot-1", 8192 + 4096 - 100, (4096, 8192), 3)
+        assert len(fds) == 2
+        for fd, data in zip(fds, exp.data):
+            with mmap.mmap(fd, len(data)) as mm:
+                assert mm[:] == data
+        with mmap.mmap(fds[1], 8192) as mm:  # shared memory: a write here is the owner's byte
+            mm[10] = 0x11
+        assert os.pread(exp.fds[1], 1, 10) == b"\x11"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    # The server closed its copies after sending: nothing of the exchange stays open.
+    assert open_fds() == before
+    assert srv.served == 1
+
+
+def test_ping_answers_the_header_without_fds(served):
+    srv, exp = served
+    before = open_fds()
+    h = ping(srv.path, token="t")
+    assert h.region_id == "kvd-memfd-test" and h.sizes == () and h.generation == 3
+    assert open_fds() == before
+
+
+@pytest.mark.parametrize(
+    "error",
+    [E.FailedPrecondition("arena has no backed bytes"), E.NotFound("session 'x' is unknown"), E.CapacityError("full", 7)],
+    ids=["failed-precondition", "not-found", "capacity"],
+)
+def test_an_exporter_refusal_comes_back_as_the_same_class(served, error):
+    srv, exp = served
+    exp.fail = error
+    with pytest.raises(E.KvdError) as info:
+        fetch(srv.path, session="s")
+    assert type(info.value) is type(error) and str(info.value) == str(error)
+    assert srv.refused == 1
+
+
+def test_a_bug_in_the_exporter_is_an_internal_error_and_the_server_lives_on(served):
+    srv, exp = served
+    exp.fail = ZeroDivisionError("oops")
+    with pytest.raises(E.InternalError, match=r"handle export failed \(a bug in kvd\): ZeroDivisionError: oops"):
+        fetch(srv.path)
+    exp.fail = None
+    h, fds = fetch(srv.path)
+    for fd in fds:
+        os.close(fd)
+    assert len(fds) == 2
+
+
+def test_authorization_is_asked_and_its_refusal_reaches_the_client(tmp_path):
+    seen: list[HandleRequest] = []
+
+    def authorize(req: HandleRequest) -> None:
+        seen.append(req)
+        if req.token != "secret":
+            raise E.PermissionDenied("wrong peer token; configure the same peer_token on both daemons")
+
+    exp = Exporter()
+    with HandleServer(str(tmp_path / "a.sock"), exp, authorize=authorize) as srv:
+        with pytest.raises(E.PermissionDenied, match="configure the same peer_token"):
+            fetch(srv.path, token="guess")
+        assert exp.calls == 0  # refused before anything was exported
+        h, fds = fetch(srv.path, token="secret")
+        for fd in fds:
+            os.close(fd)
+    exp.close()
+    assert seen == [HandleRequest("export", "", "guess"), HandleRequest("export", "", "secret")]
+
+
+@pytest.mark.parametrize(
+    "payload,phrase",
+    [
+        (struct.pack(">I", MAX_REQUEST + 1), f"exceeds the {MAX_REQUEST:,d}-byte limit"),
+        (struct.pack(">I", 5) + b"hello", "not JSON"),
+        (_framed([1, 2]), "must be a JSON object"),
+        (_framed({"op": "steal"}), "op 'steal' is unknown"),
+        (_framed({"op": "export", "session": 5}), "must be strings"),
+    ],
+    ids=["oversized", "not-json", "not-an-object", "unknown-op", "bad-types"],
+)
+def test_garbage_requests_are_refused_with_invalid_argument(served, payload, phrase):
+    srv, exp = served
+    reply = _raw(srv.path, payload)
+    assert reply is not None and reply["ok"] is False and reply["error"] == "InvalidArgument", reply
+    assert phrase in reply["message"]
+    assert exp.calls == 0
+    h, fds = fetch(srv.path)  # the server is still there
+    for fd in fds:
+        os.close(fd)
+
+
+def test_clients_that_vanish_or_stall_do_not_stop_the_server(served):
+    srv, exp = served
+    _raw(srv.path, struct.pack(">I", 100) + b'{"op"', close_after=True)  # gone mid-request
+    stalled = socket.socket(socket.AF_UNIX)
+    stalled.connect(srv.path)
+    stalled.sendall(struct.pack(">I", 10))  # ... and never sends the rest
+    t0 = time.monotonic()
+    h, fds = fetch(srv.path)  # served meanwhile: every connection has its own thread
+    for fd in fds:
+        os.close(fd)
+    assert time.monotonic() - t0 < 0.4
+    deadline = time.monotonic() + 3
+    while srv.dropped < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.dropped == 2  # the stalled one timed out (0.5 s), the other one left
+    assert stalled.recv(1) == b""  # the server hung up on it
+    stalled.close()
+
+
+def test_stop_unlinks_the_socket_and_a_client_then_gets_unavailable(tmp_path):
+    exp = Exporter()
+    srv = HandleServer(str(tmp_path / "s.sock"), exp).start()
+    assert os.path.exists(srv.path)
+    srv.stop()
+    srv.stop()  # idempotent
+    exp.close()
+    assert not os.path.exists(srv.path)
+    with pytest.raises(E.Unavailable, match="no handle server at"):
+        fetch(srv.path)
+    with pytest.raises(E.Unavailable, match="no handle server at"):
+        ping(str(tmp_path / "never.sock"))
+
+
+def test_a_stale_socket_is_replaced_and_a_live_one_refused(tmp_path):
+    path = str(tmp_path / "x.sock")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.close()  # the file stays, nobody listens: what a killed daemon leaves
+    exp = Exporter()
+    with HandleServer(path, exp) as srv:
+        with pytest.raises(E.Unavailable, match="another process serves handles on"):
+            HandleServer(path, exp).start()
+        assert ping(srv.path).region_id == "kvd-memfd-test"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(E.InvalidArgument, match="exists and is not a socket"):
+        HandleServer(str(tmp_path / "file"), exp).start()
+    exp.close()
+
+
+def test_paths_that_cannot_be_sockets_are_refused():
+    with pytest.raises(E.InvalidArgument, match="Unix sockets allow 107"):
+        check_path("/tmp/" + "x" * 120)
+    with pytest.raises(E.InvalidArgument, match="empty path"):
+        check_path("")
+
+
+def test_a_busy_server_says_so(tmp_path):
+    gate = threading.Event()
+
+    def slow(want: bool) -> tuple[HandleHeader, list[int]]:
+        gate.wait(5)
+        return HandleHeader("r", "b", 0, (), 0), []
+
+    with HandleServer(str(tmp_path / "b.sock"), slow, max_clients=1) as srv:
+        t = threading.Thread(target=lambda: ping(srv.path))
+        t.start()
+        time.sleep(0.2)
+        with pytest.raises(E.Unavailable, match="is busy; retry"):
+            ping(srv.path)
+        gate.set()
+        t.join()
+
+
+# ---- the daemon's exporter ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def node():
+    arena = MemfdArena(4 << 20, (1 << 20) + 300)
+    n = Node(Pool(preset("tiny-hybrid"), arena))
+    yield n
+    arena.close()
+
+
+def test_daemon_exports_the_backed_chunks_to_sessions_and_peers(node, tmp_path):
+    ah = ArenaHandles(node, token="tok")
+    sid = node.open_session("engine").session_id
+    arena = node.pool.arena
+    arena.tensor()[:300] = 7
+    with HandleServer(str(tmp_path / "d.sock"), ah.export, authorize=ah.authorize) as srv:
+        for creds in (dict(session=sid), dict(token="tok")):
+            h, fds = fetch(srv.path, **creds)
+            try:
+                assert (h.region_id, h.boot_id, h.backed, h.sizes) == (arena.region_id, node.pool.boot_id, arena.backed, (arena.chunks[0][1],))
+                assert h.device == -1 and h.gpu_uuid == "" and h.generation == 0
+                with mmap.mmap(fds[0], h.sizes[0]) as mm:
+                    assert mm[:300] == b"\x07" * 300
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        with pytest.raises(E.NotFound, match="unknown or expired"):
+            fetch(srv.path, session="not-a-session")
+        with pytest.raises(E.PermissionDenied, match="configure the same peer_token on both daemons"):
+            fetch(srv.path, token="wrong")
+        with pytest.raises(E.PermissionDenied):
+            ping(srv.path)  # a peer without the token learns nothing either
+        ah.backing_changed()
+        assert ping(srv.path, token="tok").generation == 1
+
+
+def test_without_a_peer_token_peers_are_allowed(node, tmp_path):
+    ah = ArenaHandles(node, token=None)
+    with HandleServer(str(tmp_path / "d.sock"), ah.export, authorize=ah.authorize) as srv:
+        h, fds = fetch(srv.path)
+        for fd in fds:
+            os.close(fd)
+        assert h.backed == node.pool.arena.backed
+
+
+class _Straddling(MemfdArena):
+    """Reports (and exports) one more chunk past the backed prefix than it has."""
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        return [*super().chunks, (self._mapped, GRAN)]
+
+    def export_fds(self) -> list[tuple[int, int]]:
+        return [*super().export_fds(), (os.dup(self._fd), GRAN)]
+
+
+def test_only_chunks_covering_the_backed_prefix_are_exported(tmp_path):
+    arena = _Straddling(4 << 20, 1 << 20)
+    n = Node(Pool(preset("tiny-hybrid"), arena))
+    ah = ArenaHandles(n)
+    before = open_fds()
+    h, fds = ah.export(True)
+    assert h.sizes == (1 << 20,) and len(fds) == 1  # the chunk past `backed` stayed home...
+    os.close(fds[0])
+    assert open_fds() == before  # ... and its exported fd was closed
+    arena.close()
+
+
+def test_an_arena_with_nothing_backed_has_nothing_to_share():
+    arena = MemfdArena(4 << 20, 1 << 20)
+    n = Node(Pool(preset("tiny-hybrid"), arena))
+    arena.set_backed(0)  # as if nothing were backed (the pool never does this by itself)
+    with pytest.raises(E.FailedPrecondition, match="no backed bytes to share yet; finalize the pool first"):
+        ArenaHandles(n).export(True)
+    arena.close()

@@ -1,0 +1,248 @@
+"""The local backend for CUDA arenas (kvd.backends.local_cuda), driven on the CPU.
+
+memfd arenas stand in for CUDA arenas and an mmap stands in for the CUDA import (the
+``_import`` seam), so everything but the device copy itself runs here: peers are found through
+their handle sockets, mappings are cached and renewed when the peer's backing changes, and a
+peer that is gone before or during a write gives Unavailable / Aborted as on the shm path. The
+GPU tier (tests/gpu/test_gpu_daemon.py) runs the same path on a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from memfd_kit import MemfdArena, memfd_import
+
+from kvd.arena import ShmArena
+from kvd.backends import PeerRegion, local_cuda, make_backend
+from kvd.backends.local_cuda import CudaLocalBackend, copy_blocks
+from kvd.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    Unavailable,
+)
+from kvd.fdpass import HandleHeader, HandleServer
+
+MiB = 1 << 20
+
+
+class Peer:
+    """A peer daemon's handle side: a memfd arena served on a socket, restartable."""
+
+    def __init__(self, path: str, backed: int = 2 * MiB, token: str = "") -> None:
+        self.path, self.token = path, token
+        self.arena = MemfdArena(8 * MiB, backed)
+        self.arena.tensor().fill_(0)
+        self.generation = 0
+        self.server = HandleServer(path, self.export, authorize=self.authorize).start()
+
+    def export(self, want_fds: bool) -> tuple[HandleHeader, list[int]]:
+        a = self.arena
+        sizes = tuple(s for _, s in a.chunks)
+        h = HandleHeader(a.region_id, "boot", a.backed, sizes if want_fds else (), self.generation)
+        return h, [fd for fd, _ in a.export_fds()] if want_fds else []
+
+    def authorize(self, req) -> None:
+        if self.token and req.token != self.token:
+            raise PermissionDenied("wrong peer token; configure the same peer_token on both daemons")
+
+    @property
+    def region(self) -> PeerRegion:
+        return PeerRegion(self.path, self.arena.base, self.arena.backed, self.arena.region_id)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.arena.close()
+
+
+@pytest.fixture
+def imports(monkeypatch):
+    made: list = []
+
+    def fake(header, fds, device):
+        made.append(header)
+        return memfd_import(header, fds, device)
+
+    monkeypatch.setattr(local_cuda, "_import", fake)
+    return made
+
+
+@pytest.fixture
+def writer(tmp_path, imports):
+    arena = MemfdArena(8 * MiB, 4 * MiB)
+    g = torch.Generator().manual_seed(1)
+    arena.tensor().copy_(torch.randint(0, 256, (arena.backed,), dtype=torch.uint8, generator=g))
+    b = CudaLocalBackend(str(tmp_path / "w.handles"), token="tok")
+    b.register(arena)
+    yield b, arena
+    b.close()
+    arena.close()
+
+
+@pytest.fixture
+def peer(tmp_path):
+    p = Peer(str(tmp_path / "p.handles"), token="tok")
+    yield p
+    p.close()
+
+
+def test_blocks_land_in_the_peer_and_nothing_else_changes(writer, peer, imports):
+    b, arena = writer
+    r = peer.region
+    srcs, dsts, lens = [arena.base + 4096, arena.base + 65536], [r.base + 8192, r.base + MiB], [4096, 12288]
+    b.write(r, srcs, dsts, lens)
+    exp = torch.zeros(peer.arena.backed, dtype=torch.uint8)
+    for s, d, n in zip(srcs, dsts, lens):
+        exp[d - r.base : d - r.base + n] = arena.tensor()[s - arena.base : s - arena.base + n]
+    assert torch.equal(peer.arena.tensor(), exp)
+    assert b.bytes_written == 16384 and b.batches == 1
+    b.write(r, [arena.base], [r.base], [512])  # the mapping is reused: no second import
+    assert len(imports) == 1 and peer.arena.exports == 1
+    assert b.endpoint.endswith("w.handles")
+
+
+def test_a_new_backing_generation_or_a_bigger_ticket_maps_again(writer, peer, imports):
+    b, arena = writer
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    peer.generation += 1  # finalize/resize on the peer: chunks may have been replaced
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    assert len(imports) == 2
+    peer.arena.set_backed(3 * MiB)  # grown (same generation here): the ticket promises more
+    r = peer.region
+    b.write(r, [arena.base], [r.base + 3 * MiB - 4096], [4096])
+    assert len(imports) == 3 and imports[-1].backed == 3 * MiB
+    assert torch.equal(peer.arena.tensor()[-4096:], arena.tensor()[:4096])
+
+
+def test_a_dead_peer_is_unavailable_and_nothing_is_written(writer, peer):
+    b, arena = writer
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    assert peer.path in b._peers
+    peer.stop()
+    before = peer.arena.tensor().clone()
+    with pytest.raises(Unavailable, match="does not answer.*nothing was written"):
+        b.write(peer.region, [arena.base + 4096], [peer.region.base + 4096], [4096])
+    assert torch.equal(peer.arena.tensor(), before)
+    assert peer.path not in b._peers  # a dead peer's arena must not stay mapped
+
+
+def test_a_restarted_peer_is_unavailable_for_old_tickets(writer, peer, tmp_path):
+    b, arena = writer
+    old = peer.region
+    b.write(old, [arena.base], [old.base], [4096])
+    peer.stop()
+    new = Peer(peer.path, token="tok")  # same socket path, new arena
+    try:
+        with pytest.raises(Unavailable, match=r"now serves .* \(the peer restarted\); nothing was written"):
+            b.write(old, [arena.base], [old.base], [4096])
+        assert not bool(new.arena.tensor().any())
+        b.write(new.region, [arena.base], [new.region.base], [4096])  # a fresh ticket works
+        assert torch.equal(new.arena.tensor()[:4096], arena.tensor()[:4096])
+    finally:
+        new.close()
+
+
+def test_a_peer_that_dies_during_the_copy_aborts_the_write(writer, peer, monkeypatch):
+    b, arena = writer
+
+    def copy_then_die(*args):
+        n = copy_blocks(*args)
+        peer.stop()
+        return n
+
+    monkeypatch.setattr(local_cuda, "copy_blocks", copy_then_die)
+    with pytest.raises(Aborted, match="lost its owner during the write"):
+        b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    assert peer.path not in b._peers
+
+
+def test_mapping_a_new_peer_drops_dead_ones(writer, peer, tmp_path):
+    b, arena = writer
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    other = Peer(str(tmp_path / "q.handles"), token="tok")
+    try:
+        peer.stop()
+        b.write(other.region, [arena.base], [other.region.base], [4096])
+        assert set(b._peers) == {other.path}
+    finally:
+        other.close()
+
+
+def test_a_wrong_token_is_refused_by_the_peer(tmp_path, imports):
+    arena = MemfdArena(8 * MiB, MiB)
+    p = Peer(str(tmp_path / "p.handles"), token="right")
+    b = CudaLocalBackend(str(tmp_path / "w.handles"), token="wrong")
+    try:
+        b.register(arena)
+        with pytest.raises(PermissionDenied, match="configure the same peer_token"):
+            b.write(p.region, [arena.base], [p.region.base], [64])
+        assert imports == []
+    finally:
+        b.close()
+        p.close()
+        arena.close()
+
+
+def test_a_peer_that_shrank_under_the_ticket_is_refused(writer, peer):
+    b, arena = writer
+    r = PeerRegion(peer.path, peer.arena.base, 4 * MiB, peer.arena.region_id)  # promises more than it has
+    with pytest.raises(Aborted, match="shrank under a live lease"):
+        b.write(r, [arena.base], [r.base + 3 * MiB], [4096])
+
+
+def test_misuse_is_refused(tmp_path):
+    b = CudaLocalBackend("")
+    with pytest.raises(FailedPrecondition, match="no handle socket"):
+        b.endpoint
+    shm = ShmArena(MiB, MiB, directory=str(tmp_path))
+    try:
+        with pytest.raises(InvalidArgument, match="cuda-vmm arenas only"):
+            b.register(shm)
+    finally:
+        shm.close()
+    with pytest.raises(FailedPrecondition, match="register"):
+        b.write(PeerRegion("/x", 0, 4096, "x"), [0], [0], [1])
+    b.close()
+
+
+def test_make_backend_picks_the_local_backend_by_arena_kind():
+    from kvd.backends.local import LocalBackend
+
+    b = make_backend("local", arena_kind="cuda-vmm", handle_endpoint="/tmp/kvd.sock.handles", peer_token="t")
+    assert isinstance(b, CudaLocalBackend) and b.endpoint == "/tmp/kvd.sock.handles" and b.name == "local"
+    b.close()
+    b2 = make_backend("local")
+    assert isinstance(b2, LocalBackend)
+    b2.close()
+    with pytest.raises(InvalidArgument, match="shm or cuda-vmm arenas"):
+        make_backend("local", arena_kind="nvme")
+
+
+def test_copy_blocks_matches_a_byte_loop():
+    rnd = random.Random(5)
+    src = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8)
+    dst = torch.zeros(1 << 16, dtype=torch.uint8)
+    exp = dst.clone()
+    s, d, n = [], [], []
+    used = 0
+    for _ in range(40):  # disjoint destinations, 16-byte aligned
+        k = 16 * rnd.randint(1, 40)
+        a = 16 * rnd.randint(0, (len(src) - k) // 16)
+        s.append(a)
+        d.append(used)
+        n.append(k)
+        used += k + 16 * rnd.randint(0, 3)
+    for a, b_, k in zip(s, d, n):
+        exp[b_ : b_ + k] = src[a : a + k]
+    assert copy_blocks(src, dst, s, d, n) == sum(n)
+    assert torch.equal(dst, exp)
+    assert copy_blocks(src, dst, [], [], []) == 0
+    odd = torch.zeros(100, dtype=torch.uint8)
+    copy_blocks(src, odd, [3], [7], [5])  # gcd 1: byte rows still work
+    assert torch.equal(odd[7:12], src[3:8]) and int(odd.sum()) == int(src[3:8].sum())
