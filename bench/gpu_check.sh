@@ -6,15 +6,16 @@
 #   3. bench/gpu.py (page moves, translation, same-GPU transfer, finalize; ratios vs copy).
 # Logs and the bench's JSON land in $OUT (the device tool brings them back).
 #
-#   bash bench/gpu_check.sh            # all three (~4 min on an H200)
-#   bash bench/gpu_check.sh quick      # bench --quick, demo quick
+#   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
+#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick demo demo-quick
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvd-gpu-check}
 mkdir -p "$OUT"
-MODE=${1:-full}
+STEPS=("$@")
+[ ${#STEPS[@]} -gt 0 ] || STEPS=(tests demo bench)
 # NVLink multicast stays off on the lent machines (it can wedge a shared host's GPUs).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -41,12 +42,16 @@ step() {  # step NAME SECONDS CMD...: run, log to $OUT/NAME.log, remember a fail
   [ "$r" -eq 0 ] || rc=1
 }
 
-step tests 300 python3 -m pytest -q -p no:cacheprovider -x --timeout 120 tests/gpu
-if [ "$MODE" = quick ]; then
-  step demo 150 python3 -m kvd.cli demo --device cuda --backend local --quick
-  step bench 200 python3 bench/gpu.py --quick --json "$OUT/bench.json"
-else
-  step demo 200 python3 -m kvd.cli demo --device cuda --backend local
-  step bench 300 python3 bench/gpu.py --json "$OUT/bench.json"
-fi
+# Tests in parallel (Triton compiles are CPU-bound; the tests are small next to the GPU).
+# The timings come after them, alone on the GPU.
+for what in "${STEPS[@]}"; do
+  case $what in
+    tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/gpu ;;
+    bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
+    bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
+    demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
+    demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
+    *) echo "unknown step $what (tests, bench, bench-quick, demo, demo-quick)"; rc=2 ;;
+  esac
+done
 exit $rc
