@@ -325,7 +325,9 @@ def sweep_variants() -> dict:
     """The --sweep grid: ids per program x warps x (no hints | stream + keep)."""
     from kvd.kernels import TranslateTuning
 
-    out = {"default 2048/4w": TranslateTuning()}
+    from kvd.kernels import _TRANSLATE
+
+    out = {"default 2048/4w": _TRANSLATE}
     for block in (1024, 2048, 4096, 8192, 16384):
         for warps in (4, 8, 16):
             if block // (32 * warps) < 1 or block // (32 * warps) > 64:
@@ -561,7 +563,7 @@ def main() -> int:
 
     named = TRANSLATE_VARIANTS
     if args.quick:
-        named = {k: v for k, v in TRANSLATE_VARIANTS.items() if k in ("default 2048/4w", "stream+keep 2048/4w", "stream+keep 4096/8w")}
+        named = {k: v for k, v in TRANSLATE_VARIANTS.items() if k in ("default 2048/4w", "plain 2048/4w", "stream+keep 4096/8w")}
     tvars = section("translate_variants", lambda: translate_variants(ceiling["GBps_rw"], named))
     _print_variants("Translate tunings (kernels.TRANSLATE_VARIANTS)", tvars)
     tsweep: list[dict] = []
