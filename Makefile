@@ -2,6 +2,7 @@
 #   make venv   -> .venv with torch (CPU pin on these machines), kvd and its dev/test extras
 #   make demo   -> a prefill node and a decode node on loopback, every output checked (kvd demo)
 #   make demo-gpu -> the same with both daemons' arenas, both engines and the reference on GPU 0
+#   make demo-gpu2 -> the same split over two GPUs: the prefill role on GPU 0, the decode role on GPU 1
 #   make test   -> the whole CPU test suite (what CI runs)
 PY        ?= python3
 VENV      ?= .venv
@@ -9,7 +10,7 @@ BIN        = $(VENV)/bin
 # The CPU build of torch that lies on these machines' disk; any other version pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv demo demo-gpu serve test bench clean proto
+.PHONY: venv demo demo-gpu demo-gpu2 serve test bench clean proto
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,6 +35,13 @@ demo: venv
 GPU_PY ?= $(BIN)/python
 demo-gpu:
 	$(GPU_PY) -m kvd.cli demo --device cuda --backend local
+
+# The roles on two GPUs of one host: the prefill daemon's arena, the prefill engine and the
+# colocated reference on GPU 0, the decode daemon's arena and the decode engine on GPU 1 (the
+# `local` backend writes KV from GPU 0 into GPU 1 through peer access). Refused (exit 2) with
+# fewer than two GPUs or no peer access between them; same requirements as demo-gpu.
+demo-gpu2:
+	$(GPU_PY) -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local
 
 # One daemon on the embedded default: unix:/tmp/kvd.sock, tiny-hybrid layout (`kvd serve --help`).
 # Ctrl-C / SIGTERM drains and stops.

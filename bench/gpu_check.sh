@@ -2,12 +2,13 @@
 # Everything kvd checks and times on a GPU, in one call on the lent GPU machine:
 #   1. the GPU tests (tests/gpu: VMM arena, kernels, GPU pool, GPU daemon + attach, same-GPU
 #      handoff, GPU demo),
-#   2. the reference PD demo with both daemons and engines on the GPU (outputs vs colocated),
+#   2. the reference PD demo with both daemons and engines on the GPU (outputs vs colocated);
+#      demo2 / demo2-quick: the same split over GPUs 0 and 1 (needs a two-GPU machine),
 #   3. bench/gpu.py (page moves, translation, same-GPU transfer, finalize; ratios vs copy).
 # Logs and the bench's JSON land in $OUT (the device tool brings them back).
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
-#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick demo demo-quick
+#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick demo demo-quick demo2 demo2-quick
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU).
 set -uo pipefail
@@ -51,7 +52,9 @@ for what in "${STEPS[@]}"; do
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
-    *) echo "unknown step $what (tests, bench, bench-quick, demo, demo-quick)"; rc=2 ;;
+    demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
+    demo2-quick) step demo2 120 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local --quick ;;
+    *) echo "unknown step $what (tests, bench, bench-quick, demo, demo-quick, demo2, demo2-quick)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -64,8 +64,23 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the daemons' arenas, the engines and the colocated reference live; cuda: GPU 0 "
                    "(CUDA VMM arenas, local backend GPU to GPU; refused where CUDA is not available)")
+    p.add_argument("--decode-device", type=_device_flag, default=None, metavar="cuda:N",
+                   help="put the decode role (its daemon's arena and its engine) on GPU N, the prefill role and the "
+                   "colocated reference staying on --device (needs --device cuda, N below the GPU count and peer "
+                   "access between the two GPUs; e.g. cuda:1); default: the decode role on --device too%(default).0s")
     p.add_argument("--fault", choices=("swa-full-ids", "draft-scrambled"), default=None,
                    help="TEST ONLY: corrupt every ticket's destination vectors in a known way; the run must then fail")
+
+
+def _device_flag(text: str) -> str:
+    """argparse type of a device flag: ``cpu``, ``cuda`` or ``cuda:N``, normalised (``cuda`` ->
+    ``cuda:0``); a malformed value is a usage error (exit 2) before anything starts."""
+    from kvd.engine.device import parse_device
+
+    try:
+        return str(parse_device(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -77,7 +92,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
     try:
         return run_demo(DemoOptions(requests=requests, backend=args.backend, quick=args.quick, seed=args.seed,
-                                    spec_k=args.spec_k, chunk=args.chunk, device=args.device, fault=args.fault))
+                                    spec_k=args.spec_k, chunk=args.chunk, device=args.device,
+                                    decode_device=args.decode_device, fault=args.fault))
     except (RuntimeError, TimeoutError) as exc:  # a daemon or engine that failed: say so, no traceback of ours
         print(f"kvd demo: FAILED: {exc}", file=sys.stderr)
         return 2

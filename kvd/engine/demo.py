@@ -20,6 +20,13 @@ with the same weights. Identity still holds because every forward pass is one re
 shapes that depend only on that request (so engine and reference run the very same kernels on
 the very same shapes), under deterministic CUDA settings applied in each process before CUDA
 starts; :mod:`kvd.engine.device` spells the guarantee out.
+
+``--decode-device cuda:1`` (:attr:`DemoOptions.decode_device`) splits the roles over two GPUs of
+the host: the prefill daemon's arena, the prefill engine and the colocated reference on GPU 0,
+the decode daemon's arena and the decode engine on GPU 1; the ``local`` backend then writes KV
+from GPU 0 into the decode arena on GPU 1 through peer access. :func:`kvd.engine.device.place`
+refuses (exit 2) a GPU the host does not have and a pair without peer access, before anything
+starts; the summary names both devices and warns when they are not the same model.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from typing import TextIO
 
 import torch
 
-from kvd.engine.device import CUBLAS_WORKSPACE, prepare, resolve
+from kvd.engine.device import CUBLAS_WORKSPACE, Placement, place, prepare, resolve
 from kvd.engine.records import Completion, EngineConfig, Request
 from kvd.errors import Unavailable
 from kvd.engine.model import TargetConfig, build_models
@@ -63,6 +70,7 @@ class DemoOptions:
     chunk: int = 64
     max_inflight: int = 16
     device: str = "cpu"  # cpu | cuda (GPU 0: daemons' arenas, engines and the reference)
+    decode_device: str | None = None  # cuda:N: the decode daemon's arena and engine there; None: on `device`
     fault: str | None = None  # test only: inject a named ticket fault (kvd.engine.faults.FAULTS)
 
 
@@ -77,7 +85,7 @@ def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
         if asked == "mooncake":
             raise Unavailable(
                 "--backend mooncake with --device cuda: kvd's Mooncake backend moves KV between CPU (shared-memory) "
-                "arenas only for now; use --backend local (GPU-to-GPU copy between the two daemons on the one GPU) "
+                "arenas only for now; use --backend local (GPU-to-GPU copy between the two daemons' arenas) "
                 "or --backend auto"
             )
         return "local"
@@ -204,12 +212,17 @@ class _Progress:
 def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
     """Run the demo; print the summary to ``out``. Returns 0 when every output is identical.
     ``opts.device == "cuda"`` where CUDA (or cuda-python / Triton, which the GPU arenas need) is
-    missing raises :class:`~kvd.errors.Unavailable` before anything starts."""
+    missing raises :class:`~kvd.errors.Unavailable` before anything starts, as does an
+    ``opts.decode_device`` the host lacks or cannot reach by peer access (a malformed or mixed
+    CPU/GPU pair: :class:`~kvd.errors.InvalidArgument`)."""
     t0 = time.perf_counter()
     n = opts.requests
-    device = resolve(opts.device)  # does not initialise CUDA in this process: the router never computes
-    if device.type == "cuda":
-        _require_gpu_stack()
+    # No CUDA context in this process (resolve, place): the router never computes.
+    if resolve(opts.device).type == "cuda":
+        _require_gpu_stack()  # before place(), which asks cuda-python about peer access
+    placement = place(opts.device, opts.decode_device)
+    device = placement.prefill  # the prefill side and the colocated reference
+    roles = {"prefill": placement.prefill, "decode": placement.decode}
     backend = choose_backend(opts.backend, err, device.type)
     cfg = EngineConfig(chunk=opts.chunk, spec_k=opts.spec_k)
     models = build_models()
@@ -231,12 +244,13 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         ref.start()
         procs.append(ref)
         for name in ("prefill", "decode"):
-            daemons.append(_Daemon(name, workdir, arena_dir, layout_path, backend, speculative=opts.spec_k > 0, device=device))
+            daemons.append(_Daemon(name, workdir, arena_dir, layout_path, backend, speculative=opts.spec_k > 0,
+                                   device=roles[name]))
         conns = {}
         for d, budget in zip(daemons, (PREFILL_BYTES, DECODE_BYTES)):
             parent, child = ctx.Pipe()
             spec = EngineSpec(d.name, d.address, cfg, budget, fault=opts.fault if d.name == "prefill" else None,
-                              device=str(device))
+                              device=str(roles[d.name]))
             p = ctx.Process(target=engine_main, args=(spec, child),
                             name=f"kvd-demo-{d.name}-engine", daemon=True)
             p.start()
@@ -244,14 +258,14 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             conns[d.name] = parent
         for d in daemons:
             d.wait_serving()
-        device_name = ""
+        device_names: dict[str, str] = {}
         for name, conn in conns.items():
             msg = recv_or_raise(conn)
             if not isinstance(msg, Ready):
                 raise RuntimeError(f"{name} engine did not start: {getattr(msg, 'error', msg)}")
-            if msg.device != str(device):
-                raise RuntimeError(f"{name} engine computes on {msg.device}, not on {device}")
-            device_name = msg.device_name
+            if msg.device != str(roles[name]):
+                raise RuntimeError(f"{name} engine computes on {msg.device}, not on {roles[name]}")
+            device_names[name] = msg.device_name
         router = Router(conns["prefill"], conns["decode"], max_inflight=opts.max_inflight)
         progress = _Progress(err, t0)
         result = router.run(requests, progress)
@@ -265,8 +279,8 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
             p.join(30)
         wall = time.perf_counter() - t0
         differs = compare(result.completions, reference)
-        _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall, device,
-                 device_name)
+        _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall, placement,
+                 device_names)
         return 1 if differs else 0
     finally:
         if router is not None:
@@ -286,6 +300,32 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         if left:
             print(f"kvd demo: WARNING: the daemons left arena files behind: {left} (removed now)", file=err)
         shutil.rmtree(arena_dir, ignore_errors=True)
+
+
+def _device_lines(placement: Placement, names: dict[str, str]) -> list[str]:
+    """The summary's lines about devices: none on the CPU; one for a single GPU; one per role for
+    two GPUs, plus a WARNING when the engines report different GPU models (bit-identity with the
+    reference, which ran on the prefill GPU, is then not guaranteed). ``names``: role -> the
+    GPU's name as the engine reported it."""
+    pre, dec = placement
+    if pre.type != "cuda":
+        return []
+    if not placement.split:
+        return [f"device {pre} ({names.get('prefill', '')}): both daemons' arenas (CUDA VMM), both engines "
+                "and the colocated reference; local backend GPU -> GPU"]
+    lines = [
+        f"prefill device {pre} ({names.get('prefill', '')}): prefill daemon's arena (CUDA VMM), prefill engine and the "
+        "colocated reference",
+        f"decode device  {dec} ({names.get('decode', '')}): decode daemon's arena (CUDA VMM) and decode engine; "
+        f"local backend {pre} -> {dec} (peer access)",
+    ]
+    if names.get("prefill") != names.get("decode"):
+        lines.append(
+            f"WARNING: the two GPUs are different models ({names.get('prefill')!r} vs {names.get('decode')!r}): cuBLAS "
+            "may pick other kernels on each, so outputs identical to the reference (run on the prefill GPU) are not "
+            "guaranteed; use two GPUs of one model"
+        )
+    return lines
 
 
 def _require_gpu_stack() -> None:
@@ -317,7 +357,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineConfig, requests: list[Request], result,
              reference: dict[str, Completion], differs: list[str], reports: dict, stats: dict, wall: float,
-             device: torch.device = torch.device("cpu"), device_name: str = "") -> None:
+             placement: Placement = Placement(torch.device("cpu"), torch.device("cpu")),
+             device_names: dict[str, str] | None = None) -> None:
     w = TargetConfig().window
     plens = [len(r.prompt) for r in requests]
     comps = result.completions.values()
@@ -353,9 +394,8 @@ def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineCo
     print(f"\nkvd demo: prefill node -> decode node over {backend}{' (tcp)' if backend == 'mooncake' else ''}; "
           f"layout {layout.name} ({layout.fingerprint}); chunked prefill {cfg.chunk} tokens; "
           f"post-capture budgets {PREFILL_BYTES >> 20} MiB / {DECODE_BYTES >> 20} MiB", file=out)
-    if device.type == "cuda":
-        print(f"device {device} ({device_name}): both daemons' arenas (CUDA VMM), both engines "
-              "and the colocated reference; local backend GPU -> GPU", file=out)
+    for line in _device_lines(placement, device_names or {}):
+        print(line, file=out)
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 60), file=out)
     for k, v in rows:
