@@ -7,7 +7,7 @@
 # Logs and the bench's JSON land in $OUT (the device tool brings them back).
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
-#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick demo demo-quick
+#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick transfer demo demo-quick
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU).
 set -uo pipefail
@@ -49,9 +49,10 @@ for what in "${STEPS[@]}"; do
     tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/gpu ;;
     bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
+    transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
-    *) echo "unknown step $what (tests, bench, bench-quick, demo, demo-quick)"; rc=2 ;;
+    *) echo "unknown step $what (tests, bench, bench-quick, transfer, demo, demo-quick)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -275,7 +275,7 @@ class CudaLocalBackend(Backend):
                 # move_pages launched on the source's device (this daemon's GPU; the mapping is a
                 # tensor of it too, even when the memory lives on a peer GPU): wait for that stream.
                 torch.cuda.current_stream(src.device).synchronize()
-        except RuntimeError as exc:  # a CUDA error from the launch or the wait
+        except (RuntimeError, ValueError) as exc:  # a CUDA error from the launch or the wait; Triton refusing a pointer
             raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
         self._account(sum(lens))
         try:
