@@ -33,8 +33,10 @@ class BenchDaemon:
         tmp = tempfile.mkdtemp(prefix="kvd-bench-")
         sock = os.path.join(tmp, "kvd.sock")
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", sock, "--log-level", "WARNING", *args]
+        # ROOT first, then whatever the caller had (a GPU machine's extra packages live there).
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONPATH": ROOT})
+                                env={**os.environ, "PYTHONPATH": path})
         return cls(proc, f"unix:{sock}", tmp)
 
     def wait_ready(self) -> BenchDaemon:

@@ -4,11 +4,12 @@
 #      handoff, GPU demo),
 #   2. the reference PD demo with both daemons and engines on the GPU (outputs vs colocated);
 #      demo2 / demo2-quick: the same split over GPUs 0 and 1 (needs a two-GPU machine),
-#   3. bench/gpu.py (page moves, translation, same-GPU transfer, finalize; ratios vs copy).
+#   3. bench/gpu.py (page moves, translation, finalize; ratios vs copy) and bench/gpu_transfer.py
+#      (a 32k-token gemma-4-31b request and a mixed workload, same GPU and GPU 0 -> 1, vs raw copy).
 # Logs and the bench's JSON land in $OUT (the device tool brings them back).
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
-#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick demo demo-quick demo2 demo2-quick
+#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick transfer demo demo-quick demo2 demo2-quick
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU).
 set -uo pipefail
@@ -50,11 +51,12 @@ for what in "${STEPS[@]}"; do
     tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/gpu ;;
     bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
+    transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
     demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
     demo2-quick) step demo2 120 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local --quick ;;
-    *) echo "unknown step $what (tests, bench, bench-quick, demo, demo-quick, demo2, demo2-quick)"; rc=2 ;;
+    *) echo "unknown step $what (tests, bench, bench-quick, transfer, demo, demo-quick, demo2, demo2-quick)"; rc=2 ;;
   esac
 done
 exit $rc

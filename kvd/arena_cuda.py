@@ -21,6 +21,10 @@ physical chunks, share the chunks with other processes as POSIX file descriptors
 * :meth:`export_fds` exports each mapped chunk as a POSIX fd (pass them over a Unix socket with
   ``socket.send_fds``); :func:`map_imported` maps them in the receiving process at an address of
   its own, in order, so byte ``i`` is the same memory in both processes.
+* Cross-GPU imports. The importer may map the chunks for another device than the one they live
+  on (its *home*): ``cuMemSetAccess`` then grants that device peer access (NVLink or PCIe P2P;
+  :func:`can_access_peer` says whether the pair allows it) and the tensor is a tensor of the
+  accessing device, so a kernel launched there reads and writes the peer's memory directly.
 
 ``cuda.bindings.driver`` (the ``cuda-python`` package) is imported when an arena is made, not when
 this module is imported: kvd runs without it on CPU nodes.
@@ -42,7 +46,7 @@ from kvd.errors import CapacityError, FailedPrecondition, InvalidArgument, Unava
 if TYPE_CHECKING:
     from kvd.fdpass import HandleHeader
 
-__all__ = ["CudaVmmArena", "ImportedVmm", "map_imported", "import_arena", "device_for", "driver"]
+__all__ = ["CudaVmmArena", "ImportedVmm", "map_imported", "import_arena", "device_for", "can_access_peer", "gpu_label", "driver"]
 
 _DRIVER: Any = None
 _LOCK = threading.Lock()
@@ -144,12 +148,32 @@ class _CudaArrayInterface:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
-def _wrap(ptr: int, nbytes: int, dev: int) -> torch.Tensor:
+def _wrap(ptr: int, nbytes: int, dev: int, *, home: int | None = None) -> torch.Tensor:
+    """A ``uint8`` tensor of device ``dev`` over ``[ptr, ptr + nbytes)``, without a copy.
+
+    ``home`` is the device the memory physically lives on when that is not ``dev`` (a peer's
+    chunks mapped for ``dev``'s access). torch places a tensor made from
+    ``__cuda_array_interface__`` on the device the driver reports for the pointer -- the home
+    device -- and ``as_tensor(..., device=dev)`` would then *copy* it; so a cross-GPU tensor is
+    built on a non-owning storage that names ``dev`` explicitly."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}")
-    t = torch.as_tensor(_CudaArrayInterface(ptr, nbytes), device=f"cuda:{dev}")
-    if t.data_ptr() != ptr or t.dtype != torch.uint8 or t.numel() != nbytes:
-        raise Unavailable(f"torch wrapped device address {ptr:#x} as {t.dtype}[{t.numel()}] at {t.data_ptr():#x}")
+    if home is None or home == dev:
+        t = torch.as_tensor(_CudaArrayInterface(ptr, nbytes), device=f"cuda:{dev}")
+    else:
+        make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+        if make is None:
+            raise FailedPrecondition(
+                f"this torch ({torch.__version__}) cannot wrap memory of cuda:{home} as a tensor of cuda:{dev} "
+                "(torch._C._construct_storage_from_data_pointer is missing); use torch >= 2.2 for cross-GPU transfers"
+            )
+        storage = make(ptr, torch.device("cuda", dev), nbytes)
+        t = torch.empty(0, dtype=torch.uint8, device=f"cuda:{dev}").set_(storage, 0, (nbytes,), (1,))
+    if t.data_ptr() != ptr or t.dtype != torch.uint8 or t.numel() != nbytes or t.device != torch.device("cuda", dev):
+        raise Unavailable(
+            f"torch wrapped device address {ptr:#x} as {t.dtype}[{t.numel()}] at {t.data_ptr():#x} on {t.device}, "
+            f"not uint8[{nbytes}] on cuda:{dev}"
+        )
     return t
 
 
@@ -331,10 +355,15 @@ class CudaVmmArena(Arena):
 
 class ImportedVmm:
     """Chunks of another process's arena, mapped here in order. Keep it alive while the tensor
-    from :func:`map_imported` is in use; :meth:`close` unmaps (drop the tensor first)."""
+    from :func:`map_imported` is in use; :meth:`close` unmaps (drop the tensor first).
 
-    def __init__(self, dev: int, base: int, va_size: int, chunks: list[_Chunk]) -> None:
+    ``device`` is the device the mapping was made for (kernels touching it run there); ``home``
+    the device index the memory physically lives on, when the caller said (``None``: unknown,
+    or the same device)."""
+
+    def __init__(self, dev: int, base: int, va_size: int, chunks: list[_Chunk], home: int | None = None) -> None:
         self.device = torch.device("cuda", dev)
+        self.home = home
         self.base = base
         self.size = sum(c.size for c in chunks)
         self._va_size = va_size
@@ -363,14 +392,21 @@ class ImportedVmm:
 
 
 def map_imported(
-    fds_sizes: list[tuple[int, int]], device: int | str | torch.device | None = None, *, nbytes: int | None = None
+    fds_sizes: list[tuple[int, int]],
+    device: int | str | torch.device | None = None,
+    *,
+    nbytes: int | None = None,
+    home: int | None = None,
 ) -> tuple[ImportedVmm, torch.Tensor]:
     """Map chunks exported by :meth:`CudaVmmArena.export_fds` (received over ``SCM_RIGHTS``)
-    contiguously at a new address on ``device``. Returns the owner (keep it alive; ``close()``
-    unmaps) and a ``uint8`` tensor over the first ``nbytes`` (default: every chunk's bytes).
+    contiguously at a new address, accessible from ``device``. Returns the owner (keep it alive;
+    ``close()`` unmaps) and a ``uint8`` tensor of ``device`` over the first ``nbytes`` (default:
+    every chunk's bytes).
 
-    The fds are not closed here; the memory stays alive through the mapping, so the caller may
-    close them as soon as this returns."""
+    ``home``: this process's index of the device the chunks live on, when it is not ``device``
+    (a cross-GPU import: ``device`` reaches them by peer access; check :func:`can_access_peer`
+    first, or ``cuMemSetAccess`` refuses). The fds are not closed here; the memory stays alive
+    through the mapping, so the caller may close them as soon as this returns."""
     if not fds_sizes:
         raise InvalidArgument("map_imported: no chunks given; pass the (fd, size) pairs of export_fds()")
     cu = driver()
@@ -391,7 +427,7 @@ def map_imported(
             raise InvalidArgument(f"map_imported: nbytes={nbytes!r} is outside [0, {total:,d}] (the chunks' bytes)")
         kind = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         base = int(_ok(cu.cuMemAddressReserve(total, 0, 0, 0), f"cuMemAddressReserve of {total:,d} bytes"))
-        owner = ImportedVmm(dev, base, total, [])
+        owner = ImportedVmm(dev, base, total, [], None if home == dev else home)
         try:
             off = 0
             for fd, size in fds_sizes:
@@ -408,7 +444,12 @@ def map_imported(
             owner.close()
             raise
         owner.size = total
-        return owner, _wrap(base, nbytes, dev)
+        try:
+            view = _wrap(base, nbytes, dev, home=home)
+        except BaseException:
+            owner.close()
+            raise
+        return owner, view
 
 
 def device_for(gpu_uuid: str, index: int) -> int:
@@ -433,12 +474,30 @@ def device_for(gpu_uuid: str, index: int) -> int:
     return index
 
 
+def can_access_peer(dev: int, home: int) -> bool:
+    """Whether kernels on ``dev`` can read and write memory that lives on ``home`` (always true
+    for one device; else the driver's peer-access capability: NVLink or PCIe P2P)."""
+    return dev == home or bool(torch.cuda.can_device_access_peer(dev, home))
+
+
+def gpu_label(index: int) -> str:
+    """``cuda:i (name, uuid)`` for messages; just ``cuda:i`` when torch cannot say more."""
+    try:
+        p = torch.cuda.get_device_properties(index)
+        return f"cuda:{index} ({p.name}, GPU-{str(p.uuid).removeprefix('GPU-')})"
+    except Exception:  # noqa: BLE001 -- a label must never fail
+        return f"cuda:{index}"
+
+
 def import_arena(
     header: HandleHeader, fds: list[int], device: int | str | torch.device | None = None
 ) -> tuple[ImportedVmm, torch.Tensor]:
     """Map an export received over a handle socket (:func:`kvd.fdpass.fetch`): the chunks in
-    order, a ``uint8`` tensor over exactly ``header.backed`` bytes. ``device`` defaults to this
-    process's index of the owner's GPU (:func:`device_for`). The fds stay the caller's to close."""
-    if device is None:
-        device = device_for(header.gpu_uuid, header.device)
-    return map_imported(list(zip(fds, header.sizes)), device, nbytes=header.backed)
+    order, a ``uint8`` tensor over exactly ``header.backed`` bytes. The memory lives on the
+    owner's GPU, found here by UUID (:func:`device_for`); ``device`` (default: that GPU) is the
+    device the mapping is made for and the tensor belongs to. Another device than the owner's
+    maps it for peer access (see :func:`map_imported`; callers check :func:`can_access_peer`).
+    The fds stay the caller's to close."""
+    home = device_for(header.gpu_uuid, header.device)
+    dev = home if device is None else _device_index(device)
+    return map_imported(list(zip(fds, header.sizes)), dev, nbytes=header.backed, home=home)

@@ -37,12 +37,13 @@ class Peer:
         self.arena = MemfdArena(8 * MiB, backed)
         self.arena.tensor().fill_(0)
         self.generation = 0
+        self.device, self.gpu_uuid = -1, ""  # what the header says about the peer's GPU (-1: none)
         self.server = HandleServer(path, self.export, authorize=self.authorize).start()
 
     def export(self, want_fds: bool) -> tuple[HandleHeader, list[int]]:
         a = self.arena
         sizes = tuple(s for _, s in a.chunks)
-        h = HandleHeader(a.region_id, "boot", a.backed, sizes if want_fds else (), self.generation)
+        h = HandleHeader(a.region_id, "boot", a.backed, sizes if want_fds else (), self.generation, self.device, self.gpu_uuid)
         return h, [fd for fd, _ in a.export_fds()] if want_fds else []
 
     def authorize(self, req) -> None:
@@ -61,12 +62,21 @@ class Peer:
         self.arena.close()
 
 
+class Imports(list):
+    """Headers of the imports made, in order; ``devices``: the device each was mapped for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.devices: list = []
+
+
 @pytest.fixture
 def imports(monkeypatch):
-    made: list = []
+    made = Imports()
 
     def fake(header, fds, device):
         made.append(header)
+        made.devices.append(device)
         return memfd_import(header, fds, device)
 
     monkeypatch.setattr(local_cuda, "_import", fake)
@@ -246,3 +256,73 @@ def test_copy_blocks_matches_a_byte_loop():
     odd = torch.zeros(100, dtype=torch.uint8)
     copy_blocks(src, odd, [3], [7], [5])  # gcd 1: byte rows still work
     assert torch.equal(odd[7:12], src[3:8]) and int(odd.sum()) == int(src[3:8].sum())
+
+
+# ---- the peer's arena on another GPU of the host (the GPU checks stubbed at their seams) -----
+
+
+def _on_gpu(b: CudaLocalBackend, peer: Peer, monkeypatch, *, visible: bool = True, peer_access: bool = True) -> list:
+    """Make the writer's arena look like cuda:0's and the peer's like cuda:1's; returns the
+    (own, home) pairs the peer-access check was asked about."""
+    b._dev = torch.device("cuda", 0)
+    peer.device, peer.gpu_uuid = 1, "GPU-peer-uuid"
+    asked: list = []
+
+    def locate(header):
+        if not visible:
+            raise FailedPrecondition(f"the arena lives on GPU {header.gpu_uuid} (cuda:{header.device} of its owner), which this process does not see")
+        assert header.gpu_uuid == "GPU-peer-uuid"
+        return 1
+
+    def can_access(own, home):
+        asked.append((own, home))
+        return peer_access
+
+    monkeypatch.setattr(local_cuda, "_locate", locate)
+    monkeypatch.setattr(local_cuda, "_can_access", can_access)
+    return asked
+
+
+def test_a_peer_gpu_without_peer_access_is_refused_naming_both_gpus(writer, peer, imports, monkeypatch):
+    b, arena = writer
+    asked = _on_gpu(b, peer, monkeypatch, peer_access=False)
+    before = peer.arena.tensor().clone()
+    with pytest.raises(FailedPrecondition) as info:
+        b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    msg = str(info.value)
+    assert "cuda:1" in msg and "cuda:0" in msg and "no peer access" in msg and "nothing was written" in msg
+    assert asked == [(0, 1)]
+    assert imports == [] and peer.path not in b._peers  # nothing mapped, nothing cached
+    assert torch.equal(peer.arena.tensor(), before)
+
+
+def test_a_peer_gpu_this_process_cannot_see_is_refused_naming_both(writer, peer, imports, monkeypatch):
+    b, arena = writer
+    asked = _on_gpu(b, peer, monkeypatch, visible=False)
+    with pytest.raises(FailedPrecondition) as info:
+        b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    msg = str(info.value)
+    assert "GPU-peer-uuid (cuda:1 of the peer)" in msg and "cuda:0" in msg and "does not see" in msg
+    assert asked == [] and imports == []
+
+
+def test_a_peer_gpu_with_peer_access_is_mapped_for_the_own_gpu(writer, peer, imports, monkeypatch):
+    b, arena = writer
+    asked = _on_gpu(b, peer, monkeypatch)
+    r = peer.region
+    b.write(r, [arena.base + 8192], [r.base + 4096], [8192])
+    assert torch.equal(peer.arena.tensor()[4096:12288], arena.tensor()[8192:16384])
+    assert asked == [(0, 1)]
+    assert imports.devices == [torch.device("cuda", 0)]  # mapped for this daemon's GPU, not the peer's
+    assert b._peers[peer.path].home == 1  # the peer's physical GPU is recorded with the mapping
+    b.write(r, [arena.base], [r.base], [4096])  # the mapping is reused: no second check, no second import
+    assert asked == [(0, 1)] and len(imports) == 1
+
+
+def test_the_same_gpu_needs_no_peer_access(writer, peer, imports, monkeypatch):
+    b, arena = writer
+    asked = _on_gpu(b, peer, monkeypatch, peer_access=False)
+    monkeypatch.setattr(local_cuda, "_locate", lambda header: 0)  # the peer's arena is on cuda:0 too
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    assert asked == [] and b._peers[peer.path].home is None
+    assert torch.equal(peer.arena.tensor()[:4096], arena.tensor()[:4096])

@@ -1,16 +1,31 @@
 """Same-host backend for CUDA arenas: import the peer's arena chunks and copy on the GPU.
 
 The endpoint is this daemon's handle socket (:mod:`kvd.fdpass`). A writer fetches the peer's
-chunk fds once (credential: the shared peer token), maps them on its own GPU
+chunk fds once (credential: the shared peer token), maps them for *its own* GPU
 (:func:`kvd.arena_cuda.import_arena`) and keeps the mapping, keyed by the peer's endpoint and
 checked against its ``region_id`` and backing ``generation``; it maps again when the ticket
 promises more bytes than are mapped, or the peer's backing changed, or the peer restarted.
 
+Same GPU or another GPU of the host. The peer's arena lives on the GPU its handle header names
+(by UUID; :func:`kvd.arena_cuda.device_for` finds it in this process). When that is this
+daemon's own GPU, the mapping is an ordinary one. When it is another GPU, the chunks are mapped
+for this daemon's GPU with peer access (``cuMemSetAccess`` for the local device on memory that
+physically lives on the peer's: NVLink where present), the peer's GPU is recorded with the
+mapping (``_Import.home``), and the kernel on the local GPU writes through it. A peer GPU this
+process cannot see, or cannot reach by peer access, is refused with FailedPrecondition naming
+both GPUs before anything is mapped.
+
+    prefill daemon (cuda:0)                         decode daemon (cuda:1)
+    arena on cuda:0 ──move_pages on cuda:0──▶ mapping of D's chunks ═NVLink═▶ arena on cuda:1
+                                             (tensor of cuda:0, home 1)
+
 The copy. Source is this arena's tensor, destination the imported one; the planner's blocks
 (absolute addresses) become runs over ``[N, g]`` byte-row views of both, ``g`` the gcd of every
 offset and length (so every block is whole rows), and :func:`kvd.kernels.move_pages` moves them
-in one Triton launch. The write then waits for the launch to finish: the receiver is told READY
-as soon as ``write`` returns.
+in one Triton launch on this daemon's GPU (the source's device: the staged run table, the table
+kernel and the move kernel all go on that device's current stream). The write then waits for
+that stream: the receiver is told READY as soon as ``write`` returns, and for a cross-GPU write
+the stores over the link are complete when the kernel is.
 
 Liveness. An imported chunk keeps the peer's physical memory alive even after the peer died (the
 import holds a reference), so a write never faults; it may only land in memory nobody owns any
@@ -49,10 +64,33 @@ _PROBE_TIMEOUT_S = 2.0
 
 
 def _import(header: HandleHeader, fds: list[int], device: torch.device) -> tuple[Any, torch.Tensor]:
-    """Map a peer's export on ``device``; the seam CPU tests replace (they map memfds instead)."""
+    """Map a peer's export for ``device``; the seam CPU tests replace (they map memfds instead)."""
     from kvd import arena_cuda
 
     return arena_cuda.import_arena(header, fds, device)
+
+
+def _locate(header: HandleHeader) -> int | None:
+    """This process's index of the GPU the peer's arena lives on (None: the header names no GPU).
+    FailedPrecondition when this process does not see it. A seam: CPU tests stub it."""
+    if header.device < 0:
+        return None
+    from kvd import arena_cuda
+
+    return arena_cuda.device_for(header.gpu_uuid, header.device)
+
+
+def _can_access(dev: int, home: int) -> bool:
+    """Whether kernels on ``dev`` can write memory on ``home`` (peer access). A seam."""
+    from kvd import arena_cuda
+
+    return arena_cuda.can_access_peer(dev, home)
+
+
+def _label(index: int) -> str:
+    from kvd import arena_cuda
+
+    return arena_cuda.gpu_label(index)
 
 
 @dataclass(slots=True)
@@ -64,6 +102,7 @@ class _Import:
     region_id: str
     generation: int
     size: int
+    home: int | None = None  # the GPU the peer's memory lives on, when not this daemon's (peer access)
 
     def close(self) -> None:
         """Unmap now (only when no write can be using it)."""
@@ -177,11 +216,38 @@ class CudaLocalBackend(Backend):
                 )
             if self._dev is None:
                 raise InternalError("local cuda backend: mapping a peer before an arena was registered")
+            home = self._reachable(peer, h)
             owner, view = _import(h, handles.fds, self._dev)
         finally:
             for fd in handles.fds:
                 os.close(fd)  # the mapping keeps the memory alive
-        return _Import(owner, view, h.region_id, h.generation, h.backed)
+        return _Import(owner, view, h.region_id, h.generation, h.backed, home)
+
+    def _reachable(self, peer: PeerRegion, h: HandleHeader) -> int | None:
+        """The peer's GPU when it is another GPU than this daemon's (None: the same GPU, or no
+        GPU named); FailedPrecondition, naming both GPUs, when this daemon cannot write there."""
+        dev = self._dev
+        if dev is None or dev.type != "cuda":
+            return None
+        own = dev.index if dev.index is not None else torch.cuda.current_device()
+        try:
+            home = _locate(h)
+        except FailedPrecondition as exc:
+            raise FailedPrecondition(
+                f"peer arena {peer.region_id!r} lives on GPU {h.gpu_uuid or '?'} (cuda:{h.device} of the peer), which "
+                f"this daemon (arena on {_label(own)}) does not see; nothing was written. Run both daemons with the "
+                "same CUDA_VISIBLE_DEVICES and pick each one's GPU with cuda_device"
+            ) from exc
+        if home is None or home == own:
+            return None
+        if not _can_access(own, home):
+            raise FailedPrecondition(
+                f"peer arena {peer.region_id!r} lives on {_label(home)}, and this daemon's GPU {_label(own)} has no "
+                f"peer access to it (torch.cuda.can_device_access_peer({own}, {home}) is false: no NVLink or PCIe P2P "
+                "between them); nothing was written. Put both daemons on one GPU, on GPUs with peer access, or use "
+                "backend=mooncake"
+            )
+        return home
 
     # -- the copy ---------------------------------------------------------------------------
 
@@ -204,10 +270,12 @@ class CudaLocalBackend(Backend):
         lo = self.registered[0]
         try:
             copy_blocks(src, m.view, [a - lo for a in srcs], [a - peer.base for a in dsts], lens)
-            if m.view.is_cuda:
+            if src.is_cuda:
                 # The receiver is told READY once write returns: every byte must have landed.
-                torch.cuda.current_stream(m.view.device).synchronize()
-        except RuntimeError as exc:  # a CUDA error from the launch or the wait
+                # move_pages launched on the source's device (this daemon's GPU; the mapping is a
+                # tensor of it too, even when the memory lives on a peer GPU): wait for that stream.
+                torch.cuda.current_stream(src.device).synchronize()
+        except (RuntimeError, ValueError) as exc:  # a CUDA error from the launch or the wait; Triton refusing a pointer
             raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
         self._account(sum(lens))
         try:

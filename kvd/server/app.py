@@ -44,6 +44,11 @@ log = logging.getLogger("kvd.server")
 
 #: Backends able to carry a separate draft index vector.
 _DRAFT_CAPABLE = {"mooncake", "local"}
+#: Exchanges the handle socket serves at once. A peer's local backend pings it before and after
+#: every write batch, so N concurrent senders hold up to N slots, and a finished exchange frees its
+#: slot only when its thread next gets the GIL (ms on a busy daemon): 8 concurrent senders were
+#: at the old limit of 8. Each slot is a short-lived thread; pings carry no fds.
+_HANDLE_CLIENTS = 64
 
 
 def validate(settings: Settings) -> None:
@@ -159,7 +164,9 @@ class Daemon:
             try:
                 exporter = ArenaHandles(node, settings.peer_token)
                 node.on_backing_change.append(exporter.backing_changed)
-                handle_server = HandleServer(handle_socket_path(settings), exporter.export, authorize=exporter.authorize).start()
+                handle_server = HandleServer(
+                    handle_socket_path(settings), exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS
+                ).start()
             except BaseException:
                 arena.close()
                 raise

@@ -1,0 +1,689 @@
+"""GPU transfer benchmark (issues 6 and 7): gemma-4-31b requests moved between two cuda daemons by
+the ``local`` backend, on one GPU and from GPU 0 to GPU 1, against a raw copy of the same bytes
+measured in the same run.
+
+    python3 bench/gpu_transfer.py                      # devices 0,0 (same GPU)
+    python3 bench/gpu_transfer.py --devices 0,1        # prefill on GPU 0, decode on GPU 1
+    python3 bench/gpu_transfer.py --both --json out.json   # 0,0 then 0,1 (when two GPUs exist)
+
+Per device pair ``A,B``: a prefill daemon (``kvd serve --arena cuda --cuda-device A --backend
+local --layout gemma-4-31b-it-tp2``) and a decode daemon (``--cuda-device B``) run as
+subprocesses; this process is every engine, through one Client per sender and daemon. The
+prefill daemon maps the decode arena's chunks for GPU A (peer access over NVLink for A != B) and
+its Triton kernel writes the planned blocks through the mapping.
+
+Workloads (prefill requests built by chunked prefill, ``--chunk`` tokens per step, so each keeps
+its SWA pages near the window; decode requests allocated ``receive=True`` before each pass):
+
+* ``32k``: one request of 32,768 tokens (full pages of every token + the SWA window tail:
+  1.76 GB), sent ``--repeats`` times;
+* ``mixed seq``: 32 requests, token counts log-uniform in [512, 32768] (seed ``--seed``), sent
+  one after another;
+* ``mixed x8``: the same 32 requests by 8 concurrent senders (threads, each with its own
+  clients; request j belongs to sender j % 8).
+
+Measured: the Send replies' ``seconds`` (server side: ticket check, lease, plan, writes, commit)
+and the client-observed wall time of Send + WaitReady; for ``mixed x8`` the wall time of the whole
+pass. Baseline, in the same run: ``dst.copy_(src)`` of the same byte count -- inside GPU A for
+A == B, ``dst_on_B.copy_(src_on_A)`` (torch's peer copy, copy engines) for A != B -- timed with
+CUDA events, median of ``--raw-reps``; a workload's raw time is the sum over its requests.
+Bytes are counted once (bytes moved, not read + written); ratio = kvd GB/s / raw GB/s.
+
+Checked: the first pass of every workload (not timed) runs into a zeroed decode arena and every
+planned block on the decode side must then equal the prefill side's random bytes; the byte and
+block counts of every Send must match the plan this process computes (``plan_chunk``). Exit
+status 1 when any check fails.
+
+Where the time goes (per request, same blocks): the copy as the daemon does it (staged run
+table + Triton launch + stream sync; this process maps the decode arena for GPU A the way the
+daemon does and times ``copy_blocks``), its GPU time (CUDA events), the two liveness pings per
+write batch (``fdpass.ping`` of the decode handle socket), the two peer RPCs (CheckTicket and
+Commit, each about one Echo round trip), and the rest (lease, plan, Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (ROOT, os.path.join(ROOT, "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+# NVLink multicast stays off (it can wedge a shared host's GPUs); nothing here uses it anyway.
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
+from benchkit import BenchDaemon  # noqa: E402
+from gpu import _table  # noqa: E402
+
+GIB, MIB = 1 << 30, 1 << 20
+LAYOUT = "gemma-4-31b-it-tp2"
+BIG = 32768
+MIXED_N, MIXED_LO, MIXED_HI = 32, 512, 32768
+SENDERS = 8
+#: Blocks per backend write, as the daemon's Outbox batches them (kvd.handoff.Outbox.batch_blocks).
+BATCH = 256
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# ---- sizes --------------------------------------------------------------------------------------
+
+
+def mixed_tokens(seed: int) -> list[int]:
+    """32 token counts, log-uniform in [512, 32768], fixed by ``seed``."""
+    rnd = random.Random(seed)
+    return [int(round(math.exp(rnd.uniform(math.log(MIXED_LO), math.log(MIXED_HI))))) for _ in range(MIXED_N)]
+
+
+def _geometry():
+    from kvd.layout import GroupKind
+    from kvd.presets import preset
+
+    lay = preset(LAYOUT)
+    swa = lay.group(GroupKind.SWA)
+    return lay, lay.page_size, lay.page_bytes(lay.group(GroupKind.FULL)), lay.page_bytes(swa), swa.window
+
+
+def held_bytes(tokens: int, *, chunk: int | None) -> int:
+    """Arena bytes a request holds: every full page, SWA pages from the window of the length
+    before its last step (prefill by chunks of ``chunk``) or of its whole length (received)."""
+    _, ps, pbf, pbs, win = _geometry()
+    n = -(-tokens // ps)
+    base = tokens if chunk is None else tokens - (tokens - chunk * ((tokens - 1) // chunk))
+    return n * pbf + (n - max(0, base - win) // ps) * pbs
+
+
+def arena_bytes(need: int) -> int:
+    """``need`` plus room for the sink and fragmentation between the groups, 2 MiB-aligned."""
+    lay = _geometry()[0]
+    n = int(need * 1.2) + lay.max_page_bytes + 2 * GIB
+    return -(-n // (2 * MIB)) * (2 * MIB)
+
+
+# ---- environment --------------------------------------------------------------------------------
+
+
+def environment() -> dict:
+    import triton
+
+    n = torch.cuda.device_count()
+    env: dict = {
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "triton": triton.__version__, "gpus": [], "peer_access": {},
+    }
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        env["gpus"].append({"index": i, "name": p.name, "sms": p.multi_processor_count, "GiB": round(p.total_memory / GIB, 1)})
+    for a in range(n):
+        for b in range(n):
+            if a != b:
+                env["peer_access"][f"{a}->{b}"] = bool(torch.cuda.can_device_access_peer(a, b))
+    try:
+        r = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=15)
+        env["topo"] = r.stdout.strip() or r.stderr.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        env["topo"] = f"nvidia-smi topo -m failed: {exc}"
+    try:
+        import cuda.bindings
+
+        env["cuda_bindings"] = getattr(cuda.bindings, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        pass
+    return env
+
+
+# ---- one device pair ----------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    rid: str
+    tokens: int
+    worker: int  # which sender's clients own it (on both daemons)
+    nbytes: int = 0  # bytes the plan moves (set by the checked pass)
+    blocks: int = 0
+
+
+@dataclass
+class Row:
+    devices: str
+    workload: str
+    requests: int
+    nbytes: int
+    raw_s: float
+    server_s: list[float] = field(default_factory=list)  # per pass: sum of Send.seconds
+    wall_s: list[float] = field(default_factory=list)  # per pass: sum of Send + WaitReady (x8: the pass)
+    ok: bool = False
+    why: str = ""
+    first_pass_s: float = float("nan")
+    concurrent: bool = False  # several senders at once: only the pass's wall time is a time
+
+    def as_dict(self) -> dict:
+        srv, wall = med(self.server_s), med(self.wall_s)
+        return {
+            "devices": self.devices, "workload": self.workload, "requests": self.requests, "bytes": self.nbytes,
+            "raw_ms": self.raw_s * 1e3, "raw_GBps": self.nbytes / self.raw_s / 1e9,
+            "server_ms": srv * 1e3, "server_GBps": self.nbytes / srv / 1e9, "wall_ms": wall * 1e3,
+            "wall_GBps": self.nbytes / wall / 1e9, "ratio_server": self.raw_s / srv, "ratio_wall": self.raw_s / wall,
+            "server_ms_passes": [x * 1e3 for x in self.server_s], "wall_ms_passes": [x * 1e3 for x in self.wall_s],
+            "first_pass_ms": self.first_pass_s * 1e3, "ok": self.ok, "why": self.why, "concurrent": self.concurrent,
+        }
+
+
+class Pair:
+    """Two daemons on GPUs ``a`` (prefill) and ``b`` (decode), the clients and the mappings."""
+
+    def __init__(self, a: int, b: int, args: argparse.Namespace) -> None:
+        self.a, self.b, self.args = a, b, args
+        self.label = f"{a},{b}"
+        self.big = Req("big", BIG, 0)
+        self.mixed = [Req(f"m{j}", t, j % SENDERS) for j, t in enumerate(mixed_tokens(args.seed))]
+        self.warm = [Req(f"warm{i}", t, 0) for i, t in enumerate((1000, 4096))]  # allocated whole (no chunks)
+        p_need = sum(held_bytes(r.tokens, chunk=args.chunk) for r in [self.big, *self.mixed])
+        p_need += sum(held_bytes(r.tokens, chunk=r.tokens) for r in self.warm)
+        d_need = max(held_bytes(BIG, chunk=None), sum(held_bytes(r.tokens, chunk=None) for r in self.mixed))
+        self.p_bytes, self.d_bytes = arena_bytes(p_need), arena_bytes(d_need)
+        self.P = self.D = None
+        self.pc: list = []
+        self.dc: list = []
+        self.p_att = self.d_att = None
+        self.dmap_owner = self.dmap = None
+
+    # -- life cycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        t0 = time.perf_counter()
+        common = ["--arena", "cuda", "--backend", "local", "--layout", LAYOUT, "--peer-timeout-s", "30",
+                  "--lease-ttl-s", "120", "--session-ttl-s", "60", "--grace-s", "1"]
+        self.P = BenchDaemon.spawn(*common, "--cuda-device", str(self.a), "--arena-bytes", str(self.p_bytes))
+        self.D = BenchDaemon.spawn(*common, "--cuda-device", str(self.b), "--arena-bytes", str(self.d_bytes))
+        self.P.wait_ready()
+        self.D.wait_ready()
+        from kvd.client import Client
+
+        for i in range(SENDERS):
+            self.pc.append(Client.connect(self.P.unix, name=f"prefill-{i}", timeout=300))
+            self.dc.append(Client.connect(self.D.unix, name=f"decode-{i}", timeout=300))
+        self.p_att, self.d_att = self.pc[0].attach(), self.dc[0].attach()
+        if self.p_att.tensor.device != torch.device("cuda", self.a) or self.d_att.tensor.device != torch.device("cuda", self.b):
+            raise RuntimeError(f"arenas attached on {self.p_att.tensor.device} / {self.d_att.tensor.device}, not cuda:{self.a} / cuda:{self.b}")
+        self.p_base = self.pc[0].info().envelopes[0].base
+        self.d_base = self.dc[0].info().envelopes[0].base
+        self.layout = self.pc[0].info().layout
+        log(f"[{self.label}] daemons up in {time.perf_counter() - t0:.1f} s; arenas: prefill {self.p_bytes / GIB:.1f} GiB on "
+            f"cuda:{self.a}, decode {self.d_bytes / GIB:.1f} GiB on cuda:{self.b}")
+
+    def map_decode_for_a(self) -> None:
+        """Map the decode arena for GPU A, as the prefill daemon's backend does (for kernel timing)."""
+        from kvd import arena_cuda, fdpass
+
+        if self.a != self.b and not arena_cuda.can_access_peer(self.a, self.b):
+            return
+        h = fdpass.fetch(self.D.unix.removeprefix("unix:") + ".handles", session=self.dc[0].session_id)
+        try:
+            self.dmap_owner, self.dmap = arena_cuda.import_arena(h.header, h.fds, self.a)
+        finally:
+            for fd in h.fds:
+                os.close(fd)
+
+    def stop(self) -> None:
+        self.dmap = None
+        for what in (self.dmap_owner, self.p_att, self.d_att):
+            if what is not None:
+                try:
+                    what.close()
+                except Exception:  # noqa: BLE001
+                    traceback.print_exc()
+        self.p_att = self.d_att = self.dmap_owner = None
+        for c in self.pc + self.dc:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001
+                pass
+        for d in (self.P, self.D):
+            if d is not None:
+                d.stop()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def build_prefill(self) -> None:
+        """Chunked prefill of every request on the prefill daemon, then random bytes in the whole arena."""
+        from kvd.errors import CapacityError
+
+        t0 = time.perf_counter()
+        chunk = self.args.chunk
+        for r in [self.big, *self.mixed]:
+            kv = self.pc[r.worker]
+            done = min(chunk, r.tokens)
+            try:
+                kv.allocate(r.rid, done)
+            except CapacityError:
+                kv.compact()
+                kv.allocate(r.rid, done)
+            while done < r.tokens:
+                add = min(chunk, r.tokens - done)
+                try:
+                    kv.extend(r.rid, add)
+                except CapacityError:
+                    kv.compact()
+                    kv.extend(r.rid, add)
+                done += add
+        self.p_att.tensor.random_(0, 256)
+        torch.cuda.synchronize(self.a)
+        log(f"[{self.label}] prefill requests built ({1 + len(self.mixed)}, chunks of {chunk} tokens) and filled "
+            f"in {time.perf_counter() - t0:.1f} s")
+
+    def receive(self, reqs: list[Req]) -> dict[str, bytes]:
+        """Allocate every request on the decode daemon (receive=True) and take its RECV lease."""
+        from kvd.errors import CapacityError
+
+        tickets = {}
+        for r in reqs:
+            kv = self.dc[r.worker]
+            try:
+                kv.allocate(r.rid, r.tokens, receive=True)
+            except CapacityError:
+                kv.compact()
+                kv.allocate(r.rid, r.tokens, receive=True)
+            tickets[r.rid] = kv.acquire_lease(r.rid, "recv").ticket
+        return tickets
+
+    def release(self, reqs: list[Req]) -> None:
+        by: dict[int, list[str]] = defaultdict(list)
+        for r in reqs:
+            by[r.worker].append(r.rid)
+        for w, rids in by.items():
+            self.dc[w].free(*rids)
+
+    def send_one(self, r: Req, ticket: bytes) -> tuple[object, float]:
+        from kvd.client import TransferState
+
+        a = time.perf_counter()
+        res = self.pc[r.worker].send(r.rid, ticket)
+        st = self.dc[r.worker].wait_ready(r.rid, 120)
+        wall = time.perf_counter() - a
+        if st.state is not TransferState.READY:
+            raise RuntimeError(f"{r.rid}: transfer ended {st.state.value}: {st.reason}")
+        if r.nbytes and (res.nbytes != r.nbytes or st.nbytes != r.nbytes):
+            raise RuntimeError(f"{r.rid}: Send moved {res.nbytes:,d} bytes, WaitReady saw {st.nbytes:,d}, the plan has {r.nbytes:,d}")
+        return res, wall
+
+    # -- the checked pass --------------------------------------------------------------------------
+
+    def plan(self, r: Req, ticket: bytes):
+        from kvd.transfer import plan_chunk
+        from kvd.wire import parse_ticket, ticket_info
+
+        t = ticket_info(parse_ticket(ticket))
+        src = self.pc[r.worker].vectors(r.rid)
+        return plan_chunk(self.layout, src, t.vectors, self.pc[0].info().envelopes, t.envelopes, 0, r.tokens, True)
+
+    def verify(self, plan) -> str:
+        """"" when every planned block landed; else what differs."""
+        p, d = self.p_att.tensor, self.d_att.tensor
+        for k, blk in enumerate(plan.blocks):
+            s = p[blk.src - self.p_base : blk.src - self.p_base + blk.length]
+            t = d[blk.dst - self.d_base : blk.dst - self.d_base + blk.length]
+            if not torch.equal(s.to(t.device), t):
+                return f"block {k} ({blk.length:,d} bytes at decode offset {blk.dst - self.d_base:,d}) differs"
+        return ""
+
+    def checked_pass(self, reqs: list[Req], breakdown: list[dict] | None, concurrent: bool) -> tuple[str, float]:
+        """The first pass of a workload: decode arena zeroed, sent, every block compared. Also
+        times the copy of each request's blocks in this process (for ``breakdown``)."""
+        self.d_att.tensor.zero_()
+        torch.cuda.synchronize(self.b)
+        tickets = self.receive(reqs)
+        plans = {r.rid: self.plan(r, tickets[r.rid]) for r in reqs}
+        t0 = time.perf_counter()
+        if concurrent:
+            results = self.concurrent(reqs, tickets)
+        else:
+            results = {r.rid: self.send_one(r, tickets[r.rid]) for r in reqs}
+        first = time.perf_counter() - t0
+        why = ""
+        for r in reqs:
+            res, _ = results[r.rid]
+            pl = plans[r.rid]
+            if res.nbytes != pl.nbytes or res.blocks != len(pl.blocks):
+                why = why or f"{r.rid}: Send moved {res.nbytes:,d} bytes in {res.blocks} blocks, the plan {pl.nbytes:,d} in {len(pl.blocks)}"
+            r.nbytes, r.blocks = pl.nbytes, len(pl.blocks)
+        torch.cuda.synchronize(self.b)
+        for r in reqs:
+            why = why or self.verify(plans[r.rid])
+        if breakdown is not None and self.dmap is not None:
+            for r in reqs:
+                breakdown.append({"rid": r.rid, "tokens": r.tokens, "bytes": r.nbytes, "blocks": r.blocks,
+                                  "send_ms_checked": results[r.rid][0].seconds * 1e3, **self.time_copy(plans[r.rid])})
+        self.release(reqs)
+        return why, first
+
+    def time_copy(self, plan, reps: int = 5) -> dict:
+        """``copy_blocks`` of ``plan``'s blocks in the daemon's batches, GPU A -> the decode arena
+        mapped for GPU A: wall time with the stream sync (what the daemon's write pays) and GPU time."""
+        from kvd.backends.local_cuda import copy_blocks
+
+        s = [b.src - self.p_base for b in plan.blocks]
+        d = [b.dst - self.d_base for b in plan.blocks]
+        n = [b.length for b in plan.blocks]
+        stream = torch.cuda.current_stream(self.a)
+
+        def once() -> None:
+            for i in range(0, len(n), BATCH):
+                copy_blocks(self.p_att.tensor, self.dmap, s[i : i + BATCH], d[i : i + BATCH], n[i : i + BATCH])
+
+        once()
+        stream.synchronize()
+        walls, gpu = [], []
+        for _ in range(reps):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            e0.record(stream)
+            once()
+            e1.record(stream)
+            stream.synchronize()
+            walls.append(time.perf_counter() - t0)
+            gpu.append(e0.elapsed_time(e1) / 1e3)
+        return {"copy_ms": med(walls) * 1e3, "kernel_ms": med(gpu) * 1e3, "batches": -(-len(n) // BATCH)}
+
+    # -- timed passes ------------------------------------------------------------------------------
+
+    def concurrent(self, reqs: list[Req], tickets: dict[str, bytes]) -> dict[str, tuple[object, float]]:
+        """Every sender sends its requests in order, all senders at once; returns per-request
+        (Send reply, Send + WaitReady seconds) and stores the pass's span in ``self.span``."""
+        mine: dict[int, list[Req]] = defaultdict(list)
+        for r in reqs:
+            mine[r.worker].append(r)
+        out: dict[str, tuple[object, float]] = {}
+        spans: list[tuple[float, float]] = []
+        errors: list[BaseException] = []
+        go = threading.Barrier(len(mine))
+        lock = threading.Lock()
+
+        def run(w: int) -> None:
+            try:
+                go.wait()
+                a = time.perf_counter()
+                for r in mine[w]:
+                    res = self.send_one(r, tickets[r.rid])
+                    with lock:
+                        out[r.rid] = res
+                with lock:
+                    spans.append((a, time.perf_counter()))
+            except BaseException as exc:  # noqa: BLE001 -- re-raised below
+                errors.append(exc)
+                go.abort()
+
+        threads = [threading.Thread(target=run, args=(w,), name=f"sender-{w}") for w in mine]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        self.span = max(b for _, b in spans) - min(a for a, _ in spans)
+        return out
+
+    def timed_passes(self, row: Row, reqs: list[Req], passes: int, concurrent: bool) -> None:
+        for _ in range(passes):
+            tickets = self.receive(reqs)
+            gc.disable()
+            try:
+                if concurrent:
+                    res = self.concurrent(reqs, tickets)
+                    row.wall_s.append(self.span)
+                else:
+                    res = {r.rid: self.send_one(r, tickets[r.rid]) for r in reqs}
+                    row.wall_s.append(sum(w for _, w in res.values()))
+            finally:
+                gc.enable()
+            row.server_s.append(sum(x.seconds for x, _ in res.values()))
+            self.release(reqs)
+
+    # -- baselines ---------------------------------------------------------------------------------
+
+    def raw_copy_s(self, sizes: list[int], reps: int) -> dict[int, float]:
+        """Median seconds of ``dst[:n].copy_(src[:n])`` per distinct ``n``: inside GPU A, or
+        GPU A -> GPU B (torch issues a peer copy on A's current stream)."""
+        top = max(sizes)
+        src = torch.empty(top, dtype=torch.uint8, device=f"cuda:{self.a}")
+        dst = torch.empty(top, dtype=torch.uint8, device=f"cuda:{self.b}")
+        stream = torch.cuda.current_stream(self.a)
+        out = {}
+        try:
+            for n in sorted(set(sizes)):
+                xs = []
+                for k in range(reps + 2):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    with torch.cuda.device(self.a):
+                        e0.record(stream)
+                        dst[:n].copy_(src[:n])
+                        e1.record(stream)
+                    e1.synchronize()
+                    if k >= 2:
+                        xs.append(e0.elapsed_time(e1) / 1e3)
+                out[n] = med(xs)
+        finally:
+            del src, dst
+            torch.cuda.synchronize(self.a)
+            torch.cuda.synchronize(self.b)
+            torch.cuda.empty_cache()
+        return out
+
+    def control_floor(self, n: int = 40) -> dict:
+        """One liveness ping of the decode handle socket, one Echo RPC to the decode daemon (the
+        floor of CheckTicket and Commit), medians."""
+        from kvd.fdpass import ping
+
+        path = self.D.unix.removeprefix("unix:") + ".handles"
+        pings, echoes = [], []
+        for k in range(n + 5):
+            a = time.perf_counter()
+            ping(path, timeout=5)
+            b = time.perf_counter()
+            self.dc[0].echo()
+            c = time.perf_counter()
+            if k >= 5:
+                pings.append(b - a)
+                echoes.append(c - b)
+        return {"ping_ms": med(pings) * 1e3, "echo_ms": med(echoes) * 1e3}
+
+
+def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
+    pair = Pair(a, b, args)
+    out: dict = {"devices": [a, b], "rows": [], "breakdown": {}, "error": ""}
+    t0 = time.perf_counter()
+    try:
+        pair.start()
+        pair.build_prefill()
+        pair.map_decode_for_a()
+        floor = pair.control_floor()
+        out["control"] = floor
+        log(f"[{pair.label}] liveness ping {floor['ping_ms']:.3f} ms, Echo RPC {floor['echo_ms']:.3f} ms")
+
+        # Warm-up (Triton JIT in the prefill daemon, first mapping of the decode arena): two small requests.
+        warm = pair.warm
+        for r in warm:
+            pair.pc[0].allocate(r.rid, r.tokens)
+        t1 = time.perf_counter()
+        for _ in range(2):
+            tickets = pair.receive(warm)
+            for r in warm:
+                pair.send_one(r, tickets[r.rid])
+            pair.release(warm)
+        pair.pc[0].free(*(r.rid for r in warm))
+        log(f"[{pair.label}] warm-up sends took {time.perf_counter() - t1:.1f} s (Triton JIT in the daemon)")
+
+        # The baseline needs the byte counts: a checked pass of each workload first.
+        bd_big: list[dict] = []
+        bd_mixed: list[dict] = []
+        why_big, first_big = pair.checked_pass([pair.big], bd_big, concurrent=False)
+        why_seq, first_seq = pair.checked_pass(pair.mixed, bd_mixed, concurrent=False)
+        why_conc, first_conc = pair.checked_pass(pair.mixed, None, concurrent=True)
+        log(f"[{pair.label}] checked passes: 32k {'ok' if not why_big else why_big}; mixed seq "
+            f"{'ok' if not why_seq else why_seq}; mixed x8 {'ok' if not why_conc else why_conc}")
+
+        sizes = [pair.big.nbytes] + [r.nbytes for r in pair.mixed]
+        raw = pair.raw_copy_s(sizes, args.raw_reps)
+        raw_big = raw[pair.big.nbytes]
+        raw_mixed = sum(raw[r.nbytes] for r in pair.mixed)
+        mixed_bytes = sum(r.nbytes for r in pair.mixed)
+
+        rows = [
+            Row(pair.label, "32k", 1, pair.big.nbytes, raw_big, ok=not why_big, why=why_big, first_pass_s=first_big),
+            Row(pair.label, "mixed seq", len(pair.mixed), mixed_bytes, raw_mixed, ok=not why_seq, why=why_seq, first_pass_s=first_seq),
+            Row(pair.label, f"mixed x{SENDERS}", len(pair.mixed), mixed_bytes, raw_mixed, ok=not why_conc, why=why_conc,
+                first_pass_s=first_conc, concurrent=True),
+        ]
+        pair.timed_passes(rows[0], [pair.big], args.repeats, concurrent=False)
+        pair.timed_passes(rows[1], pair.mixed, args.mixed_passes, concurrent=False)
+        pair.timed_passes(rows[2], pair.mixed, args.mixed_passes, concurrent=True)
+        out["rows"] = [r.as_dict() for r in rows]
+
+        # Where the time goes, per request: medians of the timed 32k passes; mixed: per-request
+        # sums over the 32 requests (Send.seconds from the median sequential pass).
+        def breakdown(bd: list[dict], send_s: float, wall_s: float) -> dict:
+            if not bd:
+                return {}
+            batches = sum(x["batches"] for x in bd)
+            copy = sum(x["copy_ms"] for x in bd)
+            kern = sum(x["kernel_ms"] for x in bd)
+            pings = 2 * batches * floor["ping_ms"]
+            rpcs = 2 * len(bd) * floor["echo_ms"]
+            send = send_s * 1e3
+            return {"requests": len(bd), "send_ms": send, "copy_ms": copy, "kernel_ms": kern, "pings_ms": pings,
+                    "peer_rpcs_ms": rpcs, "rest_ms": send - copy - pings - rpcs, "client_extra_ms": wall_s * 1e3 - send,
+                    "kernel_GBps": sum(x["bytes"] for x in bd) / kern / 1e6, "per_request": bd}
+
+        out["breakdown"] = {
+            "32k": breakdown(bd_big, med(rows[0].server_s), med(rows[0].wall_s)),
+            "mixed seq": breakdown(bd_mixed, med(rows[1].server_s), med(rows[1].wall_s)),
+        }
+        if pair.dmap is None:
+            out["breakdown_note"] = f"cuda:{a} has no peer access to cuda:{b}: no kernel timing"
+    except Exception as exc:  # noqa: BLE001 -- report, stop the daemons, go on
+        traceback.print_exc()
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        for d, name in ((pair.P, "prefill"), (pair.D, "decode")):
+            if d is not None and d.proc.poll() is not None:
+                out["error"] += f"; {name} daemon exited with {d.proc.returncode}"
+    finally:
+        pair.stop()
+    out["seconds"] = time.perf_counter() - t0
+    log(f"[{pair.label}] done in {out['seconds']:.1f} s")
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def report(env: dict, pairs: list[dict]) -> None:
+    log("\n## GPU transfer: kvd local backend vs a raw copy of the same bytes (bytes counted once: moved, not "
+        "read + written; ratio = kvd GB/s / raw GB/s; raw = dst.copy_(src) inside one GPU, or dst_on_B.copy_(src_on_A) "
+        "across GPUs; server = Send.seconds, wall = client Send + WaitReady, x8 = the pass's span)\n")
+    rows = [r for p in pairs for r in p["rows"]]
+    log(_table(
+        ["GPUs P,D", "workload", "reqs", "GB", "raw ms", "raw GB/s", "kvd server ms", "GB/s", "ratio",
+         "kvd wall ms", "GB/s", "ratio wall", "ok"],
+        [[r["devices"], r["workload"], r["requests"], f"{r['bytes'] / 1e9:.2f}", f"{r['raw_ms']:.2f}", f"{r['raw_GBps']:,.0f}",
+          "-" if r["concurrent"] else f"{r['server_ms']:.2f}",
+          "-" if r["concurrent"] else f"{r['server_GBps']:,.0f}",
+          "-" if r["concurrent"] else f"{r['ratio_server']:.2f}",
+          f"{r['wall_ms']:.2f}", f"{r['wall_GBps']:,.0f}", f"{r['ratio_wall']:.2f}", "ok" if r["ok"] else "NO"] for r in rows],
+    ))
+    log("\n## Where the kvd time goes (server side, per workload pass; copy = copy_blocks of the same blocks timed in "
+        "this process on the decode arena mapped for the prefill GPU, with the stream sync, as the daemon's write; "
+        f"pings = 2 liveness pings per write batch; peer RPCs = CheckTicket + Commit ~ 2 Echo RPCs; "
+        "rest = Send.seconds minus those: lease, plan, Python; client extra = wall - Send.seconds: the Send and WaitReady RPCs)\n")
+    bd_rows = []
+    for p in pairs:
+        for name, b in p.get("breakdown", {}).items():
+            if b:
+                bd_rows.append([f"{p['devices'][0]},{p['devices'][1]}", name, b["requests"], f"{b['send_ms']:.2f}", f"{b['copy_ms']:.2f}",
+                                f"{b['kernel_ms']:.2f}", f"{b['kernel_GBps']:,.0f}", f"{b['pings_ms']:.2f}",
+                                f"{b['peer_rpcs_ms']:.2f}", f"{b['rest_ms']:.2f}", f"{b['client_extra_ms']:.2f}"])
+    log(_table(["GPUs P,D", "workload", "reqs", "Send.seconds ms", "copy ms", "kernel ms", "kernel GB/s", "pings ms",
+                "peer RPCs ms", "rest ms", "client extra ms"], bd_rows))
+    for p in pairs:
+        if p.get("control"):
+            c = p["control"]
+            log(f"\n[{p['devices'][0]},{p['devices'][1]}] one liveness ping {c['ping_ms']:.3f} ms, one Echo RPC {c['echo_ms']:.3f} ms; "
+                f"pair took {p['seconds']:.1f} s" + (f"; {p['breakdown_note']}" if p.get("breakdown_note") else ""))
+        if p.get("error"):
+            log(f"[{p['devices'][0]},{p['devices'][1]}] FAILED: {p['error']}")
+        for r in p["rows"]:
+            if not r["ok"]:
+                log(f"[{r['devices']}] {r['workload']}: check failed: {r['why']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", default="0,0", help="prefill GPU,decode GPU (default 0,0)")
+    ap.add_argument("--both", action="store_true", help="run 0,0 and then 0,1 (0,1 only when two GPUs exist)")
+    ap.add_argument("--json", help="write every number here")
+    ap.add_argument("--repeats", type=int, default=8, help="timed passes of the 32k request (default 8)")
+    ap.add_argument("--mixed-passes", type=int, default=3, help="timed passes of each mixed workload (default 3)")
+    ap.add_argument("--raw-reps", type=int, default=10, help="timed raw copies per byte count (default 10)")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens when building the requests (default 2048)")
+    ap.add_argument("--seed", type=int, default=7, help="seed of the mixed workload's token counts")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu_transfer.py needs a CUDA device (torch.cuda.is_available() is false)")
+        return 2
+    n = torch.cuda.device_count()
+    if args.both:
+        pairs = [(0, 0)] + ([(0, 1)] if n >= 2 else [])
+    else:
+        try:
+            a, b = (int(x) for x in args.devices.split(","))
+        except ValueError:
+            print(f"--devices {args.devices!r}: give two GPU indices, e.g. 0,1")
+            return 2
+        if not (0 <= a < n and 0 <= b < n):
+            print(f"--devices {args.devices}: this host has {n} CUDA device(s)")
+            return 2
+        pairs = [(a, b)]
+    env = environment()
+    log("env: " + json.dumps({k: v for k, v in env.items() if k != "topo"}))
+    log("nvidia-smi topo -m:\n" + env.get("topo", ""))
+    if args.both and n < 2:
+        log("only one GPU: --both runs 0,0 alone")
+    log(f"mixed workload tokens (seed {args.seed}): {sorted(mixed_tokens(args.seed))}")
+    t0 = time.perf_counter()
+    results = [run_pair(a, b, args) for a, b in pairs]
+    report(env, results)
+    log(f"\ntotal {time.perf_counter() - t0:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "args": vars(args), "pairs": results}, f, indent=1)
+    bad = [p for p in results if p["error"] or not p["rows"] or not all(r["ok"] for r in p["rows"])]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The local backend across two GPUs of one host (issue 7): a prefill daemon on cuda:0 and a
+decode daemon on cuda:1, in separate processes; the prefill daemon maps the decode arena's
+chunks for its own GPU (peer access over NVLink or PCIe P2P) and its kernel writes through them.
+
+* This process imports the decode arena for cuda:0 the way the prefill daemon does: the tensor is
+  a cuda:0 tensor over the mapping (no copy), the import records cuda:1 as the memory's home, and
+  a kernel on cuda:0 reads the decode arena's bytes.
+* A hybrid-layout request (full, SWA, state, draft) handed off GPU 0 -> GPU 1 lands byte for
+  byte as the CPU shm path computes it (``plan_chunk`` blocks applied with numpy to CPU copies),
+  the sender's arena unchanged; a second request reuses the mapping.
+
+Skipped without two GPUs, or when cuda:0 has no peer access to cuda:1 (the daemon refuses that
+with FailedPrecondition; tests/test_local_cuda_backend.py covers the refusal on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_kit import GPU, NEEDS_TRITON, NEEDS_VMM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
+
+import handoff_kit as hk  # noqa: E402
+from test_gpu_daemon import _shm_path_result  # noqa: E402
+
+from kvd.client import TransferState  # noqa: E402
+from kvd.fdpass import fetch  # noqa: E402
+from kvd.transfer import plan_chunk  # noqa: E402
+from kvd.wire import parse_ticket, ticket_info  # noqa: E402
+
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+PEER_ACCESS = TWO_GPUS and torch.cuda.can_device_access_peer(0, 1)
+
+pytestmark = [
+    *GPU,
+    NEEDS_VMM,
+    NEEDS_TRITON,
+    pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices (torch.cuda.device_count() >= 2)"),
+    pytest.mark.skipif(TWO_GPUS and not PEER_ACCESS, reason="cuda:0 has no peer access to cuda:1 (no NVLink or P2P)"),
+]
+
+TOKENS = 103
+
+
+@pytest.fixture(scope="module")
+def gpu_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two-gpu-pair")
+    sides = []
+    for role, dev in (("prefill", 0), ("decode", 1)):
+        opts = {**hk.DAEMON_OPTS, "arena_bytes": "4MiB", "backend": "local", "layout": "tiny-hybrid", "arena": "cuda",
+                "cuda_device": dev, "peer_timeout_s": 10.0, "listen_tcp": f"127.0.0.1:{hk.free_port()}"}
+        sides.append(hk.Side(role, "subproc", root / role, opts))
+    try:
+        for s in sides:
+            s.start()
+        yield hk.Pair("local", "subproc", *sides)
+    finally:
+        rcs = {s.role: s.stop() for s in sides}
+        assert all(rc == 0 for rc in rcs.values()), f"daemons exited with {rcs}"
+
+
+def test_the_decode_arena_maps_for_cuda0_with_its_home_on_cuda1(gpu_pair):
+    from kvd.arena_cuda import import_arena
+
+    d = hk.Engine(gpu_pair.decode, "decode-engine")
+    try:
+        assert d.arena.device == torch.device("cuda", 1)  # an engine's attach maps on the arena's own GPU
+        hk.randomize(d.arena, 5)
+        torch.cuda.synchronize(1)
+        h, fds = fetch(str(gpu_pair.decode.workdir / "kvd.sock") + ".handles", session=d.c.session_id)
+        try:
+            owner, view = import_arena(h, fds, 0)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            assert h.device == 1 and owner.home == 1 and owner.device == torch.device("cuda", 0)
+            assert view.device == torch.device("cuda", 0) and view.data_ptr() == owner.base and view.numel() == h.backed
+            got = view[:65536].clone()  # a copy issued on cuda:0, reading cuda:1's memory
+            torch.cuda.synchronize(0)
+            assert got.device == torch.device("cuda", 0)
+            assert torch.equal(got.cpu(), d.arena[:65536].cpu())
+            del got, view
+        finally:
+            owner.close()
+    finally:
+        d.close_attachment()
+        d.c.close()
+
+
+def test_a_request_hands_off_gpu0_to_gpu1_byte_identical_to_the_cpu_path(gpu_pair):
+    p, d = hk.Engine(gpu_pair.prefill, "prefill-engine"), hk.Engine(gpu_pair.decode, "decode-engine")
+    try:
+        assert p.arena.device == torch.device("cuda", 0) and d.arena.device == torch.device("cuda", 1)
+        rnd = random.Random(13)
+        p.scatter(rnd, "pf")
+        d.scatter(rnd, "df")
+        src = p.alloc("r1", TOKENS)
+        dst = d.alloc("r1", TOKENS, receive=True)
+        hk.randomize(p.arena, 31)
+        hk.randomize(d.arena, 32)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        lease = d.c.acquire_lease("r1", "recv")
+        ticket = ticket_info(parse_ticket(lease.ticket))
+        pi, di = p.c.info(), d.c.info()
+        plan = plan_chunk(pi.layout, src, ticket.vectors, pi.envelopes, ticket.envelopes, 0, TOKENS, True)
+        assert set(plan.pages) >= {"full", "swa", "state", "draft"}
+        expected = _shm_path_result(p.arena, d.arena, plan, pi.envelopes[0].base, di.envelopes[0].base)
+        before_p = p.arena.cpu()
+
+        r = p.c.send("r1", lease.ticket)
+        st = d.c.wait_ready("r1", 30)
+
+        assert st.state is TransferState.READY, st
+        assert r.nbytes == st.nbytes == plan.nbytes and r.blocks == len(plan.blocks)
+        got = d.arena.cpu()
+        assert torch.equal(got, expected), f"decode arena vs the CPU path: {hk.diff_summary(got, expected)}"
+        assert torch.equal(p.arena.cpu(), before_p), "the sender's arena changed"
+
+        # A second request reuses the prefill daemon's mapping of the decode arena.
+        src2, dst2 = p.alloc("r2", 40), d.alloc("r2", 40, receive=True)
+        lease2 = d.c.acquire_lease("r2", "recv", vectors=dst2)
+        before_d = d.arena.cpu()
+        p.c.send("r2", lease2.ticket)
+        assert d.c.wait_ready("r2", 30).state is TransferState.READY
+        exp2 = hk.expected_arena(before_d, p.arena.cpu(), hk.moved(src2, dst2, 40, state=True))
+        assert torch.equal(d.arena.cpu(), exp2), hk.diff_summary(d.arena.cpu(), exp2)
+        for e in (p, d):
+            e.free(*sorted(e.live))
+    finally:
+        for e in (p, d):
+            e.close_attachment()
+            e.c.close()
