@@ -48,10 +48,10 @@ step() {  # step NAME SECONDS CMD...: run, log to $OUT/NAME.log, remember a fail
 # The timings come after them, alone on the GPU.
 for what in "${STEPS[@]}"; do
   case $what in
-    tests) step tests 240 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/gpu ;;
+    tests) step tests 180 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/gpu ;;
     bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
-    transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
+    transfer) step transfer 130 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
     demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
