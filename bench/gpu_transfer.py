@@ -36,9 +36,11 @@ status 1 when any check fails.
 
 Where the time goes (per request, same blocks): the copy as the daemon does it (staged run
 table + Triton launch + stream sync; this process maps the decode arena for GPU A the way the
-daemon does and times ``copy_blocks``), its GPU time (CUDA events), the two liveness pings per
-write batch (``fdpass.ping`` of the decode handle socket), the two peer RPCs (CheckTicket and
-Commit, each about one Echo round trip), and the rest (lease, plan, Python).
+daemon does and times the copy with the strategy the daemon picks, ``copy_strategy``: the Triton
+kernel or, across GPUs for few large blocks, one copy-engine memcpy per block), its GPU time (CUDA
+events), liveness (two zero-timeout polls of a watch of the decode handle socket per write batch;
+a ping each where no watch opens), the two peer RPCs (CheckTicket and Commit, each about one Echo
+round trip), and the rest (lease, plan, Python).
 """
 
 from __future__ import annotations
@@ -384,18 +386,22 @@ class Pair:
         return why, first
 
     def time_copy(self, plan, reps: int = 5) -> dict:
-        """``copy_blocks`` of ``plan``'s blocks in the daemon's batches, GPU A -> the decode arena
-        mapped for GPU A: wall time with the stream sync (what the daemon's write pays) and GPU time."""
-        from kvd.backends.local_cuda import copy_blocks
+        """The daemon's copy of ``plan``'s blocks in its batches (the strategy it picks per batch),
+        GPU A -> the decode arena mapped for GPU A: wall time with the stream sync (what the
+        daemon's write pays) and GPU time."""
+        from kvd.backends.local_cuda import COPY_ENGINE, copy_blocks, copy_engine_blocks, copy_strategy
 
         s = [b.src - self.p_base for b in plan.blocks]
         d = [b.dst - self.d_base for b in plan.blocks]
         n = [b.length for b in plan.blocks]
         stream = torch.cuda.current_stream(self.a)
+        home = None if self.a == self.b else self.b
+        strategies = [copy_strategy(home, n[i : i + BATCH]) for i in range(0, len(n), BATCH)]
 
         def once() -> None:
-            for i in range(0, len(n), BATCH):
-                copy_blocks(self.p_att.tensor, self.dmap, s[i : i + BATCH], d[i : i + BATCH], n[i : i + BATCH])
+            for k, i in enumerate(range(0, len(n), BATCH)):
+                fn = copy_engine_blocks if strategies[k] == COPY_ENGINE else copy_blocks
+                fn(self.p_att.tensor, self.dmap, s[i : i + BATCH], d[i : i + BATCH], n[i : i + BATCH])
 
         once()
         stream.synchronize()
@@ -409,7 +415,8 @@ class Pair:
             stream.synchronize()
             walls.append(time.perf_counter() - t0)
             gpu.append(e0.elapsed_time(e1) / 1e3)
-        return {"copy_ms": med(walls) * 1e3, "kernel_ms": med(gpu) * 1e3, "batches": -(-len(n) // BATCH)}
+        return {"copy_ms": med(walls) * 1e3, "kernel_ms": med(gpu) * 1e3, "batches": -(-len(n) // BATCH),
+                "strategies": sorted(set(strategies))}
 
     # -- timed passes ------------------------------------------------------------------------------
 
@@ -496,22 +503,35 @@ class Pair:
         return out
 
     def control_floor(self, n: int = 40) -> dict:
-        """One liveness ping of the decode handle socket, one Echo RPC to the decode daemon (the
+        """One liveness ping of the decode handle socket, one liveness poll of a watch of it (what
+        the daemon's write checks when the watch opens), one Echo RPC to the decode daemon (the
         floor of CheckTicket and Commit), medians."""
-        from kvd.fdpass import ping
+        from kvd.fdpass import ping, watch
 
         path = self.D.unix.removeprefix("unix:") + ".handles"
-        pings, echoes = [], []
+        pings, echoes, polls = [], [], []
+        try:
+            w = watch(path, timeout=5)
+        except Exception as exc:  # noqa: BLE001 -- the daemon falls back to pings too
+            log(f"[{self.label}] no watch of {path}: {exc}; liveness = pings")
+            w = None
         for k in range(n + 5):
             a = time.perf_counter()
             ping(path, timeout=5)
             b = time.perf_counter()
             self.dc[0].echo()
             c = time.perf_counter()
+            quiet = w.quiet() if w is not None else False
+            e = time.perf_counter()
             if k >= 5:
                 pings.append(b - a)
                 echoes.append(c - b)
-        return {"ping_ms": med(pings) * 1e3, "echo_ms": med(echoes) * 1e3}
+                polls.append(e - c)
+        watched = w is not None and w.quiet()
+        if w is not None:
+            w.close()
+        return {"ping_ms": med(pings) * 1e3, "echo_ms": med(echoes) * 1e3, "poll_ms": med(polls) * 1e3,
+                "watched": bool(watched and quiet)}
 
 
 def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
@@ -524,7 +544,8 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
         pair.map_decode_for_a()
         floor = pair.control_floor()
         out["control"] = floor
-        log(f"[{pair.label}] liveness ping {floor['ping_ms']:.3f} ms, Echo RPC {floor['echo_ms']:.3f} ms")
+        log(f"[{pair.label}] liveness ping {floor['ping_ms']:.3f} ms, watch poll {floor['poll_ms']:.4f} ms "
+            f"({'watched' if floor['watched'] else 'no watch: pings'}), Echo RPC {floor['echo_ms']:.3f} ms")
 
         # Warm-up (Triton JIT in the prefill daemon, first mapping of the decode arena): two small requests.
         warm = pair.warm
@@ -573,11 +594,14 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
             batches = sum(x["batches"] for x in bd)
             copy = sum(x["copy_ms"] for x in bd)
             kern = sum(x["kernel_ms"] for x in bd)
-            pings = 2 * batches * floor["ping_ms"]
+            # Liveness: two checks per write batch, polls of the watch (pings where none opened).
+            liveness = 2 * batches * (floor["poll_ms"] if floor["watched"] else floor["ping_ms"])
             rpcs = 2 * len(bd) * floor["echo_ms"]
             send = send_s * 1e3
-            return {"requests": len(bd), "send_ms": send, "copy_ms": copy, "kernel_ms": kern, "pings_ms": pings,
-                    "peer_rpcs_ms": rpcs, "rest_ms": send - copy - pings - rpcs, "client_extra_ms": wall_s * 1e3 - send,
+            strategy = "+".join(sorted({st for x in bd for st in x["strategies"]}))
+            return {"requests": len(bd), "send_ms": send, "copy_ms": copy, "kernel_ms": kern, "liveness_ms": liveness,
+                    "strategy": strategy,
+                    "peer_rpcs_ms": rpcs, "rest_ms": send - copy - liveness - rpcs, "client_extra_ms": wall_s * 1e3 - send,
                     "kernel_GBps": sum(x["bytes"] for x in bd) / kern / 1e6, "per_request": bd}
 
         out["breakdown"] = {
@@ -618,21 +642,23 @@ def report(env: dict, pairs: list[dict]) -> None:
     ))
     log("\n## Where the kvd time goes (server side, per workload pass; copy = copy_blocks of the same blocks timed in "
         "this process on the decode arena mapped for the prefill GPU, with the stream sync, as the daemon's write; "
-        f"pings = 2 liveness pings per write batch; peer RPCs = CheckTicket + Commit ~ 2 Echo RPCs; "
+        f"liveness = 2 checks per write batch (watch polls, or pings where no watch opened); strategy = the daemon's copy "
+        "(kernel: Triton move_pages; copy-engine: one memcpy per block); peer RPCs = CheckTicket + Commit ~ 2 Echo RPCs; "
         "rest = Send.seconds minus those: lease, plan, Python; client extra = wall - Send.seconds: the Send and WaitReady RPCs)\n")
     bd_rows = []
     for p in pairs:
         for name, b in p.get("breakdown", {}).items():
             if b:
-                bd_rows.append([f"{p['devices'][0]},{p['devices'][1]}", name, b["requests"], f"{b['send_ms']:.2f}", f"{b['copy_ms']:.2f}",
-                                f"{b['kernel_ms']:.2f}", f"{b['kernel_GBps']:,.0f}", f"{b['pings_ms']:.2f}",
+                bd_rows.append([f"{p['devices'][0]},{p['devices'][1]}", name, b["requests"], b["strategy"], f"{b['send_ms']:.2f}", f"{b['copy_ms']:.2f}",
+                                f"{b['kernel_ms']:.2f}", f"{b['kernel_GBps']:,.0f}", f"{b['liveness_ms']:.2f}",
                                 f"{b['peer_rpcs_ms']:.2f}", f"{b['rest_ms']:.2f}", f"{b['client_extra_ms']:.2f}"])
-    log(_table(["GPUs P,D", "workload", "reqs", "Send.seconds ms", "copy ms", "kernel ms", "kernel GB/s", "pings ms",
+    log(_table(["GPUs P,D", "workload", "reqs", "copy strategy", "Send.seconds ms", "copy ms", "copy GPU ms", "copy GB/s", "liveness ms",
                 "peer RPCs ms", "rest ms", "client extra ms"], bd_rows))
     for p in pairs:
         if p.get("control"):
             c = p["control"]
-            log(f"\n[{p['devices'][0]},{p['devices'][1]}] one liveness ping {c['ping_ms']:.3f} ms, one Echo RPC {c['echo_ms']:.3f} ms; "
+            log(f"\n[{p['devices'][0]},{p['devices'][1]}] one liveness ping {c['ping_ms']:.3f} ms, one watch poll "
+                f"{c.get('poll_ms', 0.0):.4f} ms ({'watched' if c.get('watched') else 'no watch'}), one Echo RPC {c['echo_ms']:.3f} ms; "
                 f"pair took {p['seconds']:.1f} s" + (f"; {p['breakdown_note']}" if p.get("breakdown_note") else ""))
         if p.get("error"):
             log(f"[{p['devices'][0]},{p['devices'][1]}] FAILED: {p['error']}")

@@ -13,19 +13,28 @@ One connection, one exchange::
     ◀── [u32 n][n bytes JSON header] + fds ──  one sendmsg; the owner closes its copies
     close                                      close
 
-The request is ``{"op": "export" | "ping", "session": ..., "token": ...}``: an engine presents its
-session id on the daemon, a peer daemon the shared ``peer_token`` (empty when none is configured;
-the owner's ``authorize`` decides). ``ping`` answers the header without fds: it is the liveness
-probe of a peer (a restarted peer answers with another ``region_id``). A refusal is a header
+The request is ``{"op": "export" | "ping" | "watch", "session": ..., "token": ...}``: an engine
+presents its session id on the daemon, a peer daemon the shared ``peer_token`` (empty when none is
+configured; the owner's ``authorize`` decides). ``ping`` answers the header without fds: it is the
+liveness probe of a peer (a restarted peer answers with another ``region_id``).
+
+``watch`` answers the header like ``ping`` and then keeps the connection open, idle: no thread
+serves it (the server keeps watched sockets in a set, not counted against ``max_clients``). The
+watcher learns of the owner's death by EOF/HUP on it (the kernel closes a dead process's fds),
+of :meth:`HandleServer.stop` the same way, and of a change of the owner's backing by one byte
+the server sends (:meth:`HandleServer.notify`). Whatever arrives, the watcher stops trusting the
+watch and asks again (ping, fetch): :meth:`Watch.quiet` is a zero-timeout poll, no round trip. A refusal is a header
 ``{"ok": false, "error": <kvd error class>, "message": ...}`` that :func:`fetch` raises as that
 class, so an importer sees the same exceptions as over gRPC.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -37,7 +46,10 @@ from typing import NamedTuple
 from kvd import errors as E
 from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
 
-__all__ = ["MAX_FDS", "MAX_PATH", "HandleHeader", "HandleRequest", "HandleServer", "Handles", "check_path", "fetch", "ping"]
+__all__ = [
+    "MAX_FDS", "MAX_PATH", "MAX_WATCHES", "HandleHeader", "HandleRequest", "HandleServer", "Handles", "Watch",
+    "check_path", "fetch", "ping", "watch",
+]
 
 log = logging.getLogger("kvd.fdpass")
 
@@ -49,15 +61,19 @@ MAX_PATH = 107
 MAX_REQUEST = 4096
 #: A reply header larger than this is refused by the importer (253 sizes fit in ~4 KiB).
 MAX_REPLY = 1 << 16
+#: Open watches one server keeps; more are refused (Unavailable): a watcher holds one per peer.
+MAX_WATCHES = 1024
 _LEN = struct.Struct(">I")
-_OPS = ("export", "ping")
+_OPS = ("export", "ping", "watch")
+#: Any of these on a watch socket: the owner is gone, stopped, changed its backing, or misbehaves.
+_WATCH_EVENTS = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 @dataclass(frozen=True, slots=True)
 class HandleRequest:
     """What an importer asks for, and with which credential."""
 
-    op: str  # "export" (header + fds) or "ping" (header only: liveness)
+    op: str  # "export" (header + fds), "ping" (header only: liveness) or "watch" (header, then the connection stays open)
     session: str = ""  # an engine's session id on the owner's daemon
     token: str = ""  # a peer daemon's peer_token ("" when none is configured)
 
@@ -163,6 +179,7 @@ class HandleServer:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._workers: set[threading.Thread] = set()
+        self._watched: set[socket.socket] = set()  # open watches: no thread, no slot (see the module docstring)
         self._lock = threading.Lock()
         #: exchanges answered with a header (``served``: ok; ``refused``: an error header) and
         #: connections dropped without an answer (client gone or too slow).
@@ -198,6 +215,10 @@ class HandleServer:
             workers = list(self._workers)
         for w in workers:
             w.join(self.timeout + 1.0)
+        with self._lock:
+            watched, self._watched = list(self._watched), set()
+        for c in watched:
+            c.close()  # every watcher sees EOF: this server no longer vouches for its arena
         if self._sock is not None:
             self._sock.close()
         try:
@@ -235,6 +256,7 @@ class HandleServer:
     def _accept_loop(self) -> None:
         assert self._sock is not None
         while not self._stop.is_set():
+            self._reap_watches()
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
@@ -253,9 +275,57 @@ class HandleServer:
                 self._workers.add(t)
             t.start()
 
+    @property
+    def watching(self) -> int:
+        """Watches open now."""
+        with self._lock:
+            return len(self._watched)
+
+    def notify(self) -> None:
+        """Tell every watcher that the arena's backing changed (one byte each): a watcher that
+        sees it asks again before trusting its mapping. Call after ``generation`` changed."""
+        with self._lock:
+            watched = list(self._watched)
+        for c in watched:
+            try:
+                c.send(b"!", socket.MSG_DONTWAIT)
+            except OSError:
+                self._unwatch(c)  # gone, or a full buffer: closing says the same (EOF)
+
+    def _unwatch(self, c: socket.socket) -> None:
+        with self._lock:
+            self._watched.discard(c)
+        c.close()
+
+    def _reap_watches(self) -> None:
+        """Close watches whose watcher hung up (or sent anything: a watcher never does)."""
+        with self._lock:
+            if not self._watched:
+                return
+            watched = list(self._watched)
+        p = select.poll()
+        by_fd = {}
+        for c in watched:
+            fd = c.fileno()
+            if fd >= 0:
+                by_fd[fd] = c
+                p.register(fd, _WATCH_EVENTS)
+        for fd, _ in p.poll(0):
+            self._unwatch(by_fd[fd])
+
+    def _keep_watch(self, conn: socket.socket) -> bool:
+        """Move an answered watch into the set; False (refused, the caller closes) when stopping."""
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            self._watched.add(conn)
+            return True
+
     def _serve_one(self, conn: socket.socket) -> None:
+        kept = False
         try:
-            with conn:
+            with contextlib.ExitStack() as stack:
+                stack.callback(lambda: None if kept else conn.close())
                 conn.settimeout(self.timeout)
                 try:
                     req = self._read_request(conn)
@@ -277,9 +347,14 @@ class HandleServer:
                 try:
                     if req.op == "export" and len(fds) != len(header.sizes):
                         raise InternalError(f"handle export produced {len(fds)} fds for {len(header.sizes)} chunks (a bug in kvd)")
+                    if req.op == "watch" and self.watching >= MAX_WATCHES:
+                        raise Unavailable(f"handle server {self.path} keeps {MAX_WATCHES} watches already; ping instead")
                     self._send(conn, {"ok": True, **header.to_json()}, fds if req.op == "export" else [])
                     with self._lock:
                         self.served += 1
+                    if req.op == "watch":
+                        conn.settimeout(None)
+                        kept = self._keep_watch(conn)
                 except KvdError as exc:
                     self._answer_error(conn, exc)
                 except OSError as exc:
@@ -342,11 +417,13 @@ def _error(name: str, message: str) -> KvdError:
     return cls(message)
 
 
-def _request(path: str, req: HandleRequest, timeout: float) -> Handles:
+def _request(path: str, req: HandleRequest, timeout: float, keep: list[socket.socket] | None = None) -> Handles:
+    """One exchange; with ``keep`` (a watch), the open socket is appended to it instead of closed."""
     check_path(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     fds: list[int] = []
+    kept = False
     try:
         try:
             s.connect(path)
@@ -380,6 +457,13 @@ def _request(path: str, req: HandleRequest, timeout: float) -> Handles:
         header = HandleHeader.from_json(d)
         if req.op == "export" and len(fds) != len(header.sizes):
             raise Unavailable(f"handle server at {path} sent {len(fds)} fds for {len(header.sizes)} chunks")
+        if fds and req.op != "export":
+            raise Unavailable(f"handle server at {path} sent {len(fds)} fds with a {req.op} reply")
+        if keep is not None:
+            if len(buf) != need:
+                raise Unavailable(f"handle server at {path} sent {len(buf) - need} bytes past its watch reply")
+            keep.append(s)
+            kept = True
         return Handles(header, fds)
     except BaseException as exc:
         for fd in fds:
@@ -390,7 +474,8 @@ def _request(path: str, req: HandleRequest, timeout: float) -> Handles:
             raise Unavailable(f"handle server at {path} failed: {exc}") from exc
         raise
     finally:
-        s.close()
+        if not kept:
+            s.close()
 
 
 def fetch(path: str, *, session: str = "", token: str | None = None, timeout: float = 5.0) -> Handles:
@@ -408,3 +493,57 @@ def ping(path: str, *, session: str = "", token: str | None = None, timeout: flo
     """The header of the arena served at ``path``, without fds: a liveness probe (Unavailable
     when nobody serves it; a new ``region_id`` when its owner restarted)."""
     return _request(path, HandleRequest("ping", session, token or ""), timeout).header
+
+
+class Watch:
+    """An open watch of the handle server at ``path`` (see the module docstring).
+
+    ``header`` is what the server answered when the watch opened; :meth:`quiet` is True while
+    nothing happened on the connection since (no EOF, no hang-up, no byte). Once not quiet, it
+    stays not quiet: open a new watch. Thread-safe (each check polls with its own poll object);
+    closing it while another thread checks makes that check report not quiet."""
+
+    __slots__ = ("path", "header", "_sock", "_fd", "_fired")
+
+    def __init__(self, path: str, header: HandleHeader, sock: socket.socket) -> None:
+        self.path = path
+        self.header = header
+        self._sock: socket.socket | None = sock
+        self._fd = sock.fileno()
+        self._fired = False
+
+    def quiet(self) -> bool:
+        """Zero-timeout poll: True while the owner is alive and nothing changed (no round trip)."""
+        if self._fired or self._sock is None:
+            return False
+        p = select.poll()
+        p.register(self._fd, _WATCH_EVENTS)
+        if p.poll(0):
+            self._fired = True
+            return False
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        self._fired = True
+        s, self._sock = self._sock, None
+        if s is not None:
+            s.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def watch(path: str, *, session: str = "", token: str | None = None, timeout: float = 5.0) -> Watch:
+    """Open a watch of the handle server at ``path``: its header now, and a :class:`Watch` whose
+    :meth:`~Watch.quiet` says, without a round trip, whether the owner is still there unchanged.
+    Raises as :func:`ping` does (a server without the ``watch`` op refuses with InvalidArgument)."""
+    keep: list[socket.socket] = []
+    header = _request(path, HandleRequest("watch", session, token or ""), timeout, keep).header
+    return Watch(path, header, keep[0])

@@ -26,6 +26,7 @@ from kvd.fdpass import (
     check_path,
     fetch,
     ping,
+    watch,
 )
 from kvd.node import Node
 from kvd.pool import Pool
@@ -340,3 +341,88 @@ def test_an_arena_with_nothing_backed_has_nothing_to_share():
     with pytest.raises(E.FailedPrecondition, match="no backed bytes to share yet; finalize the pool first"):
         ArenaHandles(n).export(True)
     arena.close()
+
+
+# ---- watches -----------------------------------------------------------------------------------
+
+
+def _until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_watch_answers_the_header_and_stays_quiet_without_a_slot(tmp_path):
+    exp = Exporter()
+    srv = HandleServer(str(tmp_path / "h.sock"), exp, timeout=0.5, max_clients=1).start()
+    try:
+        watches = [watch(srv.path) for _ in range(3)]  # more watches than worker slots
+        assert all(w.header.region_id == "kvd-memfd-test" and w.header.sizes == () for w in watches)
+        _until(lambda: srv.watching == 3)  # kept just after each reply went out
+        assert srv.watching == 3 and all(w.quiet() for w in watches)
+        assert ping(srv.path).generation == 3  # the one worker slot is free
+        got = fetch(srv.path)
+        for fd in got.fds:
+            os.close(fd)
+        assert all(w.quiet() for w in watches)
+        watches[0].close()
+        _until(lambda: srv.watching == 2)  # the accept loop reaps it
+        assert srv.watching == 2
+        srv.notify()  # the backing changed: every watcher hears of it
+        assert not any(w.quiet() for w in watches[1:])
+    finally:
+        srv.stop()
+        exp.close()
+
+
+def test_stop_closes_every_watch(tmp_path):
+    exp = Exporter()
+    srv = HandleServer(str(tmp_path / "h.sock"), exp, timeout=0.5).start()
+    w = watch(srv.path)
+    assert w.quiet()
+    srv.stop()
+    assert not w.quiet() and srv.watching == 0
+    assert not w.quiet()  # stays spent
+    w.close()
+    exp.close()
+
+
+_SERVE = """
+import os, sys, time
+from kvd.fdpass import HandleHeader, HandleServer
+srv = HandleServer(sys.argv[1], lambda want: (HandleHeader("kvd-child", "b", 0, (), 1), [])).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_owner_is_seen_by_the_watch_within_one_check(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "child.sock")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", _SERVE, path], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        w = watch(path)
+        assert w.header.region_id == "kvd-child" and w.quiet()
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert not w.quiet()  # the kernel closed the dead owner's end
+        with pytest.raises(E.Unavailable):
+            ping(path)
+        w.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+
+
+def test_an_unknown_op_still_names_watch(served):
+    srv, _ = served
+    body = json.dumps({"op": "nope"}).encode()
+    reply = _raw(srv.path, struct.pack(">I", len(body)) + body)
+    assert reply["error"] == "InvalidArgument" and "watch" in reply["message"]

@@ -9,6 +9,7 @@ GPU tier (tests/gpu/test_gpu_daemon.py) runs the same path on a GPU."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -49,6 +50,11 @@ class Peer:
     def authorize(self, req) -> None:
         if self.token and req.token != self.token:
             raise PermissionDenied("wrong peer token; configure the same peer_token on both daemons")
+
+    def backing_changed(self) -> None:
+        """What the daemon does on finalize/resize: a new generation, and the watchers told."""
+        self.generation += 1
+        self.server.notify()
 
     @property
     def region(self) -> PeerRegion:
@@ -120,7 +126,7 @@ def test_blocks_land_in_the_peer_and_nothing_else_changes(writer, peer, imports)
 def test_a_new_backing_generation_or_a_bigger_ticket_maps_again(writer, peer, imports):
     b, arena = writer
     b.write(peer.region, [arena.base], [peer.region.base], [4096])
-    peer.generation += 1  # finalize/resize on the peer: chunks may have been replaced
+    peer.backing_changed()  # finalize/resize on the peer: chunks may have been replaced
     b.write(peer.region, [arena.base], [peer.region.base], [4096])
     assert len(imports) == 2
     peer.arena.set_backed(3 * MiB)  # grown (same generation here): the ticket promises more
@@ -326,3 +332,73 @@ def test_the_same_gpu_needs_no_peer_access(writer, peer, imports, monkeypatch):
     b.write(peer.region, [arena.base], [peer.region.base], [4096])
     assert asked == [] and b._peers[peer.path].home is None
     assert torch.equal(peer.arena.tensor()[:4096], arena.tensor()[:4096])
+
+
+# ---- liveness by watch; the copy strategy ----------------------------------------------------
+
+
+def test_writes_check_liveness_by_watch_without_pings(writer, peer):
+    b, arena = writer
+    r = peer.region
+    b.write(r, [arena.base], [r.base], [4096])  # maps: one ping, a watch opened with the mapping
+    pings = b.pings
+    deadline = time.monotonic() + 5
+    while peer.server.watching != 1 and time.monotonic() < deadline:  # kept just after its reply went out
+        time.sleep(0.01)
+    assert peer.server.watching == 1 and b._peers[peer.path].watch is not None
+    for i in range(5):
+        b.write(r, [arena.base + 4096 * i], [r.base + 4096 * i], [4096])
+    assert b.pings == pings and b.polls == 11  # the first write's after-check, then before and after each: polls, no round trips
+    assert torch.equal(peer.arena.tensor()[: 5 * 4096], arena.tensor()[: 5 * 4096])
+
+
+def test_a_stopped_peer_is_seen_by_the_watch_within_one_check(writer, peer):
+    b, arena = writer
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    w = b._peers[peer.path].watch
+    assert w.quiet()
+    peer.stop()
+    assert not w.quiet()  # stop() closed the watched socket
+    with pytest.raises(Unavailable, match="does not answer.*nothing was written"):
+        b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    assert peer.path not in b._peers
+
+
+def test_without_a_watch_the_writer_pings(writer, peer, monkeypatch):
+    b, arena = writer
+
+    def refuse(*a, **k):
+        raise InvalidArgument("handle request op 'watch' is unknown")
+
+    monkeypatch.setattr(local_cuda.fdpass, "watch", refuse)
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    assert b._peers[peer.path].watch is None and b.polls == 0 and b.pings == 4
+    peer.stop()
+    with pytest.raises(Unavailable, match="does not answer"):
+        b.write(peer.region, [arena.base], [peer.region.base], [4096])
+
+
+def test_copy_strategy_is_a_pure_choice():
+    from kvd.backends.local_cuda import CE_MAX_BLOCKS, CE_MIN_AVG_BLOCK, COPY_ENGINE, KERNEL, copy_strategy
+
+    big = [CE_MIN_AVG_BLOCK] * 8
+    assert copy_strategy(None, big) == KERNEL  # the same GPU: the kernel is faster there
+    assert copy_strategy(1, big) == COPY_ENGINE
+    assert copy_strategy(1, [CE_MIN_AVG_BLOCK - 1] * 8) == KERNEL  # small blocks: one launch wins
+    assert copy_strategy(1, [CE_MIN_AVG_BLOCK] * (CE_MAX_BLOCKS + 1)) == KERNEL  # too many memcpys
+    assert copy_strategy(1, [4096, 2 * CE_MIN_AVG_BLOCK]) == COPY_ENGINE  # the average decides
+    assert copy_strategy(1, []) == KERNEL
+
+
+def test_a_peer_gpu_with_large_blocks_is_written_by_copy_engine(writer, peer, imports, monkeypatch):
+    b, arena = writer
+    _on_gpu(b, peer, monkeypatch)
+    r = peer.region
+    srcs, dsts, lens = [arena.base, arena.base + MiB], [r.base + 4096, r.base + MiB], [256 << 10, 512 << 10]
+    b.write(r, srcs, dsts, lens)
+    assert b.strategies == {"kernel": 0, "copy-engine": 1}
+    for s_, d_, n_ in zip(srcs, dsts, lens):
+        assert torch.equal(peer.arena.tensor()[d_ - r.base : d_ - r.base + n_], arena.tensor()[s_ - arena.base : s_ - arena.base + n_])
+    b.write(r, [arena.base], [r.base], [4096])  # a small block: the kernel
+    assert b.strategies == {"kernel": 1, "copy-engine": 1}

@@ -27,18 +27,32 @@ kernel and the move kernel all go on that device's current stream). The write th
 that stream: the receiver is told READY as soon as ``write`` returns, and for a cross-GPU write
 the stores over the link are complete when the kernel is.
 
+Copy strategy (:func:`copy_strategy`, a pure function). Across GPUs, few large blocks go through
+the copy engines instead: one ``dst[d:d+n].copy_(src[s:s+n], non_blocking=True)`` per block on
+the source device's current stream (a device-to-device cudaMemcpyAsync the driver routes over
+NVLink; measured 388-394 GB/s on H200 against the kernel's 316-319). Same GPU, or many small
+blocks: the kernel (one launch; far faster than thousands of memcpy calls). ``strategies``
+counts the choices made.
+
 Liveness. An imported chunk keeps the peer's physical memory alive even after the peer died (the
 import holds a reference), so a write never faults; it may only land in memory nobody owns any
-more. The writer therefore pings the peer's handle socket before the copy (no answer or another
-``region_id`` -> Unavailable, nothing written) and after it (-> Aborted: the bytes are lost), and
-drops the mapping of a dead peer at once: it pins a whole arena of GPU memory.
+more. The writer therefore checks the peer before the copy (dead or another ``region_id`` ->
+Unavailable, nothing written) and after it (-> Aborted: the bytes are lost), and drops the
+mapping of a dead peer at once: it pins a whole arena of GPU memory. The check is a watch
+(:func:`kvd.fdpass.watch`, opened with the mapping): a zero-timeout poll of a connection the peer's
+handle server keeps open, no round trip. Anything on it (EOF when the peer died or stopped, a
+byte when its backing changed) -> the watch is spent and the writer falls back to a ping of
+the handle socket, which decides as before (and a new watch is opened with the next mapping
+check). No watch (a server without the op): pings, as before.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,10 +71,30 @@ from kvd.errors import (
 from kvd.fdpass import HandleHeader
 from kvd.runs import Runs
 
-__all__ = ["CudaLocalBackend", "copy_blocks"]
+__all__ = ["COPY_ENGINE", "KERNEL", "CudaLocalBackend", "copy_blocks", "copy_engine_blocks", "copy_strategy"]
+
+log = logging.getLogger("kvd.backends.local_cuda")
 
 #: Seconds to wait for a peer's handle server; a dead peer answers at once (connection refused).
 _PROBE_TIMEOUT_S = 2.0
+
+#: Copy strategies (:func:`copy_strategy`).
+KERNEL = "kernel"
+COPY_ENGINE = "copy-engine"
+#: Across GPUs, blocks of at least this many bytes on average go through the copy engines: one
+#: memcpy per block costs a few microseconds to issue, so small blocks are the kernel's (one launch).
+CE_MIN_AVG_BLOCK = 256 << 10
+#: ... and at most this many blocks per write batch (~4 us to issue each: at most ~16 ms of issuing).
+CE_MAX_BLOCKS = 4096
+
+
+def copy_strategy(home: int | None, lens: list[int]) -> str:
+    """How to move blocks of ``lens`` bytes into a peer arena whose memory lives on GPU ``home``
+    (None: this daemon's own GPU). Pure: COPY_ENGINE across GPUs for few large blocks (the copy
+    engines beat the kernel over NVLink), KERNEL otherwise (same GPU: the kernel is faster)."""
+    if home is None or not lens or len(lens) > CE_MAX_BLOCKS:
+        return KERNEL
+    return COPY_ENGINE if sum(lens) >= CE_MIN_AVG_BLOCK * len(lens) else KERNEL
 
 
 def _import(header: HandleHeader, fds: list[int], device: torch.device) -> tuple[Any, torch.Tensor]:
@@ -103,10 +137,18 @@ class _Import:
     generation: int
     size: int
     home: int | None = None  # the GPU the peer's memory lives on, when not this daemon's (peer access)
+    watch: fdpass.Watch | None = None  # the peer's handle server, watched (None: ping instead)
+
+    def watched(self) -> bool:
+        """True when the watch vouches that the peer is alive with this region and generation."""
+        w = self.watch
+        return w is not None and w.quiet()
 
     def close(self) -> None:
         """Unmap now (only when no write can be using it)."""
         self.view = None  # type: ignore[assignment]
+        if self.watch is not None:
+            self.watch.close()
         self.owner.close()
 
 
@@ -128,6 +170,11 @@ class CudaLocalBackend(Backend):
         self._dev: torch.device | None = None
         self._peers: dict[str, _Import] = {}
         self._peers_lock = threading.Lock()
+        #: Liveness checks: ``polls`` answered by a quiet watch, ``pings`` by a round trip;
+        #: ``liveness_s`` the seconds spent in both. ``strategies``: copies per strategy.
+        self.polls = self.pings = 0
+        self.liveness_s = 0.0
+        self.strategies: dict[str, int] = {KERNEL: 0, COPY_ENGINE: 0}
 
     @property
     def endpoint(self) -> str:
@@ -165,7 +212,34 @@ class CudaLocalBackend(Backend):
     # -- peers ------------------------------------------------------------------------------
 
     def _ping(self, endpoint: str) -> HandleHeader:
-        return fdpass.ping(endpoint, token=self._token, timeout=self.timeout)
+        t = time.perf_counter()
+        try:
+            return fdpass.ping(endpoint, token=self._token, timeout=self.timeout)
+        finally:
+            self.pings += 1
+            self.liveness_s += time.perf_counter() - t
+
+    def _poll(self, m: _Import) -> bool:
+        """Whether ``m``'s watch vouches for the peer (a zero-timeout poll; False: ask by ping)."""
+        t = time.perf_counter()
+        ok = m.watched()
+        if ok:
+            self.polls += 1
+        self.liveness_s += time.perf_counter() - t
+        return ok
+
+    def _watch(self, endpoint: str, region_id: str, generation: int) -> fdpass.Watch | None:
+        """A watch of the peer's handle server, when it serves one for this region and generation
+        (None otherwise: the writer pings). Never raises: liveness falls back to pings."""
+        try:
+            w = fdpass.watch(endpoint, token=self._token, timeout=self.timeout)
+        except Exception as exc:  # an older server (InvalidArgument), busy, gone: ping instead
+            log.debug("no watch of %s: %s", endpoint, exc)
+            return None
+        if w.header.region_id != region_id or w.header.generation != generation:
+            w.close()  # changed between the fetch and the watch: the next write pings and maps again
+            return None
+        return w
 
     def _drop(self, endpoint: str, m: _Import | None = None) -> None:
         """Forget (and unmap, when nobody else can be using it) the mapping of a dead peer."""
@@ -181,6 +255,10 @@ class CudaLocalBackend(Backend):
         with self._peers_lock:
             m = self._peers.get(peer.endpoint)
             if m is not None and m.region_id == head.region_id and m.generation == head.generation and m.size >= peer.backed_bytes:
+                if not m.watched():  # spent (a notify) or never opened: watch again for the next writes
+                    old, m.watch = m.watch, self._watch(peer.endpoint, m.region_id, m.generation)
+                    if old is not None:
+                        old.close()  # spent: its poll answers not quiet whatever the fd is now
                 return m
             self._peers.pop(peer.endpoint, None)
             self._prune()
@@ -191,6 +269,8 @@ class CudaLocalBackend(Backend):
     def _prune(self) -> None:
         """Drop mappings of peers that no longer answer (called with the lock, before a new import)."""
         for ep, m in list(self._peers.items()):
+            if m.watched():
+                continue
             try:
                 alive = self._ping(ep).region_id == m.region_id
             except Unavailable:
@@ -221,7 +301,7 @@ class CudaLocalBackend(Backend):
         finally:
             for fd in handles.fds:
                 os.close(fd)  # the mapping keeps the memory alive
-        return _Import(owner, view, h.region_id, h.generation, h.backed, home)
+        return _Import(owner, view, h.region_id, h.generation, h.backed, home, self._watch(peer.endpoint, h.region_id, h.generation))
 
     def _reachable(self, peer: PeerRegion, h: HandleHeader) -> int | None:
         """The peer's GPU when it is another GPU than this daemon's (None: the same GPU, or no
@@ -255,6 +335,43 @@ class CudaLocalBackend(Backend):
         src = self._src
         if src is None:  # Backend.write checked that an arena is registered
             raise InternalError("local cuda backend: write reached the copy with no registered source view")
+        m = self._peers.get(peer.endpoint)
+        if m is None or m.region_id != peer.region_id or m.size < peer.backed_bytes or not self._poll(m):
+            # No mapping that a quiet watch vouches for: ask the peer (a round trip) and map.
+            m = self._checked_mapping(peer)
+        lo = self.registered[0]
+        strategy = copy_strategy(m.home, lens)
+        try:
+            s_off, d_off = [a - lo for a in srcs], [a - peer.base for a in dsts]
+            if strategy == COPY_ENGINE:
+                copy_engine_blocks(src, m.view, s_off, d_off, lens)
+            else:
+                copy_blocks(src, m.view, s_off, d_off, lens)
+            if src.is_cuda:
+                # The receiver is told READY once write returns: every byte must have landed.
+                # Both strategies issue on the source's device (this daemon's GPU; the mapping is
+                # a tensor of it too, even when the memory lives on a peer GPU): wait for that stream.
+                torch.cuda.current_stream(src.device).synchronize()
+        except (RuntimeError, ValueError) as exc:  # a CUDA error from the launch or the wait; Triton refusing a pointer
+            raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
+        self.strategies[strategy] += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("wrote %d blocks (%d bytes) into %s by %s (home %s)", len(lens), sum(lens), peer.region_id, strategy, m.home)
+        self._account(sum(lens))
+        if self._poll(m):
+            return
+        try:
+            after = self._ping(peer.endpoint)
+        except Unavailable as exc:
+            self._drop(peer.endpoint, m)
+            raise Aborted(f"peer arena {peer.region_id!r} lost its owner during the write ({exc}); its bytes are undefined") from exc
+        if after.region_id != m.region_id:
+            self._drop(peer.endpoint, m)
+            raise Aborted(f"peer arena {peer.region_id!r} was replaced during the write (now {after.region_id!r}); its bytes are undefined")
+
+    def _checked_mapping(self, peer: PeerRegion) -> _Import:
+        """Ping the peer (Unavailable, mapping dropped, when it is dead or restarted) and return
+        the mapping matching its answer (mapped again, with a new watch, when needed)."""
         try:
             head = self._ping(peer.endpoint)
         except Unavailable as exc:
@@ -266,26 +383,24 @@ class CudaLocalBackend(Backend):
                 f"peer arena {peer.region_id!r} is gone: {peer.endpoint} now serves {head.region_id!r} (the peer "
                 "restarted); nothing was written"
             )
-        m = self._mapping(peer, head)
-        lo = self.registered[0]
-        try:
-            copy_blocks(src, m.view, [a - lo for a in srcs], [a - peer.base for a in dsts], lens)
-            if src.is_cuda:
-                # The receiver is told READY once write returns: every byte must have landed.
-                # move_pages launched on the source's device (this daemon's GPU; the mapping is a
-                # tensor of it too, even when the memory lives on a peer GPU): wait for that stream.
-                torch.cuda.current_stream(src.device).synchronize()
-        except (RuntimeError, ValueError) as exc:  # a CUDA error from the launch or the wait; Triton refusing a pointer
-            raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
-        self._account(sum(lens))
-        try:
-            after = self._ping(peer.endpoint)
-        except Unavailable as exc:
-            self._drop(peer.endpoint, m)
-            raise Aborted(f"peer arena {peer.region_id!r} lost its owner during the write ({exc}); its bytes are undefined") from exc
-        if after.region_id != m.region_id:
-            self._drop(peer.endpoint, m)
-            raise Aborted(f"peer arena {peer.region_id!r} was replaced during the write (now {after.region_id!r}); its bytes are undefined")
+        return self._mapping(peer, head)
+
+
+def copy_engine_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> int:
+    """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` with one ``copy_`` per block (byte offsets
+    into two uint8 tensors); returns the bytes moved. On a GPU: device-to-device memcpys on the
+    current stream of ``src``'s device, not waited for (the caller synchronizes). ``dst`` must be
+    a tensor of the same device (an import for this GPU, even of memory on a peer GPU)."""
+    if len(s) != len(n) or len(d) != len(n):
+        raise ValueError(f"copy_engine_blocks: {len(s)} sources, {len(d)} destinations, {len(n)} lengths")
+    if src.is_cuda:
+        with torch.cuda.device(src.device):
+            for a, b, k in zip(s, d, n):
+                dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
+    else:
+        for a, b, k in zip(s, d, n):
+            dst[b : b + k].copy_(src[a : a + k])
+    return sum(n)
 
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> int:

@@ -167,6 +167,8 @@ class Daemon:
                 handle_server = HandleServer(
                     handle_socket_path(settings), exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS
                 ).start()
+                # After the generation moved: watchers (peers' backends) ask again before the next write.
+                node.on_backing_change.append(handle_server.notify)
             except BaseException:
                 arena.close()
                 raise
