@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import time
 import uuid
 
 import torch
@@ -26,6 +27,20 @@ GRAN = 64 << 10
 def open_fds() -> int:
     """Fds open in this process now (for leak checks)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+def fds_settle_at(expected: int, timeout: float = 5.0) -> int:
+    """Fds open in this process once the count reaches ``expected`` (or ``timeout`` passes).
+
+    The handle server runs in a thread of the test process and closes its end of an exchange
+    just after the reply went out, so the count is checked once it had the chance to settle;
+    a real leak never settles and the caller's assertion fails with the count."""
+    deadline = time.monotonic() + timeout
+    n = open_fds()
+    while n != expected and time.monotonic() < deadline:
+        time.sleep(0.005)
+        n = open_fds()
+    return n
 
 
 class MemfdArena(Arena):
