@@ -39,6 +39,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
@@ -267,7 +268,7 @@ class HandleServer:
                 log.exception("handle server: accept failed")
                 continue
             if not self._slots.acquire(blocking=False):
-                self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"))
+                self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"), busy=True)
                 conn.close()
                 continue
             t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
@@ -396,13 +397,13 @@ class HandleServer:
         if sent < len(msg):
             conn.sendall(msg[sent:])
 
-    def _answer_error(self, conn: socket.socket, exc: KvdError) -> None:
+    def _answer_error(self, conn: socket.socket, exc: KvdError, *, busy: bool = False) -> None:
         with self._lock:
             self.refused += 1
         cls = next(c for c in type(exc).__mro__ if c.__module__ == E.__name__)
         try:
             conn.settimeout(self.timeout)
-            self._send(conn, {"ok": False, "error": cls.__name__, "message": str(exc)}, [])
+            self._send(conn, {"ok": False, "error": cls.__name__, "message": str(exc), "busy": busy}, [])
         except OSError:
             pass  # the client is gone; nothing else to do
 
@@ -417,7 +418,27 @@ def _error(name: str, message: str) -> KvdError:
     return cls(message)
 
 
+class _Busy(Unavailable):
+    """Every worker slot of the server was taken when we connected: worth another try."""
+
+
 def _request(path: str, req: HandleRequest, timeout: float, keep: list[socket.socket] | None = None) -> Handles:
+    """One exchange, tried again while the server answers "busy" (its slots free up as soon as
+    the exchanges in flight have replied: a burst of clients must not fail for that), until
+    ``timeout``; then the last "busy" is raised as Unavailable."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        try:
+            return _exchange(path, req, max(deadline - time.monotonic(), 0.001), keep)
+        except _Busy as exc:
+            if time.monotonic() + pause >= deadline:
+                raise Unavailable(str(exc)) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+def _exchange(path: str, req: HandleRequest, timeout: float, keep: list[socket.socket] | None = None) -> Handles:
     """One exchange; with ``keep`` (a watch), the open socket is appended to it instead of closed."""
     check_path(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -430,7 +451,10 @@ def _request(path: str, req: HandleRequest, timeout: float, keep: list[socket.so
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise Unavailable(f"no handle server at {path} ({exc.strerror}): the daemon is not running or has restarted") from exc
         body = json.dumps({"op": req.op, "session": req.session, "token": req.token}).encode()
-        s.sendall(_LEN.pack(len(body)) + body)
+        try:
+            s.sendall(_LEN.pack(len(body)) + body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # a busy server answers without reading the request: its reply says why
         buf = bytearray()
         need = _LEN.size
         while len(buf) < need:
@@ -453,6 +477,8 @@ def _request(path: str, req: HandleRequest, timeout: float, keep: list[socket.so
         if not isinstance(d, dict):
             raise Unavailable(f"handle server at {path} sent a reply that is not a JSON object")
         if not d.get("ok"):
+            if d.get("busy"):
+                raise _Busy(str(d.get("message", "busy")))
             raise _error(str(d.get("error", "KvdError")), str(d.get("message", "refused without a reason")))
         header = HandleHeader.from_json(d)
         if req.op == "export" and len(fds) != len(header.sizes):

@@ -259,9 +259,12 @@ def test_a_busy_server_says_so(tmp_path):
         t = threading.Thread(target=lambda: ping(srv.path))
         t.start()
         time.sleep(0.2)
+        t0 = time.monotonic()
         with pytest.raises(E.Unavailable, match="is busy; retry"):
-            ping(srv.path)
-        gate.set()
+            ping(srv.path, timeout=0.3)  # tried again until its timeout, then refused
+        assert time.monotonic() - t0 >= 0.25
+        threading.Timer(0.2, gate.set).start()
+        assert ping(srv.path, timeout=5).region_id == "r"  # the slot freed while it retried
         t.join()
 
 
