@@ -9,7 +9,7 @@
 # Logs and the bench's JSON land in $OUT (the device tool brings them back).
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
-#   bash bench/gpu_check.sh tests bench      # any of: tests bench bench-quick transfer demo demo-quick demo2 demo2-quick
+#   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer demo demo-quick demo2 demo2-quick
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU).
 set -uo pipefail
@@ -49,6 +49,7 @@ step() {  # step NAME SECONDS CMD...: run, log to $OUT/NAME.log, remember a fail
 for what in "${STEPS[@]}"; do
   case $what in
     tests) step tests 180 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 150 tests/gpu ;;
+    tests-handoff) step tests 120 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 90 tests/gpu/test_gpu_daemon.py tests/gpu/test_two_gpu_handoff.py ;;
     bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
     transfer) step transfer 130 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
@@ -56,7 +57,7 @@ for what in "${STEPS[@]}"; do
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
     demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
     demo2-quick) step demo2 120 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local --quick ;;
-    *) echo "unknown step $what (tests, bench, bench-quick, transfer, demo, demo-quick, demo2, demo2-quick)"; rc=2 ;;
+    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, demo, demo-quick, demo2, demo2-quick)"; rc=2 ;;
   esac
 done
 exit $rc
