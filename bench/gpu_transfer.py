@@ -74,6 +74,8 @@ import torch  # noqa: E402
 from benchkit import BenchDaemon  # noqa: E402
 from gpu import _table  # noqa: E402
 
+from kvd.handoff import SEND_PHASES  # noqa: E402
+
 GIB, MIB = 1 << 30, 1 << 20
 LAYOUT = "gemma-4-31b-it-tp2"
 BIG = 32768
@@ -178,6 +180,7 @@ class Row:
     raw_s: float
     server_s: list[float] = field(default_factory=list)  # per pass: sum of Send.seconds
     wall_s: list[float] = field(default_factory=list)  # per pass: sum of Send + WaitReady (x8: the pass)
+    phases: list[dict[str, float]] = field(default_factory=list)  # per pass: the daemon's step times, summed
     ok: bool = False
     why: str = ""
     first_pass_s: float = float("nan")
@@ -192,6 +195,8 @@ class Row:
             "wall_GBps": self.nbytes / wall / 1e9, "ratio_server": self.raw_s / srv, "ratio_wall": self.raw_s / wall,
             "server_ms_passes": [x * 1e3 for x in self.server_s], "wall_ms_passes": [x * 1e3 for x in self.wall_s],
             "first_pass_ms": self.first_pass_s * 1e3, "ok": self.ok, "why": self.why, "concurrent": self.concurrent,
+            # the daemon's own clock per step (SendResult.phases), median over the passes
+            "phases_ms": {k: med([p.get(k, 0.0) for p in self.phases]) * 1e3 for k in SEND_PHASES if any(k in p for p in self.phases)},
         }
 
 
@@ -470,6 +475,11 @@ class Pair:
             finally:
                 gc.enable()
             row.server_s.append(sum(x.seconds for x, _ in res.values()))
+            steps: dict[str, float] = {}
+            for x, _ in res.values():
+                for k, v in x.phases.items():
+                    steps[k] = steps.get(k, 0.0) + v
+            row.phases.append(steps)
             self.release(reqs)
 
     # -- baselines ---------------------------------------------------------------------------------
@@ -654,6 +664,12 @@ def report(env: dict, pairs: list[dict]) -> None:
                                 f"{b['peer_rpcs_ms']:.2f}", f"{b['rest_ms']:.2f}", f"{b['client_extra_ms']:.2f}"])
     log(_table(["GPUs P,D", "workload", "reqs", "copy strategy", "Send.seconds ms", "copy ms", "copy GPU ms", "copy GB/s", "liveness ms",
                 "peer RPCs ms", "rest ms", "client extra ms"], bd_rows))
+    log("\n## The daemon's own clock: each Send's steps (SendResult.phases), summed per pass, median over passes, ms "
+        "(lease = SEND lease; plan = blocks planned; check = CheckTicket round trip; write = copies + liveness; "
+        "commit = Commit round trip; x8 rows overlap in time)\n")
+    ph_rows = [[r["devices"], r["workload"], r["requests"], *(f"{r['phases_ms'].get(k, 0.0):.2f}" for k in SEND_PHASES),
+                "-" if r["concurrent"] else f"{r['server_ms']:.2f}"] for r in rows if r.get("phases_ms")]
+    log(_table(["GPUs P,D", "workload", "reqs", *SEND_PHASES, "Send.seconds ms"], ph_rows))
     for p in pairs:
         if p.get("control"):
             c = p["control"]

@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.handoff import SendResult, TransferState
+from kvd.handoff import SEND_PHASES, SendResult, TransferState
 from kvd.layout import Layout
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
@@ -144,6 +144,12 @@ def _attach_cuda(r: pb.AttachResponse, layout: Layout, session: str) -> Attachme
         for fd in handles.fds:
             os.close(fd)
     return Attachment(layout, handles.header.region_id, t, all_views(layout, t), owner)
+
+
+def _phases(m) -> dict[str, float]:
+    """A Send's step timings in the order the steps ran (a protobuf map has no order)."""
+    order = {name: i for i, name in enumerate(SEND_PHASES)}
+    return {k: m[k] for k in sorted(m, key=lambda k: (order.get(k, len(order)), k))}
 
 
 def _info(r: pb.PoolInfo) -> PoolInfo:
@@ -296,7 +302,7 @@ class _Surface:
         makes the request ready there. Raises before any write when the ticket is stale, for
         another layout, or its lease is gone."""
         req = pb.SendRequest(rid=rid, ticket=ticket, token_start=start, token_end=end or 0, last=last)
-        return self._call("Send", req, lambda r: SendResult(r.bytes, r.blocks, r.seconds, dict(r.pages)))
+        return self._call("Send", req, lambda r: SendResult(r.bytes, r.blocks, r.seconds, dict(r.pages), _phases(r.phase_seconds)))
 
     def wait_ready(self, rid: str, timeout: float = 30.0) -> TransferStatus:
         """Decode side: block until ``rid``'s KV is READY or the transfer FAILED, or ``timeout``

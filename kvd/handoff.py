@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from kvd.backends.base import Backend
     from kvd.node import Node
 
-__all__ = ["TransferState", "TransferRef", "TicketInfo", "PeerLink", "Inbox", "Outbox", "SendResult", "Status"]
+__all__ = ["TransferState", "TransferRef", "TicketInfo", "PeerLink", "Inbox", "Outbox", "SendResult", "SEND_PHASES", "Status"]
 
 log = logging.getLogger("kvd.handoff")
 
@@ -304,12 +304,18 @@ class _Outbound:
     began: bool = False  # the receiver accepted the ticket at least once
 
 
+#: The steps of a Send, in the order they run (SendResult.phases keeps this order).
+SEND_PHASES = ("lease", "plan", "check", "write", "commit")
+
+
 @dataclass(frozen=True, slots=True)
 class SendResult:
     nbytes: int
     blocks: int
     seconds: float
     pages: dict[str, int] = field(default_factory=dict)
+    #: seconds per step of the Send, in order: lease, plan, check (first chunk only), write, commit
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class Outbox:
@@ -364,22 +370,35 @@ class Outbox:
         t_start = time.perf_counter()
         wrote = 0
         began = False  # the receiver accepted this ticket for this call: writes may follow
+        phases: dict[str, float] = {}
+        mark = t_start
+
+        def step(name: str) -> None:  # where a Send's time goes, reported with the result
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name], mark = now - mark, now
+
         try:
             lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
+            step("lease")
             end = src.tokens if not t1 else t1
             plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, last)
+            step("plan")
             # Before the first byte: the receiver confirms boot, epoch, lease and layout. Later
             # chunks skip the round trip: the RECV lease pins the receiver's pages until the
             # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
             if not ob.began:
                 self.link.check_ticket(ticket.peer_address, raw, self.address)
+                step("check")
             began = ob.began = True
             wrote = self._write(ob, plan, ticket)
+            step("write")
             self.link.commit(ticket.peer_address, ticket.ref, last, wrote)
+            step("commit")
             self.bytes_total += wrote
             if last:
                 self.sent_total += 1
-            return SendResult(wrote, len(plan.blocks), time.perf_counter() - t_start, dict(plan.pages))
+            return SendResult(wrote, len(plan.blocks), mark - t_start, dict(plan.pages), phases)
         except KvdError as exc:
             self.failed_total += 1
             # A ticket refused before any write must not fail the receiver's transfer (it may be

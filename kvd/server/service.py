@@ -288,7 +288,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             r = self.outbox.send(
                 session, request.rid, ticket_info(ticket), request.ticket, request.token_start, request.token_end or None, request.last
             )
-            return pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds, pages=r.pages)
+            return pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds, pages=r.pages, phase_seconds=r.phases)
 
         return self._run(context, go)
 

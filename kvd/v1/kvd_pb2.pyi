@@ -1260,16 +1260,44 @@ class SendResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class PhaseSecondsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     BYTES_FIELD_NUMBER: _builtins.int
     BLOCKS_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
     PAGES_FIELD_NUMBER: _builtins.int
+    PHASE_SECONDS_FIELD_NUMBER: _builtins.int
     bytes: _builtins.int
     blocks: _builtins.int
     seconds: _builtins.float
     @_builtins.property
     def pages(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """pages moved per group"""
+
+    @_builtins.property
+    def phase_seconds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Seconds spent in each step of this Send inside the daemon, in order: "lease" (SEND lease
+        acquired), "plan" (blocks planned), "check" (CheckTicket round trip; absent after the first
+        chunk), "write" (the backend's copies, liveness checks included), "commit" (Commit round trip).
+        """
 
     def __init__(
         self,
@@ -1278,10 +1306,11 @@ class SendResponse(_message.Message):
         blocks: _builtins.int = ...,
         seconds: _builtins.float = ...,
         pages: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        phase_seconds: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "pages", b"pages", "seconds", b"seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "bytes", b"bytes", "pages", b"pages", "phase_seconds", b"phase_seconds", "seconds", b"seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -15,6 +15,7 @@ import time
 import daemon_kit as dk
 import grpc
 import handoff_kit as hk
+import pytest
 import torch
 
 from kvd.client import TransferState
@@ -77,6 +78,10 @@ def test_chunked_send_lands_progressively_and_state_moves_last(hp):
     for t0, t1 in ((0, 37), (37, 70)):
         r = hp.p.c.send(rid, lease.ticket, start=t0, end=t1, last=False)
         total += r.nbytes
+        # Where the Send's time went, step by step; only the first chunk checks the ticket.
+        steps = ["lease", "plan", "check", "write", "commit"] if t0 == 0 else ["lease", "plan", "write", "commit"]
+        assert list(r.phases) == steps and all(v >= 0 for v in r.phases.values()), r.phases
+        assert sum(r.phases.values()) == pytest.approx(r.seconds, rel=1e-6, abs=1e-9)
         t = time.monotonic()
         st = hp.d.c.wait_ready(rid, 0.2)  # not ready: the wait runs out and says so
         assert st.state is RECEIVING and st.nbytes == total, st
