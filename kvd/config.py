@@ -99,6 +99,14 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"reserve_bytes ({self.reserve_bytes:,d}) is below arena_bytes ({self.arena_bytes:,d}); reserve at least the arena size"
             )
+        if self.arena == "cuda" and self.backend == "mooncake":
+            # kvd's Mooncake backend registers host memory; a CPU-only Mooncake build handed a
+            # device pointer would read it as host memory (a crash, not an error), and the CUDA
+            # build has not been run with kvd yet.
+            raise ValueError(
+                "backend=mooncake moves shared-memory (arena=shm) pools only in this version; with arena=cuda use "
+                "backend=local (GPUs of one host) or backend=none"
+            )
         if self.arena == "shm" and self.handle_socket:
             raise ValueError(
                 "handle_socket passes CUDA arena fds; a shm arena is mapped by its file path: drop handle_socket "

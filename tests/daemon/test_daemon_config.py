@@ -171,6 +171,7 @@ def test_cuda_arena_settings_and_their_refusals(tmp_path):
         (dict(handle_socket="/tmp/h.sock"), "handle_socket passes CUDA arena fds"),
         (dict(arena="gpu"), "'shm' or 'cuda'"),
         (dict(arena="cuda", cuda_device=-1), "cuda_device"),
+        (dict(arena="cuda", backend="mooncake"), "with arena=cuda use backend=local"),
     ]:
         with pytest.raises(InvalidArgument, match=re.escape(phrase)):
             load_settings(**overrides)
