@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from functools import lru_cache
 from typing import Annotated
 
 import torch
@@ -144,14 +145,14 @@ class Layout(BaseModel):
 
     def arena_order(self) -> list[GroupSpec]:
         """Groups in arena order (low address first); see :data:`ARENA_ORDER`."""
-        return [self.group(k) for k in ARENA_ORDER if self.has(k)]
+        return list(_arena_order(self))
 
     # ---- derived sizes -------------------------------------------------------------------
     def torch_dtype(self, g: GroupSpec) -> torch.dtype:
         return DTYPES[g.dtype or self.dtype]
 
     def itemsize(self, g: GroupSpec) -> int:
-        return torch.empty((), dtype=self.torch_dtype(g)).element_size()
+        return self.torch_dtype(g).itemsize
 
     def page_size_of(self, g: GroupSpec) -> int:
         """Tokens per page of ``g`` (1 for a state group: a slot is one "page")."""
@@ -199,8 +200,7 @@ class Layout(BaseModel):
     @property
     def fingerprint(self) -> str:
         """A stable 16-hex-digit digest of :meth:`canonical`; equal iff two ranks can swap KV bytes."""
-        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return _fingerprint(self)
 
     def require_compatible(self, other: Layout) -> None:
         """Raise :class:`LayoutMismatch` naming the first field that differs from ``other``."""
@@ -228,3 +228,17 @@ class Layout(BaseModel):
                 f"page={self.page_bytes(g):>11,d} B" + (f" window={g.window}" if g.window else "")
             )
         return "\n".join(rows)
+
+
+# What the planner asks of a layout on every Send, computed once per distinct layout. Keyed by the
+# frozen model's value (equal fields, equal key), not stored on the instance: a copy made with
+# ``model_copy(update=...)`` must not inherit a stale digest.
+@lru_cache(maxsize=256)
+def _fingerprint(layout: Layout) -> str:
+    blob = json.dumps(layout.canonical(), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@lru_cache(maxsize=256)
+def _arena_order(layout: Layout) -> tuple[GroupSpec, ...]:
+    return tuple(layout.group(k) for k in ARENA_ORDER if layout.has(k))

@@ -104,6 +104,16 @@ def test_name_and_source_are_not_part_of_the_fingerprint() -> None:
     base.require_compatible(relabelled)  # does not raise
 
 
+def test_a_changed_copy_gets_its_own_fingerprint() -> None:
+    # The digest is computed once per distinct layout; a copy with a changed field is another
+    # layout, even when the original's digest was asked for first.
+    base = preset("gpt-oss-20b")
+    fp = base.fingerprint
+    wider = base.model_copy(update={"page_size": base.page_size * 2})
+    assert wider.fingerprint != fp and base.fingerprint == fp
+    assert [g.kind for g in wider.arena_order()] == [g.kind for g in base.arena_order()]
+
+
 # ---- tiny-hybrid: exact bytes ----------------------------------------------------------------
 
 
