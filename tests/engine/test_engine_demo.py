@@ -3,40 +3,18 @@ and nothing left behind (no process of its session, no arena file, no socket).""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
+from demo_kit import run_demo
 
 import kvd.engine as engine
 
 
-def _session_members(sid: int) -> list[str]:
-    """Command lines of live processes whose session id is ``sid``."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            if int(stat.rsplit(")", 1)[1].split()[4]) == sid and stat.split()[2] != "Z":
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    out.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
 def _demo(*args: str) -> subprocess.CompletedProcess:
-    p = subprocess.Popen([sys.executable, "-m", "kvd.cli", "demo", "--quick", "--backend", "local", *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, text=True)
-    out, err = p.communicate(timeout=240)
-    time.sleep(0.2)
-    assert _session_members(p.pid) == [], "the demo left processes behind"
-    assert "left arena files behind" not in err, err
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return run_demo(["--quick", "--backend", "local", *args], limit_s=240)
 
 
 def test_demo_quick_passes_and_prints_the_summary():

@@ -6,15 +6,12 @@ bounded in time, leaving nothing behind (as ``test_demo_gpu.py``)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
+from demo_kit import run_demo
 from gpu_kit import GPU, NEEDS_TRITON, NEEDS_VMM
 
 pytestmark = [
@@ -27,33 +24,10 @@ pytestmark = [
 LIMIT_S = 115
 
 
-def _alive_in_session(sid: int) -> list[str]:
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            if int(stat.rsplit(")", 1)[1].split()[4]) == sid and stat.split()[2] != "Z":
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    out.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
 def test_two_gpu_demo_outputs_are_identical_to_the_reference():
-    cmd = [sys.executable, "-m", "kvd.cli", "demo", "--device", "cuda", "--decode-device", "cuda:1", "--quick",
-           "--backend", "local"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, text=True)
-    try:
-        out, err = p.communicate(timeout=LIMIT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, 9)  # the demo's own session: its daemons and engines
-        out, err = p.communicate()
-        raise AssertionError(f"kvd demo on two GPUs ran past {LIMIT_S} s\n{out}\n{err}") from None
-    time.sleep(0.5)
-    assert _alive_in_session(p.pid) == [], "the demo left processes behind"
-    assert p.returncode == 0, out + err
+    r = run_demo(["--device", "cuda", "--decode-device", "cuda:1", "--quick", "--backend", "local"], LIMIT_S)
+    out, err = r.stdout, r.stderr
+    assert r.returncode == 0, out + err
     assert re.search(r"outputs identical to colocated +16 / 16\n", out), out
     assert "PASS: every output is identical to the colocated reference" in out
     assert re.search(r"over local;.*\nprefill device cuda:0 \([^)\n]+\): prefill daemon's arena \(CUDA VMM\), prefill "
@@ -62,4 +36,3 @@ def test_two_gpu_demo_outputs_are_identical_to_the_reference():
                      r"local backend cuda:0 -> cuda:1 \(peer access\)\n", out), out
     assert "WARNING: the two GPUs are different models" not in out, out  # two GPUs of one host, one model
     assert re.search(r"KV bytes moved +[0-9.]+ MiB in [1-9]", out), out  # the GPU 0 -> GPU 1 path really ran
-    assert "left arena files behind" not in err, err

@@ -169,49 +169,58 @@ def _shm_path_result(src_arena: torch.Tensor, dst_arena: torch.Tensor, plan, src
     return torch.from_numpy(dst)
 
 
+def hand_off_like_the_cpu_path(decode_workdir: Path, p: hk.Engine, d: hk.Engine, seed: int, wait_s: float) -> None:
+    """Scatter both pools (compaction runs on the GPU arenas too), hand a hybrid request off and
+    check the decode arena against the CPU shm path byte for byte (the sender's arena unchanged),
+    then a second request through the mapping the prefill daemon keeps. Shared by the one-GPU
+    test here and the two-GPU test."""
+    rnd = random.Random(seed)
+    p.scatter(rnd, "pf")
+    d.scatter(rnd, "df")
+    src = p.alloc("r1", TOKENS)
+    dst = d.alloc("r1", TOKENS, receive=True)
+    hk.randomize(p.arena, seed + 10)
+    hk.randomize(d.arena, seed + 11)
+    for t in (p.arena, d.arena):
+        torch.cuda.synchronize(t.device)
+    lease = d.c.acquire_lease("r1", "recv")
+    ticket = ticket_info(parse_ticket(lease.ticket))
+    assert ticket.transfer_endpoint == str(decode_workdir / "kvd.sock") + ".handles"
+    assert torch.equal(ticket.vectors.full, dst.full)
+    pi, di = p.c.info(), d.c.info()  # envelopes after the churn
+    plan = plan_chunk(pi.layout, src, ticket.vectors, pi.envelopes, ticket.envelopes, 0, TOKENS, True)
+    assert set(plan.pages) >= {"full", "swa", "state", "draft"}
+    expected = _shm_path_result(p.arena, d.arena, plan, pi.envelopes[0].base, di.envelopes[0].base)
+    before_p = p.arena.cpu()
+
+    r = p.c.send("r1", lease.ticket)
+    st = d.c.wait_ready("r1", wait_s)
+
+    assert st.state is TransferState.READY, st
+    assert r.nbytes == st.nbytes == plan.nbytes and r.blocks == len(plan.blocks)
+    got = d.arena.cpu()
+    assert torch.equal(got, expected), f"decode arena vs the CPU path: {hk.diff_summary(got, expected)}"
+    assert torch.equal(p.arena.cpu(), before_p), "the sender's arena changed"
+    assert r.pages["full"] == hk.ceil_div(TOKENS, hk.PS_FULL)
+
+    src2, dst2 = p.alloc("r2", 40), d.alloc("r2", 40, receive=True)
+    lease2 = d.c.acquire_lease("r2", "recv", vectors=dst2)
+    before_d = d.arena.cpu()
+    p.c.send("r2", lease2.ticket)
+    assert d.c.wait_ready("r2", wait_s).state is TransferState.READY
+    exp2 = hk.expected_arena(before_d, p.arena.cpu(), hk.moved(src2, dst2, 40, state=True))
+    assert torch.equal(d.arena.cpu(), exp2), hk.diff_summary(d.arena.cpu(), exp2)
+    for e in (p, d):
+        e.free(*sorted(e.live))
+
+
 def test_two_cuda_daemons_hand_off_byte_identical_to_the_cpu_path(gpu_pair):
     p, d = hk.Engine(gpu_pair.prefill, "prefill-engine"), hk.Engine(gpu_pair.decode, "decode-engine")
     try:
         pi, di = p.c.info(), d.c.info()
         assert "cuda-arena" in pi.capabilities and "handoff" in pi.capabilities and di.backend == "local"
-        rnd = random.Random(11)
-        p.scatter(rnd, "pf")  # compaction runs on the GPU arena too
-        d.scatter(rnd, "df")
-        src = p.alloc("r1", TOKENS)
-        dst = d.alloc("r1", TOKENS, receive=True)
         assert p.arena.is_cuda and d.arena.is_cuda
-        hk.randomize(p.arena, 21)
-        hk.randomize(d.arena, 22)
-        torch.cuda.synchronize()
-        lease = d.c.acquire_lease("r1", "recv")
-        ticket = ticket_info(parse_ticket(lease.ticket))
-        assert ticket.transfer_endpoint == str(gpu_pair.decode.workdir / "kvd.sock") + ".handles"
-        assert torch.equal(ticket.vectors.full, dst.full)
-        pi, di = p.c.info(), d.c.info()  # envelopes after the churn
-        plan = plan_chunk(pi.layout, src, ticket.vectors, pi.envelopes, ticket.envelopes, 0, TOKENS, True)
-        expected = _shm_path_result(p.arena, d.arena, plan, pi.envelopes[0].base, di.envelopes[0].base)
-        before_p = p.arena.cpu()
-
-        r = p.c.send("r1", lease.ticket)
-        st = d.c.wait_ready("r1", 10)
-
-        assert st.state is TransferState.READY, st
-        assert r.nbytes == st.nbytes == plan.nbytes and r.blocks == len(plan.blocks)
-        got = d.arena.cpu()
-        assert torch.equal(got, expected), f"decode arena vs the CPU path: {hk.diff_summary(got, expected)}"
-        assert torch.equal(p.arena.cpu(), before_p), "the sender's arena changed"
-        assert r.pages["full"] == hk.ceil_div(TOKENS, hk.PS_FULL)
-
-        # A second request reuses the prefill daemon's mapping of the decode arena.
-        src2, dst2 = p.alloc("r2", 40), d.alloc("r2", 40, receive=True)
-        lease2 = d.c.acquire_lease("r2", "recv", vectors=dst2)
-        before_d = d.arena.cpu()
-        p.c.send("r2", lease2.ticket)
-        assert d.c.wait_ready("r2", 10).state is TransferState.READY
-        exp2 = hk.expected_arena(before_d, p.arena.cpu(), hk.moved(src2, dst2, 40, state=True))
-        assert torch.equal(d.arena.cpu(), exp2), hk.diff_summary(d.arena.cpu(), exp2)
-        for e in (p, d):
-            e.free(*sorted(e.live))
+        hand_off_like_the_cpu_path(gpu_pair.decode.workdir, p, d, seed=11, wait_s=10)
     finally:
         for e in (p, d):
             e.close_attachment()

@@ -16,7 +16,6 @@ with FailedPrecondition; tests/test_local_cuda_backend.py covers the refusal on 
 from __future__ import annotations
 
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -28,12 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 
 import handoff_kit as hk  # noqa: E402
-from test_gpu_daemon import _shm_path_result  # noqa: E402
+from test_gpu_daemon import hand_off_like_the_cpu_path  # noqa: E402
 
-from kvd.client import TransferState  # noqa: E402
 from kvd.fdpass import fetch  # noqa: E402
-from kvd.transfer import plan_chunk  # noqa: E402
-from kvd.wire import parse_ticket, ticket_info  # noqa: E402
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 PEER_ACCESS = TWO_GPUS and torch.cuda.can_device_access_peer(0, 1)
@@ -45,8 +41,6 @@ pytestmark = [
     pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices (torch.cuda.device_count() >= 2)"),
     pytest.mark.skipif(TWO_GPUS and not PEER_ACCESS, reason="cuda:0 has no peer access to cuda:1 (no NVLink or P2P)"),
 ]
-
-TOKENS = 103
 
 
 @pytest.fixture(scope="module")
@@ -99,42 +93,7 @@ def test_a_request_hands_off_gpu0_to_gpu1_byte_identical_to_the_cpu_path(gpu_pai
     p, d = hk.Engine(gpu_pair.prefill, "prefill-engine"), hk.Engine(gpu_pair.decode, "decode-engine")
     try:
         assert p.arena.device == torch.device("cuda", 0) and d.arena.device == torch.device("cuda", 1)
-        rnd = random.Random(13)
-        p.scatter(rnd, "pf")
-        d.scatter(rnd, "df")
-        src = p.alloc("r1", TOKENS)
-        dst = d.alloc("r1", TOKENS, receive=True)
-        hk.randomize(p.arena, 31)
-        hk.randomize(d.arena, 32)
-        torch.cuda.synchronize(0)
-        torch.cuda.synchronize(1)
-        lease = d.c.acquire_lease("r1", "recv")
-        ticket = ticket_info(parse_ticket(lease.ticket))
-        pi, di = p.c.info(), d.c.info()
-        plan = plan_chunk(pi.layout, src, ticket.vectors, pi.envelopes, ticket.envelopes, 0, TOKENS, True)
-        assert set(plan.pages) >= {"full", "swa", "state", "draft"}
-        expected = _shm_path_result(p.arena, d.arena, plan, pi.envelopes[0].base, di.envelopes[0].base)
-        before_p = p.arena.cpu()
-
-        r = p.c.send("r1", lease.ticket)
-        st = d.c.wait_ready("r1", 30)
-
-        assert st.state is TransferState.READY, st
-        assert r.nbytes == st.nbytes == plan.nbytes and r.blocks == len(plan.blocks)
-        got = d.arena.cpu()
-        assert torch.equal(got, expected), f"decode arena vs the CPU path: {hk.diff_summary(got, expected)}"
-        assert torch.equal(p.arena.cpu(), before_p), "the sender's arena changed"
-
-        # A second request reuses the prefill daemon's mapping of the decode arena.
-        src2, dst2 = p.alloc("r2", 40), d.alloc("r2", 40, receive=True)
-        lease2 = d.c.acquire_lease("r2", "recv", vectors=dst2)
-        before_d = d.arena.cpu()
-        p.c.send("r2", lease2.ticket)
-        assert d.c.wait_ready("r2", 30).state is TransferState.READY
-        exp2 = hk.expected_arena(before_d, p.arena.cpu(), hk.moved(src2, dst2, 40, state=True))
-        assert torch.equal(d.arena.cpu(), exp2), hk.diff_summary(d.arena.cpu(), exp2)
-        for e in (p, d):
-            e.free(*sorted(e.live))
+        hand_off_like_the_cpu_path(gpu_pair.decode.workdir, p, d, seed=13, wait_s=30)
     finally:
         for e in (p, d):
             e.close_attachment()
