@@ -122,7 +122,7 @@ def format_status(st) -> str:
     for g in p.groups:
         lines.append(
             f"{g.name:<7}{g.direction:<6}{_h(g.page_bytes):>10}{g.used_pages:>10,d}{g.free_pages:>10,d}{g.hole_pages:>8,d}"
-            f"{_h(g.used_pages * g.page_bytes):>12}  [{_h(g.region_lo_bytes)}, {_h(g.region_hi_bytes)})"
+            f"{_h(g.used_bytes):>12}  [{_h(g.region_lo_bytes)}, {_h(g.region_hi_bytes)})"
         )
     lines += [
         "",

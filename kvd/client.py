@@ -40,7 +40,15 @@ from kvd.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.views import LayerKV, all_views
-from kvd.wire import SESSION_KEY, envelope_from_pb, lease_kind_to_pb, state_from_pb, vectors_from_pb
+from kvd.wire import (
+    SESSION_KEY,
+    envelope_from_pb,
+    grpc_target,
+    lease_kind_from_pb,
+    lease_kind_to_pb,
+    state_from_pb,
+    vectors_from_pb,
+)
 
 __all__ = ["Client", "AsyncClient", "PoolInfo", "LeaseInfo", "Attachment", "TransferStatus", "SendResult", "TransferState"]
 
@@ -160,7 +168,7 @@ def _info(r: pb.PoolInfo) -> PoolInfo:
 
 
 def _lease(r: pb.Lease) -> LeaseInfo:
-    kind = LeaseKind.SEND if r.kind == pb.SEND else LeaseKind.RECV
+    kind = lease_kind_from_pb(r.kind)
     return LeaseInfo(r.lease_id, r.rid, kind, r.boot_id, r.epoch, r.expires_in_seconds, bytes(r.ticket))
 
 
@@ -316,11 +324,6 @@ class _Surface:
         return self._call("Abort", pb.AbortRequest(rid=rid, reason=reason), lambda r: r.notified_peer)
 
 
-def _target(address: str) -> str:
-    """Accept ``/path.sock`` as shorthand for ``unix:/path.sock``."""
-    return f"unix:{address}" if address.startswith("/") else address
-
-
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
@@ -349,7 +352,7 @@ class Client(_Surface):
 
     @classmethod
     def connect(cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0) -> Client:
-        channel = grpc.insecure_channel(_target(address), options=_CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(grpc_target(address), options=_CHANNEL_OPTIONS)
         stub = pb_grpc.KvdStub(channel)
         try:
             s = stub.OpenSession(pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout=timeout)
@@ -405,7 +408,7 @@ class AsyncClient(_Surface):
 
     @classmethod
     async def connect(cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0) -> AsyncClient:
-        channel = grpc.aio.insecure_channel(_target(address), options=_CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(grpc_target(address), options=_CHANNEL_OPTIONS)
         stub = pb_grpc.KvdStub(channel)
         try:
             s = await stub.OpenSession(pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout=timeout)

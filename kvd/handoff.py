@@ -284,7 +284,7 @@ class Inbox:
             for ib in list(self._by_rid.values()):
                 if ib.state is TransferState.RECEIVING and now - ib.last_seen > self.peer_timeout:
                     self._fail(ib, f"sender {ib.sender} stopped answering for {now - ib.last_seen:.1f} s", drained=False)
-                elif ib.state is TransferState.WAITING and not self.node.leases.for_rid(ib.rid):
+                elif ib.state is TransferState.WAITING and not self.node.leases.live(ib.lease_id):
                     self._fail(ib, "the RECV lease expired before any sender began", drained=True)
                 if ib.state is TransferState.FAILED and ib.fence_until is not None and now >= ib.fence_until:
                     self.node.leases.drop(ib.lease_id)
@@ -398,7 +398,7 @@ class Outbox:
             self.bytes_total += wrote
             if last:
                 self.sent_total += 1
-            return SendResult(wrote, len(plan.blocks), mark - t_start, dict(plan.pages), phases)
+            return SendResult(wrote, len(plan.src), mark - t_start, dict(plan.pages), phases)
         except KvdError as exc:
             self.failed_total += 1
             # A ticket refused before any write must not fail the receiver's transfer (it may be

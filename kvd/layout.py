@@ -100,6 +100,11 @@ class GroupSpec(BaseModel):
     def name(self) -> str:
         return self.kind.value
 
+    @property
+    def v_dim(self) -> int:
+        """The V head dim in effect (``v_head_dim``, else ``head_dim``)."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
 
 class Layout(BaseModel):
     """A model's KV shape on one engine rank.
@@ -167,7 +172,7 @@ class Layout(BaseModel):
         it = self.itemsize(g)
         if g.kind is GroupKind.STATE:
             return g.num_layers * g.state_elems * it
-        dv = g.head_dim if g.v_head_dim is None else g.v_head_dim
+        dv = g.v_dim
         return g.num_layers * g.num_kv_heads * (g.head_dim + dv) * it
 
     def page_bytes(self, g: GroupSpec) -> int:
@@ -188,7 +193,7 @@ class Layout(BaseModel):
                 {
                     **g.model_dump(mode="json", exclude_none=True),
                     # Spelled-out defaults must not change the fingerprint: normalise them.
-                    "v_head_dim": g.head_dim if g.v_head_dim is None else g.v_head_dim,
+                    "v_head_dim": g.v_dim,
                     "dtype": g.dtype or self.dtype,
                     "page_size": self.page_size_of(g),
                     "page_bytes": self.page_bytes(g),

@@ -97,6 +97,11 @@ class LeaseTable:
         """Forget a lease without the liveness check (reclaiming a dead session)."""
         self._leases.pop(lease_id, None)
 
+    def live(self, lease_id: int) -> bool:
+        """Whether lease ``lease_id`` exists and has not run out."""
+        lease = self._leases.get(lease_id)
+        return lease is not None and lease.expires_at > self.clock()
+
     def for_rid(self, rid: str) -> list[Lease]:
         now = self.clock()
         return [lease for lease in self._leases.values() if lease.rid == rid and lease.expires_at > now]

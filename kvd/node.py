@@ -205,8 +205,10 @@ class Node:
 
     # ---- ownership --------------------------------------------------------------------------
     def own(self, session_id: str, rid: str) -> None:
-        """Raise unless ``session_id`` created ``rid`` (NotFound / PermissionDenied)."""
+        """Keep ``session_id`` alive and raise unless it created ``rid`` (NotFound / PermissionDenied),
+        as every other call naming a request does."""
         with self._lock:
+            self.touch(session_id)
             self._own(session_id, rid)
 
     def _own(self, session_id: str, rid: str) -> None:
@@ -284,9 +286,7 @@ class Node:
             if boot_id:
                 self._fresh(rid, epoch, boot_id)
             vec = self.pool.vectors(rid)
-            if kind is LeaseKind.RECV and self.leases.for_rid(rid) and any(
-                lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)
-            ):
+            if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
                 raise FailedPrecondition(f"request {rid!r} already has a live RECV lease: one sender per request")
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
             if kind is LeaseKind.RECV:

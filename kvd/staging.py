@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from kvd.errors import InternalError
+
 __all__ = ["Staging", "staging_for"]
 
 #: int64 elements a staging buffer holds at first (128 KiB: a 4,096-run table).
@@ -61,7 +63,7 @@ class Staging:
         on the device's current stream, and record the event that guards the buffer's reuse."""
         buf = self._bufs[slot]
         if buf is None or buf.numel() < n:
-            raise RuntimeError(f"Staging.to_device: slot {slot} holds fewer than {n} elements; this is a bug in kvd")
+            raise InternalError(f"Staging.to_device: slot {slot} holds fewer than {n} elements; this is a bug in kvd")
         out = torch.empty(n, dtype=torch.int64, device=self.device)
         stream = torch.cuda.current_stream(self.device)
         out.copy_(buf[:n], non_blocking=True)  # on the current stream of out's device

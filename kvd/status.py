@@ -36,19 +36,10 @@ CODES: dict[type[E.KvdError], grpc.StatusCode] = {
 }
 
 _BY_NAME: dict[str, type[E.KvdError]] = {cls.__name__: cls for cls in CODES}
-# A status code with no kvd-error metadata (e.g. raised by grpc itself) maps to the general class.
-_BY_CODE: dict[grpc.StatusCode, type[E.KvdError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: E.InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: E.NotFound,
-    grpc.StatusCode.ALREADY_EXISTS: E.AlreadyExists,
-    grpc.StatusCode.PERMISSION_DENIED: E.PermissionDenied,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: E.CapacityError,
-    grpc.StatusCode.FAILED_PRECONDITION: E.FailedPrecondition,
-    grpc.StatusCode.ABORTED: E.Aborted,
-    grpc.StatusCode.UNAVAILABLE: E.Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: E.DeadlineExceeded,
+# A status code with no kvd-error metadata (e.g. raised by grpc itself) maps to the most general
+# class with that code: CODES lists subclasses before their bases, so the last one listed wins.
+_BY_CODE: dict[grpc.StatusCode, type[E.KvdError]] = {code: cls for cls, code in CODES.items()} | {
     grpc.StatusCode.CANCELLED: E.Aborted,
-    grpc.StatusCode.INTERNAL: E.InternalError,
 }
 
 

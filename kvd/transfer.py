@@ -39,17 +39,24 @@ class Block:
 
 @dataclass(slots=True)
 class Plan:
-    """Blocks to write plus per-group page counts (for metrics and tests)."""
+    """Blocks to write, as three parallel lists (what a backend takes), plus per-group page counts
+    (for metrics and tests). Block ``i`` is ``(src[i], dst[i], length[i])``."""
 
-    blocks: list[Block]
+    src: list[int]  # addresses in the source arena
+    dst: list[int]  # addresses in the destination arena
+    length: list[int]  # bytes
     pages: dict[str, int]
 
     @property
+    def blocks(self) -> list[Block]:
+        return [Block(s, d, n) for s, d, n in zip(self.src, self.dst, self.length)]
+
+    @property
     def nbytes(self) -> int:
-        return sum(b.length for b in self.blocks)
+        return sum(self.length)
 
     def as_lists(self) -> tuple[list[int], list[int], list[int]]:
-        return [b.src for b in self.blocks], [b.dst for b in self.blocks], [b.length for b in self.blocks]
+        return self.src, self.dst, self.length
 
 
 def _page_range(t0: int, t1: int, page_size: int) -> tuple[int, int]:
@@ -80,8 +87,7 @@ def plan_chunk(
         )
     se = {e.group: e for e in src_env}
     de = {e.group: e for e in dst_env}
-    blocks: list[Block] = []
-    pages: dict[str, int] = {}
+    plan = Plan([], [], [], {})
     for g in layout.arena_order():
         name = g.name
         if name not in se or name not in de:
@@ -122,9 +128,8 @@ def plan_chunk(
             if int(ids.min()) < env.first_page or int(ids.max()) > env.last_page:
                 raise InvalidArgument(f"group {name}: a {side} page lies outside its envelope [{env.first_page}, {env.last_page}]")
         runs = coalesce(s_ids, d_ids, max_run=max(1, max_block_bytes // pb))
-        s_addr = (runs.src * pb + s_env.base).tolist()
-        d_addr = (runs.dst * pb + d_env.base).tolist()
-        lens = (runs.length * pb).tolist()
-        blocks.extend(Block(s, d, n) for s, d, n in zip(s_addr, d_addr, lens))
-        pages[name] = s_ids.numel()
-    return Plan(blocks, pages)
+        plan.src.extend((runs.src * pb + s_env.base).tolist())
+        plan.dst.extend((runs.dst * pb + d_env.base).tolist())
+        plan.length.extend((runs.length * pb).tolist())
+        plan.pages[name] = s_ids.numel()
+    return plan

@@ -40,7 +40,7 @@ def group_views(layout: Layout, arena: torch.Tensor, g: GroupSpec) -> list[Layer
             out.append(LayerKV(k, None))
         return out
     ps, h, dk = layout.page_size_of(g), g.num_kv_heads, g.head_dim
-    dv = dk if g.v_head_dim is None else g.v_head_dim
+    dv = g.v_dim
     per_layer = ps * h * (dk + dv)
     for layer in range(g.num_layers):
         off = layer * per_layer

@@ -86,6 +86,11 @@ def envelope_from_pb(m: pb.Envelope) -> Envelope:
     return Envelope(m.group, m.region_id, m.base, m.backed_bytes, m.page_bytes, m.first_page, m.last_page)
 
 
+def grpc_target(address: str) -> str:
+    """A gRPC target for a daemon address: ``/path.sock`` is shorthand for ``unix:/path.sock``."""
+    return f"unix:{address}" if address.startswith("/") else address
+
+
 def lease_kind_from_pb(k: int) -> LeaseKind:
     if k == pb.SEND:
         return LeaseKind.SEND

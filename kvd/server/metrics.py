@@ -48,7 +48,7 @@ class _NodeCollector(Collector):
         yield gauge("kvd_pool_gap_bytes", "Free bytes between the groups' regions", p.gap_bytes)
         yield gauge("kvd_pool_epoch", "Pool epoch (changes when physical addresses move)", p.epoch)
         per_group = {
-            "kvd_group_used_bytes": ("Bytes of pages in use, per group", lambda g: g.used_pages * g.page_bytes),
+            "kvd_group_used_bytes": ("Bytes of pages in use, per group", lambda g: g.used_bytes),
             "kvd_group_pages_used": ("Pages in use, per group", lambda g: g.used_pages),
             "kvd_group_pages_free": ("Pages free (capacity - used), per group", lambda g: g.free_pages),
             "kvd_group_pages_capacity": ("Pages the group could hold alone", lambda g: g.capacity_pages),

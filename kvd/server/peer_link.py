@@ -14,7 +14,7 @@ from kvd.handoff import TransferRef
 from kvd.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.wire import TOKEN_KEY, ref_to_pb
+from kvd.wire import TOKEN_KEY, grpc_target, ref_to_pb
 
 __all__ = ["GrpcPeerLink"]
 
@@ -38,8 +38,7 @@ class GrpcPeerLink:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                target = f"unix:{address}" if address.startswith("/") else address
-                ch = grpc.insecure_channel(target, options=self._options)
+                ch = grpc.insecure_channel(grpc_target(address), options=self._options)
                 self._channels.append(ch)
                 stub = self._stubs[address] = pb_grpc.PeerStub(ch)
             return stub

@@ -295,9 +295,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def WaitReady(self, request: pb.WaitRequest, context):
         def go():
             session = self._session(context)
-            with self.node.lock:
-                self.node.touch(session)
-                self.node.own(session, request.rid)
+            self.node.own(session, request.rid)
             # Never wait past the caller's own deadline.
             left = context.time_remaining()
             timeout = request.timeout_seconds if left is None else min(request.timeout_seconds, max(0.0, left - 0.05))
@@ -309,9 +307,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Abort(self, request: pb.AbortRequest, context):
         def go():
             session = self._session(context)
-            with self.node.lock:
-                self.node.touch(session)
-                self.node.own(session, request.rid)
+            self.node.own(session, request.rid)
             reason = request.reason or "no reason given"
             notified = False
             if self.outbox is not None and self.outbox.abort_local(session, request.rid, reason):
