@@ -190,11 +190,19 @@ def _ofd_lock(fd: int, cmd: int, kind: int) -> int:
     return struct.unpack(_FLOCK, res)[0]
 
 
+def fd_is_live(fd: int) -> bool:
+    """Whether a live process holds the arena file open as ``fd`` (its owner's liveness lock).
+
+    Asks whether a write lock could be placed: the owner's read lock is the only thing that
+    conflicts with it. F_OFD_GETLK places nothing, so concurrent probes cannot fool each other."""
+    return _ofd_lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+
+
 def is_live(path: str) -> bool:
-    """Whether a live process holds the arena file at ``path`` (its owner's liveness lock)."""
+    """Whether a live process holds the arena file at ``path`` (see :func:`fd_is_live`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return _ofd_lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+        return fd_is_live(fd)
     finally:
         os.close(fd)
 

@@ -30,7 +30,6 @@ class, so an importer sees the same exceptions as over gRPC.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -135,6 +134,12 @@ def check_path(path: str) -> None:
             f"handle socket path {path!r} is {len(os.fsencode(path))} bytes; Unix sockets allow {MAX_PATH}: "
             "set handle_socket (or listen_unix) to a shorter path"
         )
+
+
+def _frame(obj: dict) -> bytes:
+    """One message on the wire: a big-endian length, then that many bytes of JSON."""
+    body = json.dumps(obj).encode()
+    return _LEN.pack(len(body)) + body
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -325,47 +330,47 @@ class HandleServer:
     def _serve_one(self, conn: socket.socket) -> None:
         kept = False
         try:
-            with contextlib.ExitStack() as stack:
-                stack.callback(lambda: None if kept else conn.close())
-                conn.settimeout(self.timeout)
-                try:
-                    req = self._read_request(conn)
-                    if self._authorize is not None:
-                        self._authorize(req)
-                    header, fds = self._export(req.op == "export")
-                except KvdError as exc:  # first: DeadlineExceeded is an OSError too
-                    self._answer_error(conn, exc)
-                    return
-                except OSError as exc:  # gone or too slow (ConnectionError, TimeoutError)
-                    with self._lock:
-                        self.dropped += 1
-                    log.info("handle server: dropped a client: %s", exc)
-                    return
-                except Exception as exc:
-                    log.exception("handle server: export failed")
-                    self._answer_error(conn, InternalError(f"handle export failed (a bug in kvd): {type(exc).__name__}: {exc}"))
-                    return
-                try:
-                    if req.op == "export" and len(fds) != len(header.sizes):
-                        raise InternalError(f"handle export produced {len(fds)} fds for {len(header.sizes)} chunks (a bug in kvd)")
-                    if req.op == "watch" and self.watching >= MAX_WATCHES:
-                        raise Unavailable(f"handle server {self.path} keeps {MAX_WATCHES} watches already; ping instead")
-                    self._send(conn, {"ok": True, **header.to_json()}, fds if req.op == "export" else [])
-                    with self._lock:
-                        self.served += 1
-                    if req.op == "watch":
-                        conn.settimeout(None)
-                        kept = self._keep_watch(conn)
-                except KvdError as exc:
-                    self._answer_error(conn, exc)
-                except OSError as exc:
-                    with self._lock:
-                        self.dropped += 1
-                    log.info("handle server: client left before the reply: %s", exc)
-                finally:
-                    for fd in fds:
-                        os.close(fd)  # the importer has its own copies now (or never will)
+            conn.settimeout(self.timeout)
+            try:
+                req = self._read_request(conn)
+                if self._authorize is not None:
+                    self._authorize(req)
+                header, fds = self._export(req.op == "export")
+            except KvdError as exc:  # first: DeadlineExceeded is an OSError too
+                self._answer_error(conn, exc)
+                return
+            except OSError as exc:  # gone or too slow (ConnectionError, TimeoutError)
+                with self._lock:
+                    self.dropped += 1
+                log.info("handle server: dropped a client: %s", exc)
+                return
+            except Exception as exc:
+                log.exception("handle server: export failed")
+                self._answer_error(conn, InternalError(f"handle export failed (a bug in kvd): {type(exc).__name__}: {exc}"))
+                return
+            try:
+                if req.op == "export" and len(fds) != len(header.sizes):
+                    raise InternalError(f"handle export produced {len(fds)} fds for {len(header.sizes)} chunks (a bug in kvd)")
+                if req.op == "watch" and self.watching >= MAX_WATCHES:
+                    raise Unavailable(f"handle server {self.path} keeps {MAX_WATCHES} watches already; ping instead")
+                self._send(conn, {"ok": True, **header.to_json()}, fds if req.op == "export" else [])
+                with self._lock:
+                    self.served += 1
+                if req.op == "watch":
+                    conn.settimeout(None)
+                    kept = self._keep_watch(conn)
+            except KvdError as exc:
+                self._answer_error(conn, exc)
+            except OSError as exc:
+                with self._lock:
+                    self.dropped += 1
+                log.info("handle server: client left before the reply: %s", exc)
+            finally:
+                for fd in fds:
+                    os.close(fd)  # the importer has its own copies now (or never will)
         finally:
+            if not kept:
+                conn.close()  # a kept watch is the server's to close (stop(), or its watcher hung up)
             self._slots.release()
             with self._lock:
                 self._workers.discard(threading.current_thread())
@@ -390,8 +395,7 @@ class HandleServer:
 
     @staticmethod
     def _send(conn: socket.socket, header: dict, fds: list[int]) -> None:
-        body = json.dumps(header).encode()
-        msg = _LEN.pack(len(body)) + body
+        msg = _frame(header)
         # The fds ride on the first byte of the message; the rest goes out as ordinary data.
         sent = socket.send_fds(conn, [msg], fds) if fds else conn.send(msg)
         if sent < len(msg):
@@ -450,9 +454,9 @@ def _exchange(path: str, req: HandleRequest, timeout: float, keep: list[socket.s
             s.connect(path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise Unavailable(f"no handle server at {path} ({exc.strerror}): the daemon is not running or has restarted") from exc
-        body = json.dumps({"op": req.op, "session": req.session, "token": req.token}).encode()
+        msg = _frame(asdict(req))
         try:
-            s.sendall(_LEN.pack(len(body)) + body)
+            s.sendall(msg)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a busy server answers without reading the request: its reply says why
         buf = bytearray()
@@ -548,10 +552,6 @@ class Watch:
             self._fired = True
             return False
         return True
-
-    @property
-    def closed(self) -> bool:
-        return self._sock is None
 
     def close(self) -> None:
         self._fired = True

@@ -14,9 +14,9 @@ thread pool, which cost more than it gained: 0.4 GB/s at 64 KiB). For the gather
 size, numpy fancy indexing 0.08 ms (6 GB/s for 512-byte rows, against ~1 GB/s looping).
 
 Liveness. A file in ``/dev/shm`` outlives a killed owner, so "the file is there" does not mean
-"the peer is there". The owner therefore holds an open-file-description (OFD) read lock on its
-arena file from :meth:`register` until :meth:`close`; the kernel drops it when the owner dies.
-A writer asks (``F_OFD_GETLK``, which takes no lock) whether anyone holds it: before the copy
+"the peer is there". The owner's :class:`~kvd.arena.ShmArena` holds an open-file-description
+(OFD) read lock on its file for its whole life; the kernel drops it when the owner dies. A
+writer asks (:func:`kvd.arena.fd_is_live`, which takes no lock) whether anyone holds it: before the copy
 (nobody -> Unavailable, nothing written) and after it (nobody -> Aborted: the bytes went into
 memory no live process owns).
 
@@ -26,23 +26,18 @@ this): a write into a mapping whose file was cut shorter faults (SIGBUS).
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
-import struct
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.arena import Arena
+from kvd.arena import Arena, fd_is_live
 from kvd.backends.base import Backend, PeerRegion
 from kvd.errors import Aborted, FailedPrecondition, InternalError, InvalidArgument, Unavailable
 
 __all__ = ["LocalBackend"]
-
-# struct flock on 64-bit Linux: l_type, l_whence, (pad), l_start, l_len, l_pid, (pad).
-_FLOCK = "hhqqi4x"
 
 #: Below this average block size (and with enough blocks), one gather/scatter beats a loop.
 _GATHER_BELOW_BYTES = 4096
@@ -76,18 +71,6 @@ class _Mapping:
             self.fd = -1
 
 
-def _lock(fd: int, cmd: int, kind: int) -> int:
-    """``fcntl`` on an OFD lock over the whole file; returns the lock type the kernel reports."""
-    res = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0))
-    return struct.unpack(_FLOCK, res)[0]
-
-
-def _owner_alive(fd: int) -> bool:
-    # Ask whether a write lock could be placed: the owner's read lock is the only thing that
-    # conflicts with it. F_OFD_GETLK places nothing, so concurrent probes cannot fool each other.
-    return _lock(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
-
-
 class LocalBackend(Backend):
     """Writes into peer shm arenas on the same host by mapping their files.
 
@@ -105,7 +88,6 @@ class LocalBackend(Backend):
             raise InvalidArgument(f"max_batch must be positive, got {max_batch}")
         self.max_batch = max_batch
         self._path = ""
-        self._lock_fd = -1  # our own arena file, read-locked while registered
         self._src: np.ndarray | None = None  # uint8 over the registered range
         self._maps: dict[str, _Mapping] = {}
         self._maps_lock = threading.Lock()
@@ -128,13 +110,7 @@ class LocalBackend(Backend):
                 f"the shm local backend registers shm arenas only, not {handle.kind!r}; a cuda-vmm arena takes "
                 "make_backend('local', arena_kind='cuda-vmm', handle_endpoint=...)"
             )
-        if handle.path != self._path:
-            # Take the liveness lock for the life of the registration, even while backed == 0.
-            fd = os.open(handle.path, os.O_RDWR)
-            _lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-            self._lock_fd, self._path = fd, handle.path
+        self._path = handle.path  # the arena's own liveness lock tells writers it is alive
         return super().register(arena)
 
     def _register(self, arena: Arena) -> None:
@@ -148,9 +124,6 @@ class LocalBackend(Backend):
             for m in self._maps.values():
                 m.close()
             self._maps.clear()
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # releases the OFD lock: writers now see this arena as gone
-            self._lock_fd = -1
 
     # -- peers ------------------------------------------------------------------------------
 
@@ -172,7 +145,7 @@ class LocalBackend(Backend):
                 # A new peer: drop mappings of peers that died meanwhile (each holds a whole
                 # arena's worth of tmpfs pages alive until it is unmapped).
                 for other, om in list(self._maps.items()):
-                    if not _owner_alive(om.fd):
+                    if not fd_is_live(om.fd):
                         del self._maps[other]
                 m = self._map(path, peer)
                 self._maps[path] = m
@@ -209,7 +182,7 @@ class LocalBackend(Backend):
 
     def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
         m = self._mapping(peer)
-        if not _owner_alive(m.fd):
+        if not fd_is_live(m.fd):
             self._forget(peer.endpoint, m)  # a dead peer's arena must not stay mapped (its RAM)
             raise Unavailable(f"peer arena {peer.region_id!r} ({peer.endpoint}) has no live owner; nothing was written")
         src_view, dst_view = self._src, m.view
@@ -222,7 +195,7 @@ class LocalBackend(Backend):
             n = lens[i : i + self.max_batch]
             _copy_blocks(src_view, dst_view, s, d, n)
             self._account(sum(n))
-        if not _owner_alive(m.fd):
+        if not fd_is_live(m.fd):
             raise Aborted(f"peer arena {peer.region_id!r} lost its owner during the write; its bytes are undefined")
 
 

@@ -18,7 +18,6 @@ same addresses.
 from __future__ import annotations
 
 import os
-import threading
 
 from kvd.errors import FailedPrecondition, PermissionDenied
 from kvd.fdpass import MAX_FDS, HandleHeader, HandleRequest
@@ -43,21 +42,16 @@ class ArenaHandles:
     def __init__(self, node: Node, token: str | None = None) -> None:
         self.node = node
         self.token = token or ""
-        self._generation = 0
-        self._lock = threading.Lock()
+        self._generation = 0  # changed only under the node's lock (finalize/resize), read as one int
         arena = node.pool.arena
         dev = arena.device
         self.device = dev.index if dev.type == "cuda" and dev.index is not None else -1
         self.gpu_uuid = gpu_uuid(self.device) if self.device >= 0 else ""
 
-    @property
-    def generation(self) -> int:
-        return self._generation
-
     def backing_changed(self) -> None:
-        """Call after every change of the arena's backing (``Node.on_backing_change``)."""
-        with self._lock:
-            self._generation += 1
+        """Call after every change of the arena's backing (``Node.on_backing_change``, which runs
+        under the node's lock)."""
+        self._generation += 1
 
     def authorize(self, req: HandleRequest) -> None:
         """An engine's session must be live here (NotFound otherwise); a peer needs the token."""
