@@ -84,6 +84,17 @@ def cpu_snap() -> tuple[float, float]:
     return sum(v) / hz, (sum(v) - v[3] - v[4]) / hz  # idle and iowait are not busy
 
 
+def others_line(cpu0: tuple[float, float], own0: float) -> str:
+    """How much CPU processes other than this bench (and its children) used since ``cpu0`` /
+    ``own0`` (from :func:`cpu_snap` / :func:`own_cpu`), as a report line that flags a busy machine."""
+    (tot0, busy0), (tot1, busy1) = cpu0, cpu_snap()
+    others = max(0.0, (busy1 - busy0) - (own_cpu() - own0))
+    share = others / max(1e-9, tot1 - tot0)
+    return f"other processes used {others:.1f} CPU-s ({share:.0%} of the machine)" + (
+        "; the numbers are disturbed, run again on a quiet machine" if share > 0.05 else ""
+    )
+
+
 def own_cpu() -> float:
     """CPU seconds of this process and its waited-for children (the daemons, the clients)."""
     import resource

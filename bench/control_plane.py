@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchkit import BenchDaemon, cpu_model, cpu_snap, own_cpu  # noqa: E402  (bench/ is sys.path[0])
+from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402  (bench/ is sys.path[0])
 
 GIB = 1 << 30
 SINGLE = ("echo", "allocate", "vectors", "lease SEND", "release", "free")
@@ -307,8 +307,7 @@ def main() -> None:
                 print(f"  {transport} x{n}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     finally:
         d.stop()
-    (tot0, busy0), (tot1, busy1) = cpu0, cpu_snap()
-    others = max(0.0, (busy1 - busy0) - (own_cpu() - own0))  # CPU seconds of processes not ours
+    others = others_line(cpu0, own0)
     print()
     print(table(results, args.batch))
     print()
@@ -322,9 +321,7 @@ def main() -> None:
     print(f"\nsamples per row: single calls {n_single:,d}, rounds {len(results[0]['round'].lat_ns):,d}, "
           f"batches {len(results[0][f'allocate x{args.batch}'].lat_ns):,d} (pooled over clients); "
           f"total {time.perf_counter() - t_all:.0f} s")
-    share = others / max(1e-9, tot1 - tot0)
-    print(f"other processes used {others:.1f} CPU-s during the run ({share:.0%} of the machine)"
-          + ("; the numbers are disturbed, run again on a quiet machine" if share > 0.05 else ""))
+    print(others)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchkit import BenchDaemon, cpu_model, cpu_snap, own_cpu  # noqa: E402  (bench/ is sys.path[0])
+from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402  (bench/ is sys.path[0])
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -644,8 +644,7 @@ def main() -> None:
     rows: list[Row] = []
     for backend in args.backends.split(","):
         rows += run_backend(backend, args, log)
-    (tot0, busy0), (tot1, busy1) = cpu0, cpu_snap()
-    others = max(0.0, (busy1 - busy0) - (own_cpu() - own0))
+    others = others_line(cpu0, own0)
     print()
     print(table(rows))
     print()
@@ -660,9 +659,7 @@ def main() -> None:
                   f"GB/s ranges kvd {spread(r.kvd_s, r.nbytes)}, raw {spread(r.raw_s, r.nbytes)}, "
                   f"raw@kvd-blocks {spread(r.rawblk_s, r.nbytes)}; {r.blocks} blocks ({r.block_sizes}) in {r.write_calls} "
                   f"write call(s); Send.seconds {med(r.send_field_s):.3f} s of {med(r.kvd_s):.3f} s Send+WaitReady")
-    share = others / max(1e-9, tot1 - tot0)
-    print(f"\ntotal {time.perf_counter() - t_all:.0f} s; other processes used {others:.0f} CPU-s ({share:.0%} of the machine)"
-          + ("; numbers disturbed, run again on a quiet machine" if share > 0.05 else ""))
+    print(f"\ntotal {time.perf_counter() - t_all:.0f} s; {others}")
 
 
 if __name__ == "__main__":

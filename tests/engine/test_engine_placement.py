@@ -6,7 +6,6 @@ stubbed at their seams (``kvd.engine.device._device_count`` / ``_can_access_peer
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -105,11 +104,9 @@ def test_demo_refuses_a_missing_or_unreachable_decode_gpu_with_status_2(gpus, mo
         raise AssertionError("a daemon started before the refusal")
 
     monkeypatch.setattr(demo, "_Daemon", no_daemon)
-    t0 = time.monotonic()
     assert main(["demo", "--device", "cuda", "--decode-device", "cuda:1", "--quick"]) == 2
     err = capsys.readouterr().err
     assert f"kvd demo: Unavailable: {message}" in err, err
-    assert time.monotonic() - t0 < 5
 
 
 def test_demo_refuses_a_malformed_decode_device_as_a_usage_error(capsys):
