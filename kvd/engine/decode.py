@@ -124,15 +124,16 @@ class DecodeEngine:
         """Allocate ``req`` for receiving and return its ticket. If it does not fit, retract
         running requests until it does -- unless retracted requests are already waiting to come
         back (they go first). None: it cannot be admitted now; ask again after a step."""
-        spec = (req.rid, len(req.prompt), True)
-        while self.kv.shortfall([spec]) > 0:
-            # Requests already retracted go first: wait for memory rather than retract more.
-            if self.retracted or not self._retract_one():
-                return self._defer(req.rid)
-        try:
-            vec = self.kv.allocate(req.rid, len(req.prompt), receive=True)
-        except CapacityError:
-            return self._defer(req.rid)
+        while True:
+            # An allocation that does not fit changes nothing (all or nothing), so trying it is
+            # the check: one round trip per admission, not a shortfall query and then the call.
+            try:
+                vec = self.kv.allocate(req.rid, len(req.prompt), receive=True)
+                break
+            except CapacityError:
+                # Requests already retracted go first: wait for memory rather than retract more.
+                if self.retracted or not self._retract_one():
+                    return self._defer(req.rid)
         lease = self.kv.acquire_lease(req.rid, "recv", ttl=self.cfg.lease_ttl, vectors=vec)  # type: ignore[attr-defined]
         self.stats.recv_leases += 1
         self.awaiting[req.rid] = _Seq(req, vec, length=len(req.prompt), draft_len=len(req.prompt))

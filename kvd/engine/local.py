@@ -17,7 +17,7 @@ import torch
 
 from kvd.arena import Arena, ShmArena
 from kvd.layout import Layout
-from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
+from kvd.pool import CompactionResult, IndexVectors, Pool
 from kvd.views import LayerKV, all_views
 
 __all__ = ["LocalKV"]
@@ -59,9 +59,6 @@ class LocalKV:
 
     def vectors_many(self, rids: Sequence[str]) -> list[IndexVectors]:
         return [self.pool.vectors(r) for r in rids]
-
-    def shortfall(self, specs: Sequence[AllocSpec | tuple]) -> int:
-        return self.pool.shortfall_bytes([s if isinstance(s, AllocSpec) else AllocSpec(*s) for s in specs])
 
     def free(self, *rids: str) -> int:
         self.pool.free_many(list(rids))

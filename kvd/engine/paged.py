@@ -24,6 +24,8 @@ tensor on another device fails, it is never copied across silently).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvd.layout import GroupKind, Layout
@@ -68,8 +70,9 @@ class SeqKV:
             return v.draft, 0
         raise ValueError(f"group {group!r} is not paged")
 
-    def _pages(self, group: str, lo: int, hi: int) -> tuple[torch.Tensor, int]:
-        """Physical pages holding positions ``[lo, hi)`` and the first page's request index."""
+    def _span(self, group: str, lo: int, hi: int) -> tuple[torch.Tensor, int, int, int]:
+        """``(ids, first, p0, p1)``: the group's vector, its first request page, and the request
+        pages ``[p0, p1)`` holding positions ``[lo, hi)``; RuntimeError if the vector lacks them."""
         ids, first = self._ids(group)
         ps = self.kv.page_size[group]
         p0, p1 = lo // ps, -(-hi // ps)
@@ -78,6 +81,11 @@ class SeqKV:
                 f"request {self.vec.rid!r}: {group} positions [{lo}, {hi}) need request pages [{p0}, {p1}) but the "
                 f"vectors cover [{first}, {first + ids.numel()}) -- the engine reads KV the pool does not hold for it"
             )
+        return ids, first, p0, p1
+
+    def _pages(self, group: str, lo: int, hi: int) -> tuple[torch.Tensor, int]:
+        """Physical pages holding positions ``[lo, hi)`` (on the arena's device) and the first one's request index."""
+        ids, first, p0, p1 = self._span(group, lo, hi)
         return ids[p0 - first : p1 - first].to(device=self.kv.device, dtype=torch.int64), p0
 
     def read(self, group: str, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +101,10 @@ class SeqKV:
     def write(self, group: str, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K and V for positions ``[lo, lo + len(k))`` in place."""
         n = k.shape[0]
-        ids, first = self._ids(group)
+        ids, first, _, _ = self._span(group, lo, lo + n)  # bounds check with a clear message
         ps = self.kv.page_size[group]
-        self._pages(group, lo, lo + n)  # bounds check with a clear message
         pos = torch.arange(lo, lo + n)
-        page = ids.cpu()[pos // ps - first].to(torch.int64)  # offsets are computed on the host, moved once
+        page = ids[pos // ps - first].to(torch.int64)  # offsets are computed on the host (CPU vectors), moved once
         slot = pos % ps
         view = self.kv.views[group][layer]
         if k.device != view.k.device or v.device != view.k.device:
@@ -120,6 +127,19 @@ class SeqKV:
         return self.vec.state
 
 
+@functools.lru_cache(maxsize=64)
+def _inner_offsets(shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+    """Element offsets of one row (heads x dim) from its first element: the same for every write
+    to a layer view, so built once per (shape, strides). Read only by callers (``+`` makes a new
+    tensor)."""
+    inner = torch.zeros((), dtype=torch.int64)
+    for d, (size, stride) in enumerate(zip(shape, strides)):
+        view_shape = [1] * len(shape)
+        view_shape[d] = size
+        inner = inner + (torch.arange(size) * stride).view(view_shape)
+    return inner
+
+
 def _put_rows(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, rows: torch.Tensor) -> None:
     """``view[page[i], slot[i]] = rows[i]`` for a ``[pages, page_size, heads, dim]`` arena view,
     writing those elements and no other byte. ``page`` and ``slot`` are CPU int64 vectors.
@@ -132,11 +152,7 @@ def _put_rows(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, rows: 
     write element by element (the offsets are distinct, so the order does not matter)."""
     if rows.shape[0] != page.numel() or rows.shape[1:] != view.shape[2:]:
         raise ValueError(f"rows of shape {tuple(rows.shape)} for {page.numel()} positions of a view {tuple(view.shape)}")
-    inner = torch.zeros((), dtype=torch.int64)
-    for d in range(2, view.dim()):
-        shape = [1] * (view.dim() - 2)
-        shape[d - 2] = view.shape[d]
-        inner = inner + (torch.arange(view.shape[d]) * view.stride(d)).view(shape)
+    inner = _inner_offsets(tuple(view.shape[2:]), tuple(view.stride()[2:]))
     base = view.storage_offset() + page * view.stride(0) + slot * view.stride(1)
     offs = (base.view(-1, *[1] * (view.dim() - 2)) + inner).reshape(-1)
     flat = torch.as_strided(view, (view.untyped_storage().nbytes() // view.element_size(),), (1,), 0)
