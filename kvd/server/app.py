@@ -27,7 +27,7 @@ from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
 from kvd.fdpass import HandleServer, check_path
 from kvd.handoff import Outbox, run_every
-from kvd.layout import GroupKind
+from kvd.layout import GroupKind, Layout
 from kvd.node import Node
 from kvd.pool import Pool
 from kvd.presets import load_layout
@@ -51,8 +51,10 @@ _DRAFT_CAPABLE = {"mooncake", "local"}
 _HANDLE_CLIENTS = 64
 
 
-def validate(settings: Settings) -> None:
-    """Refuse unsupported combinations at start-up with a message that says what to change."""
+def validate(settings: Settings, handle_path: str | None = None) -> Layout:
+    """Refuse unsupported combinations at start-up with a message that says what to change.
+    Returns the layout (loaded once: it may be a file). ``handle_path``: where an arena=cuda
+    daemon will serve its handles (default :func:`handle_socket_path`)."""
     layout = load_layout(settings.layout)
     if settings.speculative and not layout.has(GroupKind.DRAFT):
         raise InvalidArgument(
@@ -70,10 +72,11 @@ def validate(settings: Settings) -> None:
 
         check_installed()
     if settings.arena == "cuda":
-        _check_cuda(settings)
+        _check_cuda(settings, handle_path or handle_socket_path(settings))
+    return layout
 
 
-def _check_cuda(settings: Settings) -> None:
+def _check_cuda(settings: Settings, handle_path: str) -> None:
     if not torch.cuda.is_available():
         raise Unavailable(
             "arena=cuda needs a CUDA device, but torch.cuda.is_available() is false on this host (no GPU, no driver, "
@@ -88,7 +91,7 @@ def _check_cuda(settings: Settings) -> None:
     from kvd.arena_cuda import driver
 
     driver()  # Unavailable naming the cuda-python package when it is missing
-    check_path(handle_socket_path(settings))
+    check_path(handle_path)
 
 
 def handle_socket_path(settings: Settings) -> str:
@@ -129,10 +132,11 @@ class Daemon:
 
     @classmethod
     def start(cls, settings: Settings) -> Daemon:
-        validate(settings)
+        # Computed once: without a Unix listener the name is fresh each time it is derived.
+        handle_path = handle_socket_path(settings) if settings.arena == "cuda" else None
+        layout = validate(settings, handle_path)
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
-        layout = load_layout(settings.layout)
         arena = _make_arena(settings)
         try:
             pool = Pool(layout, arena, post_capture=settings.post_capture)
@@ -165,7 +169,7 @@ class Daemon:
                 exporter = ArenaHandles(node, settings.peer_token)
                 node.on_backing_change.append(exporter.backing_changed)
                 handle_server = HandleServer(
-                    handle_socket_path(settings), exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS
+                    handle_path, exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS
                 ).start()
                 # After the generation moved: watchers (peers' backends) ask again before the next write.
                 node.on_backing_change.append(handle_server.notify)
