@@ -637,16 +637,14 @@ class Pool:
             raise Pinned(f"compaction refused: it would move pages pinned by {names}; release them or retry later", tuple(sorted(blockers)))
         gap_before = self.gap_bytes()
         moved_bytes = 0
-        # Per group, (vids, from, to) of the packing pass and of the slide pass.
-        passes: dict[GroupKind, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {k: [] for k in self.groups}
-        moved_handles: set[int] = set()
+        # What moved is read off the tables afterwards: a page packed and then slid counts once,
+        # and not at all if it came back to where it was.
+        before = {k: a.v2p.clone() for k, a in self.groups.items()}
         for k, (src, dst) in moves.items():
             a = self.groups[k]
             if src.numel():
                 view = self.page_view(k)
                 copy_runs(view, view, coalesce(src, dst))
-                moved_handles.update(self._owner_handles(k, a.p2v[src]))
-                passes[k].append((a.p2v[src].clone(), src, dst))
                 moved_bytes += src.numel() * a.pb
             a.apply_moves(src, dst)
         slides = self._plan_slides(pinned_reqs)
@@ -660,11 +658,11 @@ class Pool:
             view = self.page_view(k)
             d, sr = dst.long().to(view.device), src.long().to(view.device)  # tables live on the host
             view.index_copy_(0, d, view.index_select(0, sr))
-            moved_handles.update(self._owner_handles(k, self.groups[k].p2v[src]))
-            passes[k].append((self.groups[k].p2v[src].clone(), src, dst))
             moved_bytes += src.numel() * self.groups[k].pb
             self.groups[k].apply_slide(src, dst)
-        moved_pages = sum(_net_moves(p) for p in passes.values())
+        changed = {k: (a.v2p != before[k]).nonzero().flatten() for k, a in self.groups.items()}
+        moved_pages = sum(c.numel() for c in changed.values())
+        moved_handles = set().union(*(self._owner_handles(k, c) for k, c in changed.items() if c.numel()))
         if moved_bytes:
             self._settle()
         if moved_pages:
@@ -920,23 +918,6 @@ class Pool:
         for k, ring in self._rings.items():
             if ring.count + self.groups[k].used != ring.size:
                 fail(f"{k.value}: {ring.count} free ids + {self.groups[k].used} bound != {ring.size}")
-
-
-def _net_moves(passes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> int:
-    """Pages whose physical id differs after up to two passes ``(vids, from, to)`` of one group
-    (a page packed and then slid counts once, and not at all if it came back to where it was)."""
-    if not passes:
-        return 0
-    if len(passes) == 1:
-        return passes[0][0].numel()
-    (pv, ps, _), (sv, ss, sd) = passes
-    if pv.numel() == 0:
-        return sv.numel()
-    sorted_v, order = pv.sort()
-    idx = torch.searchsorted(sorted_v, sv).clamp(max=pv.numel() - 1)
-    in_pack = sorted_v[idx] == sv
-    origin = torch.where(in_pack, ps[order][idx], ss)
-    return int(pv.numel() - in_pack.sum()) + int((sd != origin).sum())
 
 
 def _check_tokens(what: str, n: object) -> None:
