@@ -148,6 +148,18 @@ def test_a_dead_peer_is_unavailable_and_nothing_is_written(writer, peer):
     assert peer.path not in b._peers  # a dead peer's arena must not stay mapped
 
 
+def test_mapping_a_new_peer_drops_the_mapping_of_one_that_died_meanwhile(writer, peer, tmp_path):
+    b, arena = writer
+    b.write(peer.region, [arena.base], [peer.region.base], [4096])
+    peer.stop()  # its watch fires; nothing is written to it again
+    other = Peer(str(tmp_path / "o.handles"), token="tok")
+    try:
+        b.write(other.region, [arena.base], [other.region.base], [4096])
+        assert peer.path not in b._peers and other.path in b._peers  # pruned without a round trip
+    finally:
+        other.close()
+
+
 def test_a_restarted_peer_is_unavailable_for_old_tickets(writer, peer, tmp_path):
     b, arena = writer
     old = peer.region

@@ -267,17 +267,13 @@ class CudaLocalBackend(Backend):
             return m
 
     def _prune(self) -> None:
-        """Drop mappings of peers that no longer answer (called with the lock, before a new import)."""
+        """Drop mappings whose watch fired (called with the lock, before a new import): the peer
+        died, stopped or changed its backing, so the mapping is dead or stale either way, and
+        a dead peer's mapping pins its whole arena. Local checks only: no I/O under the lock, so
+        a peer that hangs cannot stall the writers to every other peer. A mapping without a
+        watch (a server without the op) is dropped by its next write's failed ping instead."""
         for ep, m in list(self._peers.items()):
-            if m.watched():
-                continue
-            try:
-                alive = self._ping(ep).region_id == m.region_id
-            except Unavailable:
-                alive = False
-            except Exception:
-                alive = True
-            if not alive:
+            if m.watch is not None and not m.watch.quiet():
                 del self._peers[ep]
 
     def _map(self, peer: PeerRegion) -> _Import:
