@@ -148,7 +148,6 @@ class Pool:
         *,
         post_capture: bool = False,
         floor_tokens: int | None = None,
-        _swa_v2p_own_size: bool = False,
     ) -> None:
         self.layout = layout
         self.arena = arena
@@ -170,9 +169,9 @@ class Pool:
             d = Direction.UP if i == 0 else Direction.DOWN if i == len(order) - 1 else Direction.FLOAT
             pb = layout.page_bytes(g)
             table = arena.reserved // pb
-            # The swa group binds the full group's ids, so its v2p spans the owner's id space.
-            # (_swa_v2p_own_size re-creates seed 004's bug for the regression test only.)
-            ids = full_ids if g.kind is SWA and not _swa_v2p_own_size else table
+            # The swa group binds the full group's ids, so its v2p spans the owner's id space
+            # (seed 004: sizing it by the swa group's own page count breaks under churn).
+            ids = full_ids if g.kind is SWA else table
             self.groups[g.kind] = GroupAllocator(g.name, pb, d, sink_bytes=self.sink_bytes, table_pages=table, id_space=ids)
         # Id owners: full (shared with swa), state and draft each mint their own ids.
         self._rings: dict[GroupKind, IdRing] = {k: IdRing(a.v2p.numel()) for k, a in self.groups.items() if k is not SWA}

@@ -69,8 +69,12 @@ def test_v2p_sized_by_own_pages_breaks_under_the_same_churn(layout: Layout, kvd_
     """The seed's bug, re-created: the first rounds pass (a fresh server survives its first
     eval), then a full id past the swa table's height is bound on the swa side and fails."""
     reserved, backed = _arena_sizes(layout)
-    pool = Pool(layout, kvd_arena_factory(reserved, backed), _swa_v2p_own_size=True)
-    swa_own = pool.groups[SWA].v2p.numel()
+    pool = Pool(layout, kvd_arena_factory(reserved, backed))
+    # Re-create the seed's sizing on an empty pool: the swa v2p as tall as the swa group's own
+    # page table (what SGLang did), not the full group's id space that kvd gives it.
+    swa = pool.groups[SWA]
+    swa.v2p = torch.full((swa.p2v.numel(),), -1, dtype=swa.v2p.dtype)
+    swa_own = swa.v2p.numel()
     assert swa_own == pool.groups[SWA].p2v.numel() < pool.groups[FULL].v2p.numel()
     seen: list[int] = []
     _churn(pool, 2, seen)  # ids 0..11: nothing wrong yet
