@@ -163,22 +163,27 @@ class Node:
         leases = [lease for lease in self.leases.for_session(s.session_id) if lease.rid not in fenced]
         for lease in leases:
             self.leases.drop(lease.lease_id)
-        freed = 0
         # Also drop leases other sessions hold on these requests' pages: the pages are going away.
         for rid in s.rids - fenced:
             for lease in self.leases.for_rid(rid):
                 self.leases.drop(lease.lease_id)
-        if s.rids:
-            self.pool.free_many(sorted(s.rids - fenced))
-            self._doomed.update(fenced)
-            for rid in s.rids:
-                self._owner.pop(rid, None)
-                if rid not in fenced:
-                    self.inbox.forget(rid)
-            freed = len(s.rids)
-            s.rids.clear()
+        freed = len(s.rids)
+        self._drop_requests(s, sorted(s.rids), fenced)
         del self._sessions[s.session_id]
         return freed, len(leases)
+
+    def _drop_requests(self, s: SessionInfo, rids: Sequence[str], fenced: set[str]) -> None:
+        """Free ``rids`` of session ``s`` now, except the ``fenced`` ones (a failed sender may
+        still write them): those are freed when their fence ends (:meth:`_bury`)."""
+        now = [rid for rid in rids if rid not in fenced]
+        if now:  # freeing bumps the pool's epoch: not for nothing
+            self.pool.free_many(now)
+        self._doomed.update(fenced)
+        for rid in rids:
+            self._owner.pop(rid, None)
+            s.rids.discard(rid)
+            if rid not in fenced:
+                self.inbox.forget(rid)
 
     def sweep(self) -> tuple[list[Lease], list[str]]:
         """Expire leases past their TTL and reap sessions silent for longer than theirs.
@@ -257,14 +262,7 @@ class Node:
                 if not self.inbox.fenced(rid):
                     self._no_leases(rid, "free")
             # A request whose failed sender may still write it is freed once the fence ends.
-            doomed = [rid for rid in rids if self.inbox.fenced(rid)]
-            self.pool.free_many([rid for rid in rids if rid not in doomed])
-            self._doomed.update(doomed)
-            for rid in rids:
-                del self._owner[rid]
-                s.rids.discard(rid)
-                if rid not in doomed:
-                    self.inbox.forget(rid)
+            self._drop_requests(s, rids, {rid for rid in rids if self.inbox.fenced(rid)})
             return len(rids)
 
     def vectors(self, session_id: str, rids: Sequence[str]) -> list[IndexVectors]:
