@@ -143,12 +143,20 @@ class Inbox:
         return ib is not None and ib.state is TransferState.FAILED and ib.fence_until is not None
 
     # -- called by a sender (Peer service) ------------------------------------------------------
+    def _match(self, ref: TransferRef) -> _Inbound | None:
+        """The transfer ``ref`` names, if it names one here: same boot (lease ids start again at
+        every boot), same rid, same lease."""
+        ib = self._by_rid.get(ref.rid)
+        if ref.boot_id != self.node.pool.boot_id or ib is None or ib.lease_id != ref.lease_id:
+            return None
+        return ib
+
     def _find(self, ref: TransferRef) -> _Inbound:
         if ref.boot_id != self.node.pool.boot_id:
             self.node.stale_refusals += 1
             raise StaleEpoch(f"transfer names boot {ref.boot_id!r}; this daemon is boot {self.node.pool.boot_id!r} (it restarted)")
-        ib = self._by_rid.get(ref.rid)
-        if ib is None or ib.lease_id != ref.lease_id:
+        ib = self._match(ref)
+        if ib is None:
             raise NotFound(f"no transfer of {ref.rid!r} under lease {ref.lease_id} here (released, aborted or never issued)")
         if ib.state is TransferState.FAILED:
             raise Aborted(f"transfer of {ref.rid!r} was aborted here: {ib.reason}")
@@ -183,8 +191,8 @@ class Inbox:
         fence. A reference from another boot names nothing here, even if rid and lease id match
         (lease ids start again at every boot)."""
         with self._cond:
-            ib = self._by_rid.get(ref.rid)
-            if ref.boot_id != self.node.pool.boot_id or ib is None or ib.lease_id != ref.lease_id:
+            ib = self._match(ref)
+            if ib is None:
                 return  # nothing to abort: already gone
             if ib.state is TransferState.READY:
                 return
@@ -200,13 +208,8 @@ class Inbox:
         with self._cond:
             now = self.node.clock()
             for ref in refs:
-                ib = self._by_rid.get(ref.rid)
-                if (
-                    ref.boot_id != self.node.pool.boot_id
-                    or ib is None
-                    or ib.lease_id != ref.lease_id
-                    or ib.state in (TransferState.FAILED, TransferState.READY)
-                ):
+                ib = self._match(ref)
+                if ib is None or ib.state in (TransferState.FAILED, TransferState.READY):
                     dead.append(ref.lease_id)
                     continue
                 # Only CheckTicket begins a transfer: a heartbeat naming a WAITING one (a sender
