@@ -140,13 +140,13 @@ def test_an_engine_process_attaches_the_gpu_arena_before_and_after_finalize(tmp_
 TOKENS = 103
 
 
-@pytest.fixture(scope="module")
-def gpu_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-pair")
+def cuda_pair(root: Path, devices: tuple[int, int] = (0, 0), **extra):
+    """A prefill and a decode daemon (subprocesses, arena=cuda on ``devices``, backend local);
+    a generator for module fixtures: both must exit 0 and leave no handle socket behind."""
     sides = []
-    for role in ("prefill", "decode"):
+    for role, dev in zip(("prefill", "decode"), devices):
         opts = {**hk.DAEMON_OPTS, "arena_bytes": "4MiB", "backend": "local", "layout": "tiny-hybrid", "arena": "cuda",
-                "listen_tcp": f"127.0.0.1:{hk.free_port()}"}
+                "cuda_device": dev, "listen_tcp": f"127.0.0.1:{hk.free_port()}", **extra}
         sides.append(hk.Side(role, "subproc", root / role, opts))
     try:
         for s in sides:
@@ -157,6 +157,11 @@ def gpu_pair(tmp_path_factory):
         assert all(rc == 0 for rc in rcs.values()), f"daemons exited with {rcs}"
         for s in sides:
             assert not os.path.exists(s.workdir / "kvd.sock.handles"), f"{s.role}: handle socket left behind"
+
+
+@pytest.fixture(scope="module")
+def gpu_pair(tmp_path_factory):
+    yield from cuda_pair(tmp_path_factory.mktemp("gpu-pair"))
 
 
 def _shm_path_result(src_arena: torch.Tensor, dst_arena: torch.Tensor, plan, src_base: int, dst_base: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 
 import handoff_kit as hk  # noqa: E402
-from test_gpu_daemon import hand_off_like_the_cpu_path  # noqa: E402
+from test_gpu_daemon import cuda_pair, hand_off_like_the_cpu_path  # noqa: E402
 
 from kvd.fdpass import fetch  # noqa: E402
 
@@ -45,19 +45,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def gpu_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("two-gpu-pair")
-    sides = []
-    for role, dev in (("prefill", 0), ("decode", 1)):
-        opts = {**hk.DAEMON_OPTS, "arena_bytes": "4MiB", "backend": "local", "layout": "tiny-hybrid", "arena": "cuda",
-                "cuda_device": dev, "peer_timeout_s": 10.0, "listen_tcp": f"127.0.0.1:{hk.free_port()}"}
-        sides.append(hk.Side(role, "subproc", root / role, opts))
-    try:
-        for s in sides:
-            s.start()
-        yield hk.Pair("local", "subproc", *sides)
-    finally:
-        rcs = {s.role: s.stop() for s in sides}
-        assert all(rc == 0 for rc in rcs.values()), f"daemons exited with {rcs}"
+    yield from cuda_pair(tmp_path_factory.mktemp("two-gpu-pair"), (0, 1), peer_timeout_s=10.0)
 
 
 def test_the_decode_arena_maps_for_cuda0_with_its_home_on_cuda1(gpu_pair):
