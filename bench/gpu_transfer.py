@@ -23,8 +23,9 @@ its SWA pages near the window; decode requests allocated ``receive=True`` before
   clients; request j belongs to sender j % 8).
 
 Measured: the Send replies' ``seconds`` (server side: ticket check, lease, plan, writes, commit)
-and the client-observed wall time of Send + WaitReady; for ``mixed x8`` the wall time of the whole
-pass. Baseline, in the same run: ``dst.copy_(src)`` of the same byte count -- inside GPU A for
+and the client-observed wall time: the decode side is already waiting in WaitReady (a thread,
+as a decode engine waits for its KV) when Send is issued, and wall runs until both the Send reply
+and the WaitReady answer are back; for ``mixed x8`` the wall time of the whole pass. Baseline, in the same run: ``dst.copy_(src)`` of the same byte count -- inside GPU A for
 A == B, ``dst_on_B.copy_(src_on_A)`` (torch's peer copy, copy engines) for A != B -- timed with
 CUDA events, median of ``--raw-reps``; a workload's raw time is the sum over its requests.
 Bytes are counted once (bytes moved, not read + written); ratio = kvd GB/s / raw GB/s.
@@ -75,12 +76,16 @@ from benchkit import BenchDaemon  # noqa: E402
 from gpu import _table  # noqa: E402
 
 from kvd.handoff import SEND_PHASES  # noqa: E402
+from kvd.transfer import plan_chunk  # noqa: E402
+from kvd.wire import parse_ticket, ticket_info  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
 LAYOUT = "gemma-4-31b-it-tp2"
 BIG = 32768
 MIXED_N, MIXED_LO, MIXED_HI = 32, 512, 32768
 SENDERS = 8
+#: How long the decode side's WaitReady is in flight before Send starts (not counted).
+WAITER_HEAD_START_S = 0.003
 #: Blocks per backend write, as the daemon's Outbox batches them (kvd.handoff.Outbox.batch_blocks).
 BATCH = 256
 
@@ -169,6 +174,7 @@ class Req:
     worker: int  # which sender's clients own it (on both daemons)
     nbytes: int = 0  # bytes the plan moves (set by the checked pass)
     blocks: int = 0
+    plan_s: float = 0.0  # plan_chunk in the bench process (median), for comparison with the daemon's plan step
 
 
 @dataclass
@@ -179,12 +185,13 @@ class Row:
     nbytes: int
     raw_s: float
     server_s: list[float] = field(default_factory=list)  # per pass: sum of Send.seconds
-    wall_s: list[float] = field(default_factory=list)  # per pass: sum of Send + WaitReady (x8: the pass)
+    wall_s: list[float] = field(default_factory=list)  # per pass: sum of Send-issued-to-ready times (x8: the pass)
     phases: list[dict[str, float]] = field(default_factory=list)  # per pass: the daemon's step times, summed
     ok: bool = False
     why: str = ""
     first_pass_s: float = float("nan")
     concurrent: bool = False  # several senders at once: only the pass's wall time is a time
+    plan_here_s: float = 0.0  # plan_chunk of the workload's requests in the bench process (sum of medians)
 
     def as_dict(self) -> dict:
         srv, wall = med(self.server_s), med(self.wall_s)
@@ -196,6 +203,7 @@ class Row:
             "server_ms_passes": [x * 1e3 for x in self.server_s], "wall_ms_passes": [x * 1e3 for x in self.wall_s],
             "first_pass_ms": self.first_pass_s * 1e3, "ok": self.ok, "why": self.why, "concurrent": self.concurrent,
             # the daemon's own clock per step (SendResult.phases), median over the passes
+            "plan_here_ms": self.plan_here_s * 1e3,
             "phases_ms": {k: med([p.get(k, 0.0) for p in self.phases]) * 1e3 for k in SEND_PHASES if any(k in p for p in self.phases)},
         }
 
@@ -237,7 +245,8 @@ class Pair:
         self.p_att, self.d_att = self.pc[0].attach(), self.dc[0].attach()
         if self.p_att.tensor.device != torch.device("cuda", self.a) or self.d_att.tensor.device != torch.device("cuda", self.b):
             raise RuntimeError(f"arenas attached on {self.p_att.tensor.device} / {self.d_att.tensor.device}, not cuda:{self.a} / cuda:{self.b}")
-        self.p_base = self.pc[0].info().envelopes[0].base
+        self.p_env = self.pc[0].info().envelopes
+        self.p_base = self.p_env[0].base
         self.d_base = self.dc[0].info().envelopes[0].base
         self.layout = self.pc[0].info().layout
         log(f"[{self.label}] daemons up in {time.perf_counter() - t0:.1f} s; arenas: prefill {self.p_bytes / GIB:.1f} GiB on "
@@ -328,12 +337,22 @@ class Pair:
             self.dc[w].free(*rids)
 
     def send_one(self, r: Req, ticket: bytes) -> tuple[object, float]:
+        """Send ``r`` while the decode side already waits in WaitReady (how a decode engine waits
+        for its KV); returns the Send reply and the wall time from issuing Send until both the
+        Send reply and the decode's WaitReady answer arrived."""
         from kvd.client import TransferState
 
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(self.dc[r.worker].wait_ready(r.rid, 120)), name=f"wait-{r.rid}")
+        waiter.start()
+        time.sleep(WAITER_HEAD_START_S)  # the WaitReady call reaches the decode daemon before Send starts
         a = time.perf_counter()
         res = self.pc[r.worker].send(r.rid, ticket)
-        st = self.dc[r.worker].wait_ready(r.rid, 120)
+        waiter.join()
         wall = time.perf_counter() - a
+        if not got:
+            raise RuntimeError(f"{r.rid}: WaitReady raised (see the thread's traceback)")
+        st = got[0]
         if st.state is not TransferState.READY:
             raise RuntimeError(f"{r.rid}: transfer ended {st.state.value}: {st.reason}")
         if r.nbytes and (res.nbytes != r.nbytes or st.nbytes != r.nbytes):
@@ -343,12 +362,9 @@ class Pair:
     # -- the checked pass --------------------------------------------------------------------------
 
     def plan(self, r: Req, ticket: bytes):
-        from kvd.transfer import plan_chunk
-        from kvd.wire import parse_ticket, ticket_info
-
         t = ticket_info(parse_ticket(ticket))
         src = self.pc[r.worker].vectors(r.rid)
-        return plan_chunk(self.layout, src, t.vectors, self.pc[0].info().envelopes, t.envelopes, 0, r.tokens, True)
+        return plan_chunk(self.layout, src, t.vectors, self.p_env, t.envelopes, 0, r.tokens, True)
 
     def verify(self, plan) -> str:
         """"" when every planned block landed; else what differs."""
@@ -367,6 +383,16 @@ class Pair:
         torch.cuda.synchronize(self.b)
         tickets = self.receive(reqs)
         plans = {r.rid: self.plan(r, tickets[r.rid]) for r in reqs}
+        # The planner in this process, no daemon around it: how fast this host runs it.
+        for r in reqs:
+            t = ticket_info(parse_ticket(tickets[r.rid]))
+            src = self.pc[r.worker].vectors(r.rid)
+            xs = []
+            for _ in range(7):
+                a = time.perf_counter()
+                plan_chunk(self.layout, src, t.vectors, self.p_env, t.envelopes, 0, r.tokens, True)
+                xs.append(time.perf_counter() - a)
+            r.plan_s = med(xs[2:])
         t0 = time.perf_counter()
         if concurrent:
             results = self.concurrent(reqs, tickets)
@@ -427,7 +453,7 @@ class Pair:
 
     def concurrent(self, reqs: list[Req], tickets: dict[str, bytes]) -> dict[str, tuple[object, float]]:
         """Every sender sends its requests in order, all senders at once; returns per-request
-        (Send reply, Send + WaitReady seconds) and stores the pass's span in ``self.span``."""
+        (Send reply, Send issued until ready seconds) and stores the pass's span in ``self.span``."""
         mine: dict[int, list[Req]] = defaultdict(list)
         for r in reqs:
             mine[r.worker].append(r)
@@ -591,6 +617,8 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
             Row(pair.label, f"mixed x{SENDERS}", len(pair.mixed), mixed_bytes, raw_mixed, ok=not why_conc, why=why_conc,
                 first_pass_s=first_conc, concurrent=True),
         ]
+        rows[0].plan_here_s = pair.big.plan_s
+        rows[1].plan_here_s = rows[2].plan_here_s = sum(r.plan_s for r in pair.mixed)
         pair.timed_passes(rows[0], [pair.big], args.repeats, concurrent=False)
         pair.timed_passes(rows[1], pair.mixed, args.mixed_passes, concurrent=False)
         pair.timed_passes(rows[2], pair.mixed, args.mixed_passes, concurrent=True)
@@ -639,7 +667,7 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
 def report(env: dict, pairs: list[dict]) -> None:
     log("\n## GPU transfer: kvd local backend vs a raw copy of the same bytes (bytes counted once: moved, not "
         "read + written; ratio = kvd GB/s / raw GB/s; raw = dst.copy_(src) inside one GPU, or dst_on_B.copy_(src_on_A) "
-        "across GPUs; server = Send.seconds, wall = client Send + WaitReady, x8 = the pass's span)\n")
+        "across GPUs; server = Send.seconds, wall = client: Send issued until its reply and the decode side's already waiting WaitReady both returned, x8 = the pass's span)\n")
     rows = [r for p in pairs for r in p["rows"]]
     log(_table(
         ["GPUs P,D", "workload", "reqs", "GB", "raw ms", "raw GB/s", "kvd server ms", "GB/s", "ratio",
@@ -668,8 +696,8 @@ def report(env: dict, pairs: list[dict]) -> None:
         "(lease = SEND lease; plan = blocks planned; check = CheckTicket round trip; write = copies + liveness; "
         "commit = Commit round trip; x8 rows overlap in time)\n")
     ph_rows = [[r["devices"], r["workload"], r["requests"], *(f"{r['phases_ms'].get(k, 0.0):.2f}" for k in SEND_PHASES),
-                "-" if r["concurrent"] else f"{r['server_ms']:.2f}"] for r in rows if r.get("phases_ms")]
-    log(_table(["GPUs P,D", "workload", "reqs", *SEND_PHASES, "Send.seconds ms"], ph_rows))
+                "-" if r["concurrent"] else f"{r['server_ms']:.2f}", f"{r['plan_here_ms']:.2f}"] for r in rows if r.get("phases_ms")]
+    log(_table(["GPUs P,D", "workload", "reqs", *SEND_PHASES, "Send.seconds ms", "plan in this process ms"], ph_rows))
     for p in pairs:
         if p.get("control"):
             c = p["control"]
