@@ -71,8 +71,8 @@ for what in "${STEPS[@]}"; do
       # with the arena tests (chunks now RDMA-capable) and the local backend's handoff tests (shared fixture)
       step mooncake-tests 180 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 150 -rs tests/gpu/test_mooncake_gpu.py \
         tests/gpu/test_vmm_arena.py tests/gpu/test_gpu_daemon.py tests/gpu/test_two_gpu_handoff.py
-      step transfer-mooncake 200 python3 bench/gpu_transfer.py --backend mooncake --both --json "$OUT/transfer-mooncake.json" ;;
-    mooncake-probe) step mooncake-probe 200 python3 bench/mooncake_cuda_probe.py ;;
+      step transfer-mooncake 180 python3 bench/gpu_transfer.py --backend mooncake --both --json "$OUT/transfer-mooncake.json" ;;
+    mooncake-probe) step mooncake-probe 180 python3 bench/mooncake_cuda_probe.py ;;
     *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe)"; rc=2 ;;
   esac
 done

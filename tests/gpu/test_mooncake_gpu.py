@@ -42,7 +42,7 @@ pytestmark = [*GPU, NEEDS_VMM, NEEDS_TRITON, pytest.mark.skipif(bool(MISSING), r
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _no_nvlink_selector():
+def _no_refused_transport_variables():
     """The daemons inherit this process's environment: no transport selector kvd refuses."""
     saved = {k: os.environ.pop(k) for k in ("MC_INTRANODE_NVLINK", "MC_TCP_PROTO") if k in os.environ}
     yield
