@@ -16,8 +16,8 @@ target, on GPU B; default 0 -> 1, 0 -> 0 on a one-GPU host) under a hard timeout
   and a ``batch_transfer_sync_write`` of 4 MiB pieces.
 
 Every write that returns 0 is checked: B zeroes its buffer first, both sides then compute a
-position-weighted checksum on the GPU. Output: a table; ``$OUT/mooncake_probe.json`` and one log
-per case (``mooncake_probe_<case>.log``: both processes' stderr, Mooncake's glog at INFO, which
+position-weighted checksum on the GPU. Output: a table; ``$OUT/mooncake_probe.json`` and
+``$OUT/mooncake_probe_cases.log`` (every case's processes' stderr: Mooncake's glog at INFO, which
 names the transport it installed). Needs torch, cuda-python and the CUDA build of Mooncake
 (``bench/mooncake_wheel.py``); bundled system libraries the host lacks are put on
 ``LD_LIBRARY_PATH`` for the case processes.
@@ -33,6 +33,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,6 +45,8 @@ for _p in (str(ROOT), str(ROOT / "bench")):
 
 MiB = 1 << 20
 PIECE = 4 * MiB
+#: Characters of one case's log kept in mooncake_probe_cases.log (head and tail).
+LOG_CAP = 4 * MiB
 OUT = Path(os.environ.get("OUT") or "/tmp/mooncake-probe")
 #: case -> (environment, (source kinds, destination kinds), timeout s)
 CASES = {
@@ -260,9 +263,8 @@ def run_case(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
     role = ["--role", "torch_p2p"] if name == "torch_p2p" else ["--role", "initiator", "--case", name]
     cmd = [sys.executable, __file__, *role, "--sizes", args.sizes, "--reps", str(args.reps),
            "--src-dev", str(args.src_dev), "--dst-dev", str(args.dst_dev)]
-    log = OUT / f"mooncake_probe_{name}.log"
     t0 = time.perf_counter()
-    with open(log, "w") as err:
+    with tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env={**env, **extra}, start_new_session=True)
         try:
             out, _ = p.communicate(timeout=timeout)
@@ -271,14 +273,21 @@ def run_case(name: str, args: argparse.Namespace, env: dict[str, str]) -> dict:
             os.killpg(p.pid, signal.SIGKILL)  # the case and its target
             out, _ = p.communicate()
             status = f"killed after {timeout} s"
+        err.seek(0)
+        text = err.read()
     res: dict = {"case": name, "runs": []}
     for line in (out or "").splitlines():
         msg = json.loads(line)
         res = msg.get("result") or msg.get("partial") or res
     # Mooncake's own line: "Using <name> transport ..." or "MC_FORCE_TCP is set, using TCP transport only".
-    m = re.search(r"[Uu]sing (.+?) transport", log.read_text(errors="replace"))
+    m = re.search(r"[Uu]sing (.+?) transport", text)
     res["transport"] = m.group(1) if m else "?"
     res.update(status=status, seconds=time.perf_counter() - t0, env=extra)
+    # One log for every case (a device call brings back at most 8 files), each case's part capped.
+    if len(text) > LOG_CAP:
+        text = text[: LOG_CAP // 4] + "\n[... cut ...]\n" + text[-(LOG_CAP * 3 // 4) :]
+    with open(OUT / "mooncake_probe_cases.log", "a") as f:
+        f.write(f"===== {name}: {' '.join(f'{k}={v}' for k, v in extra.items())} {status}\n{text}\n")
     return res
 
 
@@ -320,6 +329,7 @@ def main() -> int:
     if args.dst_dev is None:
         args.dst_dev = 1 if torch.cuda.device_count() >= 2 else 0
     OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "mooncake_probe_cases.log").unlink(missing_ok=True)
     env = case_env()
     build = subprocess.run([sys.executable, "-c", "from kvd.backends.mooncake import build_info; print(build_info().describe())"],
                            env=env, capture_output=True, text=True, cwd=ROOT)
@@ -331,7 +341,7 @@ def main() -> int:
         print(f"--- {name}: {results[-1]['status']} in {results[-1]['seconds']:.1f} s", flush=True)
     table(results)
     (OUT / "mooncake_probe.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    print(f"\nJSON and per-case logs in {OUT}")
+    print(f"\nJSON and the cases' logs in {OUT}")
     bad = [r for r in results if any(run.get("verify") == "MISMATCH" for run in r["runs"])]
     return 1 if bad else 0
 
