@@ -6,12 +6,18 @@
 #      demo2 / demo2-quick: the same split over GPUs 0 and 1 (needs a two-GPU machine),
 #   3. bench/gpu.py (page moves, translation, finalize; ratios vs copy) and bench/gpu_transfer.py
 #      (a 32k-token gemma-4-31b request and a mixed workload, same GPU and GPU 0 -> 1, vs raw copy).
+#   mooncake: the Mooncake backend on CUDA arenas (Mooncake's CUDA build, carried trimmed in .whl/
+#      by bench/mooncake_wheel.py): its GPU tests, then bench/gpu_transfer.py --backend mooncake
+#      (the 32k request only, 3 passes: TCP moves ~1.6 GB/s); mooncake-probe: what each Mooncake
+#      transport registers and moves on kvd's GPU memory (bench/mooncake_cuda_probe.py).
 # Logs and the bench's JSON land in $OUT (the device tool brings them back).
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
-#   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer demo demo-quick demo2 demo2-quick
+#   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer demo demo-quick
+#                                            #   demo2 demo2-quick mooncake mooncake-probe
 #
-# Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU).
+# Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU);
+# system libraries Mooncake needs and the host lacks come from its wheel (bench/mooncake_wheel.py libdir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvd-gpu-check}
@@ -23,6 +29,8 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
+  MCLIB=$(python3 bench/mooncake_wheel.py libdir /tmp/site) || exit 1
+  [ -z "$MCLIB" ] || export LD_LIBRARY_PATH=$MCLIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 else
   export PYTHONPATH=$PWD
 fi
@@ -31,6 +39,8 @@ fi
   date -u +%Y-%m-%dT%H:%MZ
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  python3 -c "from kvd.backends.mooncake import build_info; print('mooncake:', build_info().describe())" 2>&1 | tail -1
+  [ -z "${MCLIB:-}" ] || echo "system libraries from the mooncake wheel: $(ls "$MCLIB" | tr '\n' ' ')"
 } 2>&1 | tee "$OUT/env.txt"
 
 rc=0
@@ -57,7 +67,13 @@ for what in "${STEPS[@]}"; do
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
     demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
     demo2-quick) step demo2 120 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local --quick ;;
-    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, demo, demo-quick, demo2, demo2-quick)"; rc=2 ;;
+    mooncake)
+      # with the arena tests (chunks now RDMA-capable) and the local backend's handoff tests (shared fixture)
+      step mooncake-tests 180 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 150 -rs tests/gpu/test_mooncake_gpu.py \
+        tests/gpu/test_vmm_arena.py tests/gpu/test_gpu_daemon.py tests/gpu/test_two_gpu_handoff.py
+      step transfer-mooncake 180 python3 bench/gpu_transfer.py --backend mooncake --both --json "$OUT/transfer-mooncake.json" ;;
+    mooncake-probe) step mooncake-probe 180 python3 bench/mooncake_cuda_probe.py ;;
+    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -18,6 +18,11 @@ physical chunks, share the chunks with other processes as POSIX file descriptors
   per message).
 * :meth:`tensor` is a ``torch.uint8`` CUDA tensor over ``[0, backed)`` built from
   ``__cuda_array_interface__`` (zero copy; ``data_ptr() == base``).
+* Chunks are created RDMA-capable (``allocFlags.gpuDirectRDMACapable``) where the device says
+  it supports GPUDirect RDMA on virtual memory
+  (``CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED``;
+  :attr:`CudaVmmArena.gpu_direct_rdma`): a NIC can register VMM memory (as a dma-buf) only
+  then, as the Mooncake backend's RDMA transport does. Elsewhere the flag stays off.
 * :meth:`export_fds` exports each mapped chunk as a POSIX fd (pass them over a Unix socket with
   ``socket.send_fds``); :func:`map_imported` maps them in the receiving process at an address of
   its own, in order, so byte ``i`` is the same memory in both processes.
@@ -46,7 +51,17 @@ from kvd.errors import CapacityError, FailedPrecondition, InvalidArgument, Unava
 if TYPE_CHECKING:
     from kvd.fdpass import HandleHeader
 
-__all__ = ["CudaVmmArena", "ImportedVmm", "map_imported", "import_arena", "device_for", "can_access_peer", "gpu_label", "driver"]
+__all__ = [
+    "CudaVmmArena",
+    "ImportedVmm",
+    "map_imported",
+    "import_arena",
+    "device_for",
+    "can_access_peer",
+    "gpu_label",
+    "gpu_direct_rdma_vmm",
+    "driver",
+]
 
 _DRIVER: Any = None
 _LOCK = threading.Lock()
@@ -112,14 +127,31 @@ def _on(dev: int) -> torch.cuda.device:
     return torch.cuda.device(dev)
 
 
-def _prop(dev: int) -> Any:
+def _prop(dev: int, *, gpu_direct_rdma: bool = False) -> Any:
     cu = driver()
     p = cu.CUmemAllocationProp()
     p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     p.location.id = dev
     p.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if gpu_direct_rdma:
+        p.allocFlags.gpuDirectRDMACapable = 1
     return p
+
+
+def gpu_direct_rdma_vmm(dev: int) -> bool:
+    """Whether device ``dev`` supports GPUDirect RDMA on CUDA virtual memory (the driver's
+    ``CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED``); False where the driver or
+    the bindings cannot say. Call with ``dev``'s context current (``_on``)."""
+    cu = driver()
+    attr = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED", None)
+    if attr is None:  # bindings older than CUDA 11.3
+        return False
+    err, handle = cu.cuDeviceGet(dev)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return False
+    err, value = cu.cuDeviceGetAttribute(attr, handle)
+    return err == cu.CUresult.CUDA_SUCCESS and bool(value)
 
 
 def _granularity(prop: Any) -> int:
@@ -207,7 +239,8 @@ class CudaVmmArena(Arena):
         self._dev = _device_index(device)
         with _on(self._dev):
             torch.zeros(1, device=self.device)  # the primary context exists from here on
-            self._prop = _prop(self._dev)
+            self._gdr = gpu_direct_rdma_vmm(self._dev)
+            self._prop = _prop(self._dev, gpu_direct_rdma=self._gdr)
             self._gran = _granularity(self._prop)
         if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or isinstance(chunk_bytes, bool) or chunk_bytes <= 0):
             raise InvalidArgument(f"chunk_bytes must be a positive byte count, got {chunk_bytes!r}")
@@ -239,6 +272,12 @@ class CudaVmmArena(Arena):
     def granularity(self) -> int:
         """Bytes of one allocation grain: chunk sizes and offsets are multiples of it."""
         return self._gran
+
+    @property
+    def gpu_direct_rdma(self) -> bool:
+        """Whether the chunks are created RDMA-capable (the device supports GPUDirect RDMA on
+        virtual memory), so an RDMA NIC can register the arena."""
+        return self._gdr
 
     @property
     def mapped_bytes(self) -> int:

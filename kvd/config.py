@@ -65,7 +65,12 @@ class Settings(BaseSettings):
     advertise: str | None = Field(None, description="address peers use to reach this daemon (default: the TCP address, else the Unix socket)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 picks one; unset disables)")
     metrics_host: str = Field("127.0.0.1", description="interface for the metrics endpoint")
-    backend: Literal["none", "local", "mooncake"] = Field("none", description="data-plane backend for transfers")
+    backend: Literal["none", "local", "mooncake"] = Field(
+        "none",
+        description="data-plane backend for transfers: local (same host: maps the peer's arena, shm or cuda) or "
+        "mooncake (Mooncake Transfer Engine: RDMA where it finds HCAs, else TCP; arena=cuda needs its CUDA build "
+        "`mooncake-transfer-engine`, checked at start-up, and MC_INTRANODE_NVLINK unset)",
+    )
     speculative: bool = Field(False, description="the engine runs speculative decoding: draft vectors must travel separately")
     transfer_host: str = Field("127.0.0.1", description="host the data-plane backend binds and advertises (mooncake)")
     peer_timeout_s: float = Field(1.0, gt=0, le=60, description="a sender silent this long fails its transfer; the decode engine learns at once")
@@ -98,14 +103,6 @@ class Settings(BaseSettings):
         if self.reserve_bytes is not None and self.reserve_bytes < self.arena_bytes:
             raise ValueError(
                 f"reserve_bytes ({self.reserve_bytes:,d}) is below arena_bytes ({self.arena_bytes:,d}); reserve at least the arena size"
-            )
-        if self.arena == "cuda" and self.backend == "mooncake":
-            # kvd's Mooncake backend registers host memory; a CPU-only Mooncake build handed a
-            # device pointer would read it as host memory (a crash, not an error), and the CUDA
-            # build has not been run with kvd yet.
-            raise ValueError(
-                "backend=mooncake moves shared-memory (arena=shm) pools only in this version; with arena=cuda use "
-                "backend=local (GPUs of one host) or backend=none"
             )
         if self.arena == "shm" and self.handle_socket:
             raise ValueError(

@@ -369,6 +369,56 @@ def test_local_backend_misuse_is_refused() -> None:
         b.write(PeerRegion("/dev/shm/x", 0, 4096, "x"), [0], [0], [1])
 
 
+@pytest.mark.parametrize(
+    "cuda,intra_nvlink,cuda_arena,env,refused",
+    [
+        (True, True, True, {}, None),  # the CUDA build, a CUDA arena: RDMA or TCP
+        (True, True, False, {}, None),  # the CUDA build moves shm arenas too
+        (False, False, False, {}, None),  # the CPU build, a shm arena: what CI runs
+        (False, False, True, {}, (Unavailable, "SUPPORT_CUDA is False")),
+        (None, False, True, {}, (Unavailable, "does not say whether it has CUDA")),
+        (True, True, True, {"MC_INTRANODE_NVLINK": "1"}, (InvalidArgument, "cudaIpcGetMemHandle, which refuses CUDA virtual memory")),
+        (True, True, False, {"MC_INTRANODE_NVLINK": "1"}, (InvalidArgument, "an arena=shm pool is host memory")),
+        (False, False, False, {"MC_INTRANODE_NVLINK": "1"}, None),  # not compiled in: the variable does nothing
+        (False, False, True, {"MC_INTRANODE_NVLINK": ""}, (InvalidArgument, "cudaIpcGetMemHandle")),  # set at all is enough
+        (True, True, True, {"MC_TCP_PROTO": "1"}, (InvalidArgument, "legacy TCP framing")),
+        (False, False, False, {"MC_TCP_PROTO": "1"}, (InvalidArgument, "legacy TCP framing")),
+        (True, True, True, {"MC_TCP_PROTO": "2"}, None),
+    ],
+)
+def test_mooncake_refuses_builds_and_variables_that_cannot_move_the_arena(cuda, intra_nvlink, cuda_arena, env, refused) -> None:
+    from kvd.backends.mooncake import BuildInfo, _refusal
+
+    # A build that cannot read device memory is a missing install (Unavailable); a variable is a
+    # setting to change (InvalidArgument).
+    got = _refusal(BuildInfo(cuda=cuda, intra_nvlink=intra_nvlink), cuda_arena, env)
+    if refused is None:
+        assert got is None, got
+    else:
+        cls, phrase = refused
+        assert type(got) is cls and phrase in str(got), got
+
+
+@pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING)
+def test_the_cpu_mooncake_build_refuses_to_register_a_cuda_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registering device memory with the CPU-only build would crash on the first write (it reads
+    the pointer as host memory): refused before the engine sees it, nothing registered."""
+    from kvd.backends.mooncake import build_info
+
+    if build_info().cuda:
+        pytest.skip("the installed Mooncake is the CUDA build")
+    for k in ("MC_INTRANODE_NVLINK", "MC_TCP_PROTO"):
+        monkeypatch.delenv(k, raising=False)
+    b = make_backend("mooncake", arena_kind="cuda-vmm")
+    try:
+        assert b.build.cuda is False
+        with pytest.raises(Unavailable, match="needs Mooncake's CUDA build.*pip install mooncake-transfer-engine"):
+            b.register(_DeviceArena())
+        assert b.registered == (0, 0)
+    finally:
+        b.close()
+
+
 def test_local_backend_lets_go_of_dead_peers_arenas(lone_writer: Callable[[str, int], Writer]) -> None:
     """A decode daemon that restarts comes back with a new arena file; the prefill side must not
     keep the dead one mapped (a whole arena of RAM per restart)."""

@@ -20,43 +20,152 @@ Things to know about the engine (0.3.13, measured on loopback):
 * ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` must exceed the largest batch (the default fails
   batches above ~1024 with queue-full warnings); this module sets it to 8192 unless set.
 * ``initialize`` logs "Local segment descriptor not found" once; it is harmless.
+* The ``protocol`` argument of ``initialize`` does not pick the transport (it only sets up the
+  engine's buffer allocator): the engine installs RDMA when it finds HCAs (or ``MC_FORCE_HCA``
+  is set) and TCP otherwise; ``MC_FORCE_TCP`` forces TCP. A write returns once the peer has
+  applied it (TCP framing v2; ``MC_TCP_PROTO=1`` forces the legacy framing, which reports a
+  write done when it left the socket buffer, so it is refused: Commit follows every write).
+
+CUDA arenas (``arena: cuda``). The installed build says what it was compiled with:
+``mooncake.engine.SUPPORT_CUDA`` (and ``SUPPORT_INTRA_NVLINK``; flags since 0.3.12) is True in
+``mooncake-transfer-engine`` and False in ``mooncake-transfer-engine-non-cuda``
+(:func:`build_info`). Only a CUDA build may register a CUDA arena: the CPU build would read a
+device pointer as host memory (a crash, not an error). The CUDA build registers the arena's
+device range ``[base, base + backed)`` as it is; which transport carries it:
+
+* TCP (no HCA, or ``MC_FORCE_TCP``): both sides see device memory (``cudaPointerGetAttributes``)
+  and stage it through host buffers with a synchronous ``cudaMemcpy``, CUDA virtual memory
+  included. Measured on 2x H200 (0.3.13.post1, GPU 0 -> GPU 1, two processes): 1.6-1.7 GB/s
+  for 64 MiB-1 GiB, byte-exact; a peer copy over NVLink is ~390 GB/s.
+* RDMA (HCAs found): GPUDirect RDMA; the engine exports the registered range as a dma-buf
+  (``cuMemGetHandleForAddressRange``), which CUDA allows for virtual memory only when it was
+  created RDMA-capable: :class:`~kvd.arena_cuda.CudaVmmArena` does that where the device
+  supports it. Not yet run with kvd (no RDMA NICs on the GPU hosts so far); open: whether the
+  engine's export covers an arena of several physical chunks (it asks ``cuMemGetAddressRange``
+  for the allocation around the base), and whether the receiver needs a flush before its GPU
+  reads what the NIC wrote.
+* Intra-node NVLink (``MC_INTRANODE_NVLINK`` set, CUDA build): refused. It registers memory
+  through ``cudaIpcGetMemHandle``, which refuses CUDA virtual memory: register_memory returns -1
+  for a kvd arena (measured, as source and as destination). Same-host GPUs use ``backend:
+  local``, which maps the peer's arena itself and copies over NVLink.
+
+No device synchronisation before a write: the daemon's own GPU work on its arena (compaction,
+restore) waits for itself before returning (``Pool._settle``), and the engines' KV writes happen
+in other processes, where only the engine can order them (it waits for its stream before Send:
+``kvd.engine.device.Fenced``); a sync in the daemon would not see their streams anyway. The TCP
+path's copies are synchronous on both sides, and the peer acknowledges a write only after its
+copy into device memory returned, so Commit (READY) follows bytes that landed.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvd.arena import Arena
 from kvd.backends.base import INSTALL_HINT, Backend, PeerRegion
-from kvd.errors import Aborted, InvalidArgument, Unavailable
+from kvd.errors import Aborted, InvalidArgument, KvdError, Unavailable
 
-__all__ = ["MooncakeBackend", "check_installed"]
+__all__ = ["MooncakeBackend", "BuildInfo", "build_info", "check_installed", "CUDA_INSTALL_HINT"]
+
+#: What a GPU host runs to get the CUDA build (both wheels install the package ``mooncake``).
+CUDA_INSTALL_HINT = "pip uninstall -y mooncake-transfer-engine-non-cuda && pip install mooncake-transfer-engine"
 
 # Applied before the first import of mooncake.engine; an operator's own setting wins.
 _ENV_DEFAULTS = {
     "MC_LOG_LEVEL": "ERROR",  # INFO and WARNING lines are per-connection chatter
     "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "8192",  # > max_batch (see the module docstring)
 }
+#: Variables that change what a write means (read by the engine at initialize; see _refusal).
+_TRANSPORT_ENV = ("MC_INTRANODE_NVLINK", "MC_TCP_PROTO")
 
 
-def check_installed() -> None:
-    """Raise Unavailable (with the install command) unless ``mooncake.engine`` imports.
+@dataclass(frozen=True, slots=True)
+class BuildInfo:
+    """What the installed ``mooncake.engine`` was compiled with (its ``SUPPORT_*`` flags)."""
 
-    Use this instead of importing ``mooncake.engine`` yourself: the engine reads its logging
-    settings on first import, so this module's environment defaults must come first."""
-    _engine_class()
+    cuda: bool | None  # USE_CUDA: device pointers are GPU memory to it; None: no flag (older than 0.3.12)
+    intra_nvlink: bool  # USE_INTRA_NVLINK: MC_INTRANODE_NVLINK switches to the intra-node NVLink transport
+
+    def describe(self) -> str:
+        if self.cuda is None:
+            return "a Mooncake build that does not say whether it has CUDA (no mooncake.engine.SUPPORT_CUDA: older than 0.3.12)"
+        return "the CUDA build" if self.cuda else "the CPU-only build (mooncake.engine.SUPPORT_CUDA is False)"
 
 
-def _engine_class() -> Any:
-    """``mooncake.engine.TransferEngine``, or Unavailable with the install command."""
+def check_installed(*, cuda_arena: bool = False) -> BuildInfo:
+    """The installed build, after refusing what cannot work; call it at start-up.
+
+    Unavailable (with the install command) unless ``mooncake.engine`` imports, or when
+    ``cuda_arena`` and the build is not the CUDA build; InvalidArgument for a transport
+    variable kvd cannot run with (``MC_INTRANODE_NVLINK``, ``MC_TCP_PROTO=1``). Use this instead
+    of importing ``mooncake.engine`` yourself: the engine reads its logging settings on first
+    import, so this module's environment defaults must come first."""
+    info = build_info()
+    refusal = _refusal(info, cuda_arena, os.environ)
+    if refusal is not None:
+        raise refusal
+    return info
+
+
+def build_info() -> BuildInfo:
+    """The ``SUPPORT_*`` flags of the installed ``mooncake.engine`` (Unavailable when it does not import)."""
+    mod = _engine_module()
+    cuda = getattr(mod, "SUPPORT_CUDA", None)
+    return BuildInfo(cuda=None if cuda is None else bool(cuda), intra_nvlink=bool(getattr(mod, "SUPPORT_INTRA_NVLINK", False)))
+
+
+def _refusal(info: BuildInfo, cuda_arena: bool, env: Mapping[str, str]) -> KvdError | None:
+    """Why this build and environment cannot move this kind of arena (None: they can). Pure."""
+    if env.get("MC_TCP_PROTO") == "1":
+        return InvalidArgument(
+            "MC_TCP_PROTO=1 makes Mooncake use its legacy TCP framing, in which a write reports success when its "
+            "last bytes left the socket buffer, not when the peer applied them; kvd tells the receiver READY as soon "
+            "as a write returns: unset MC_TCP_PROTO"
+        )
+    if "MC_INTRANODE_NVLINK" in env and (cuda_arena or info.intra_nvlink):
+        if cuda_arena:
+            why = (
+                "it registers memory through cudaIpcGetMemHandle, which refuses CUDA virtual memory (cuMemCreate/"
+                "cuMemMap), and that is what kvd's cuda arena is: register_memory fails (-1) for it"
+            )
+            fix = (
+                "unset MC_INTRANODE_NVLINK (Mooncake then takes RDMA where it finds HCAs, else TCP), or for GPUs of "
+                "one host use backend=local (kvd maps the peer's arena and copies over NVLink itself)"
+            )
+        else:
+            why = "it registers device memory only, and an arena=shm pool is host memory"
+            fix = "unset MC_INTRANODE_NVLINK (Mooncake then takes RDMA where it finds HCAs, else TCP)"
+        return InvalidArgument(
+            f"MC_INTRANODE_NVLINK is set: Mooncake would move data only over its intra-node NVLink transport, and {why}; {fix}"
+        )
+    if cuda_arena and info.cuda is not True:
+        return Unavailable(
+            f"arena=cuda with backend=mooncake needs Mooncake's CUDA build, but this is {info.describe()}, which "
+            f"{'may' if info.cuda is None else 'would'} read the arena's device pointers as host memory; on the GPU "
+            f"host run: {CUDA_INSTALL_HINT} "
+            "(or use backend=local for GPUs of one host)"
+        )
+    return None
+
+
+def _engine_module() -> Any:
+    """``mooncake.engine``, or Unavailable with the install command."""
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     try:
-        return importlib.import_module("mooncake.engine").TransferEngine
+        return importlib.import_module("mooncake.engine")
     except ImportError as exc:
-        # The non-CUDA wheel links libibverbs even for TCP: the message names the missing .so.
+        # Both wheels link libibverbs even for TCP, the CUDA one libcuda and libcudart too: the
+        # message names the missing .so.
+        if "libcuda" in str(exc):
+            raise Unavailable(
+                f"the mooncake backend does not load ({exc}): this is Mooncake's CUDA build, which needs a GPU driver "
+                f"(libcuda.so.1) and the CUDA 12 runtime (libcudart.so.12); on a host without them run: {INSTALL_HINT}"
+            ) from exc
         raise Unavailable(f"the mooncake backend is not installed ({exc}); run: {INSTALL_HINT}") from exc
 
 
@@ -70,7 +179,9 @@ class MooncakeBackend(Backend):
         max_batch: blocks per ``batch_transfer_sync_write`` call (<= the engine's queue limit).
         max_block: bytes per transfer item; longer blocks are split.
 
-    Raises Unavailable when the package is missing or the engine does not start."""
+    Raises Unavailable when the package is missing or the engine does not start, and what
+    :func:`check_installed` raises for the environment. A CUDA arena can be registered only
+    with the CUDA build (see the module docstring)."""
 
     name = "mooncake"
 
@@ -91,7 +202,13 @@ class MooncakeBackend(Backend):
         if max_batch <= 0 or max_block <= 0:
             raise InvalidArgument(f"max_batch and max_block must be positive, got {max_batch} and {max_block}")
         self.host, self.protocol, self.max_batch, self.max_block = host, protocol, max_batch, max_block
-        engine = _engine_class()()
+        self.build = build_info()
+        # What the engine reads at initialize: checked again when a CUDA arena is registered.
+        self._env = {k: os.environ[k] for k in _TRANSPORT_ENV if k in os.environ}
+        refusal = _refusal(self.build, False, self._env)
+        if refusal is not None:
+            raise refusal
+        engine = _engine_module().TransferEngine()
         rc = engine.initialize(host, "P2PHANDSHAKE", protocol, device_names)
         if rc != 0:
             raise Unavailable(f"mooncake engine did not start on {host} over {protocol} {device_names!r} (rc={rc}); see its log on stderr")
@@ -103,7 +220,19 @@ class MooncakeBackend(Backend):
         """``"host:port"``: the peer session name other engines connect to."""
         return self._endpoint
 
+    def register(self, arena: Arena) -> float:
+        """See :meth:`Backend.register`. A CUDA arena (handle kind ``cuda-vmm``) is refused before
+        the engine sees it unless this is the CUDA build and ``MC_INTRANODE_NVLINK`` was not set
+        when the engine started (Unavailable / InvalidArgument, as :func:`check_installed`)."""
+        if arena.handle().kind == "cuda-vmm":
+            refusal = _refusal(self.build, True, self._env)
+            if refusal is not None:
+                raise refusal
+        return super().register(arena)
+
     def _register(self, arena: Arena) -> None:
+        # A CUDA arena's device range registers as it is: the CUDA build tells device memory
+        # from host memory by the pointer (see the module docstring for what each transport does).
         rc = self._engine.register_memory(arena.base, arena.backed)
         if rc != 0:
             raise Unavailable(f"mooncake could not register {arena.backed:,d} bytes at {arena.base:#x} (rc={rc})")

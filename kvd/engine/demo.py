@@ -14,8 +14,9 @@ token for token, with bit-identical logit traces (exit status 1 otherwise).
 
 ``--device cuda`` (:attr:`DemoOptions.device`) runs the same thing on GPU 0: both daemons own a
 CUDA virtual-memory arena there (``kvd serve --arena cuda --cuda-device 0``), the ``local``
-backend copies KV GPU to GPU (Mooncake is CPU-only for now: ``auto`` picks ``local``, an
-explicit ``mooncake`` is refused), both engines and the colocated reference compute on that GPU
+backend copies KV GPU to GPU (``auto`` picks ``local``; an explicit ``mooncake`` needs Mooncake's
+CUDA build, refused otherwise, and moves the KV over TCP or RDMA through the Transfer Engine),
+both engines and the colocated reference compute on that GPU
 with the same weights. Identity still holds because every forward pass is one request's, with
 shapes that depend only on that request (so engine and reference run the very same kernels on
 the very same shapes), under deterministic CUDA settings applied in each process before CUDA
@@ -77,17 +78,21 @@ class DemoOptions:
 def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
     """``auto``: Mooncake when importable, else ``local`` with a notice saying why. An explicit
     ``mooncake`` that is not importable is refused (Unavailable) before anything starts.
-    With ``device="cuda"``: Mooncake moves CPU arenas only (for now), so ``auto`` is ``local``
-    (GPU to GPU on the one device) and an explicit ``mooncake`` is refused."""
+    With ``device="cuda"``: ``auto`` is ``local`` (GPU to GPU over the host's own links; Mooncake
+    stages GPU memory through TCP where there is no RDMA); an explicit ``mooncake`` needs the
+    CUDA build and is refused (Unavailable, or InvalidArgument for its environment) without it."""
     if asked == "local":
         return asked
     if device == "cuda":
         if asked == "mooncake":
-            raise Unavailable(
-                "--backend mooncake with --device cuda: kvd's Mooncake backend moves KV between CPU (shared-memory) "
-                "arenas only for now; use --backend local (GPU-to-GPU copy between the two daemons' arenas) "
-                "or --backend auto"
-            )
+            from kvd.backends.mooncake import check_installed
+            from kvd.errors import KvdError
+
+            try:
+                check_installed(cuda_arena=True)
+            except KvdError as exc:
+                raise type(exc)(f"--backend mooncake with --device cuda: {exc}; or use --backend local") from exc
+            return "mooncake"
         return "local"
     try:
         import mooncake.engine  # noqa: F401
@@ -302,7 +307,7 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         shutil.rmtree(arena_dir, ignore_errors=True)
 
 
-def _device_lines(placement: Placement, names: dict[str, str]) -> list[str]:
+def _device_lines(placement: Placement, names: dict[str, str], backend: str = "local") -> list[str]:
     """The summary's lines about devices: none on the CPU; one for a single GPU; one per role for
     two GPUs, plus a WARNING when the engines report different GPU models (bit-identity with the
     reference, which ran on the prefill GPU, is then not guaranteed). ``names``: role -> the
@@ -310,14 +315,15 @@ def _device_lines(placement: Placement, names: dict[str, str]) -> list[str]:
     pre, dec = placement
     if pre.type != "cuda":
         return []
+    how = "(peer access)" if backend == "local" else "(Transfer Engine)"
     if not placement.split:
         return [f"device {pre} ({names.get('prefill', '')}): both daemons' arenas (CUDA VMM), both engines "
-                "and the colocated reference; local backend GPU -> GPU"]
+                f"and the colocated reference; {backend} backend GPU -> GPU"]
     lines = [
         f"prefill device {pre} ({names.get('prefill', '')}): prefill daemon's arena (CUDA VMM), prefill engine and the "
         "colocated reference",
         f"decode device  {dec} ({names.get('decode', '')}): decode daemon's arena (CUDA VMM) and decode engine; "
-        f"local backend {pre} -> {dec} (peer access)",
+        f"{backend} backend {pre} -> {dec} {how}",
     ]
     if names.get("prefill") != names.get("decode"):
         lines.append(
@@ -394,7 +400,7 @@ def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineCo
     print(f"\nkvd demo: prefill node -> decode node over {backend}{' (tcp)' if backend == 'mooncake' else ''}; "
           f"layout {layout.name} ({layout.fingerprint}); chunked prefill {cfg.chunk} tokens; "
           f"post-capture budgets {PREFILL_BYTES >> 20} MiB / {DECODE_BYTES >> 20} MiB", file=out)
-    for line in _device_lines(placement, device_names or {}):
+    for line in _device_lines(placement, device_names or {}, backend):
         print(line, file=out)
     width = max(len(k) for k, _ in rows)
     print("-" * (width + 60), file=out)

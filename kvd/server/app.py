@@ -67,10 +67,12 @@ def validate(settings: Settings, handle_path: str | None = None) -> Layout:
             f"backend={settings.backend!r} cannot: set backend, or turn speculative off"
         )
     if settings.backend == "mooncake":
-        # Raises Unavailable with the install commands; sets Mooncake's env defaults first.
+        # Unavailable with the install commands (for arena=cuda: of the CUDA build), InvalidArgument
+        # for a transport variable kvd cannot run with; sets Mooncake's env defaults first.
         from kvd.backends.mooncake import check_installed
 
-        check_installed()
+        info = check_installed(cuda_arena=settings.arena == "cuda")
+        log.info("mooncake backend: %s", info.describe())
     if settings.arena == "cuda":
         _check_cuda(settings, handle_path or handle_socket_path(settings))
     return layout

@@ -165,13 +165,15 @@ def test_cuda_arena_settings_and_their_refusals(tmp_path):
 
     assert handle_socket_path(s) == str(tmp_path / "k.sock") + ".handles"
     assert handle_socket_path(load_settings(arena="cuda", handle_socket="/tmp/h.sock")) == "/tmp/h.sock"
+    # arena=cuda with backend=mooncake is a valid configuration; whether the installed Mooncake
+    # can carry it is decided at start-up (below).
+    assert load_settings(arena="cuda", backend="mooncake").backend == "mooncake"
     tcp_only = handle_socket_path(load_settings(arena="cuda", listen_unix="", listen_tcp="127.0.0.1:0"))
     assert re.fullmatch(rf".*/kvd-{os.getpid()}-[0-9a-f]{{8}}\.handles", tcp_only)
     for overrides, phrase in [
         (dict(handle_socket="/tmp/h.sock"), "handle_socket passes CUDA arena fds"),
         (dict(arena="gpu"), "'shm' or 'cuda'"),
         (dict(arena="cuda", cuda_device=-1), "cuda_device"),
-        (dict(arena="cuda", backend="mooncake"), "with arena=cuda use backend=local"),
     ]:
         with pytest.raises(InvalidArgument, match=re.escape(phrase)):
             load_settings(**overrides)
@@ -212,6 +214,66 @@ def test_cuda_arena_refusals_name_the_device_and_the_package(tmp_path, monkeypat
     long_sock = str(tmp_path / ("x" * 110))
     with pytest.raises(InvalidArgument, match="set handle_socket \\(or listen_unix\\) to a shorter path"):
         validate(load_settings(arena="cuda", listen_unix=str(tmp_path / "k.sock"), handle_socket=long_sock))
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+# ---- backend=mooncake: the installed build and the transport variables, checked at start-up -------
+
+
+def _mooncake_build():
+    from kvd.backends.mooncake import build_info
+    from kvd.errors import Unavailable
+
+    try:
+        return build_info()
+    except Unavailable as exc:
+        pytest.skip(f"mooncake is not installed here: {exc}")
+
+
+def _no_mc_transport_env(monkeypatch) -> None:
+    for k in ("MC_INTRANODE_NVLINK", "MC_TCP_PROTO"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_arena_cuda_with_the_cpu_mooncake_build_is_refused_at_start_naming_the_cuda_build(tmp_path, monkeypatch):
+    """The CPU-only wheel (what CI installs) would read device pointers as host memory: refused
+    before the arena or a socket exists, with the command that installs the CUDA build."""
+    from kvd.errors import Unavailable
+
+    if _mooncake_build().cuda:
+        pytest.skip("the installed Mooncake is the CUDA build: tests/gpu/test_mooncake_gpu.py runs it")
+    _no_mc_transport_env(monkeypatch)
+    s = load_settings(arena="cuda", backend="mooncake", listen_unix=str(tmp_path / "kvd.sock"))
+    msg = (r"arena=cuda with backend=mooncake needs Mooncake's CUDA build, but this is the CPU-only build "
+           r"\(mooncake.engine.SUPPORT_CUDA is False\).*pip uninstall -y mooncake-transfer-engine-non-cuda && "
+           r"pip install mooncake-transfer-engine.*backend=local")
+    with pytest.raises(Unavailable, match=msg):
+        validate(s)
+    with pytest.raises(Unavailable, match=msg):
+        Daemon.start(s)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_mooncake_transport_variables_kvd_cannot_run_with_are_refused_at_start(tmp_path, monkeypatch, capsys):
+    """MC_INTRANODE_NVLINK (Mooncake's intra-node NVLink transport cannot register a VMM arena)
+    with arena=cuda, whatever the build; MC_TCP_PROTO=1 (writes reported done before they
+    landed) with any arena. ``kvd serve`` exits 2 with the message."""
+    _mooncake_build()
+    _no_mc_transport_env(monkeypatch)
+    cuda = load_settings(arena="cuda", backend="mooncake", listen_unix=str(tmp_path / "kvd.sock"))
+    shm = load_settings(backend="mooncake", listen_unix=str(tmp_path / "kvd.sock"), arena_dir=str(tmp_path))
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "1")
+    with pytest.raises(InvalidArgument, match=r"MC_INTRANODE_NVLINK is set: .*cudaIpcGetMemHandle, which refuses CUDA "
+                                              r"virtual memory.*unset MC_INTRANODE_NVLINK.*use backend=local"):
+        Daemon.start(cuda)
+    monkeypatch.delenv("MC_INTRANODE_NVLINK")
+    monkeypatch.setenv("MC_TCP_PROTO", "1")
+    for s in (shm, cuda):
+        with pytest.raises(InvalidArgument, match=r"MC_TCP_PROTO=1 .*legacy TCP framing.*unset MC_TCP_PROTO"):
+            Daemon.start(s)
+    assert cli_main(["serve", "--backend", "mooncake", "--listen-unix", str(tmp_path / "kvd.sock"),
+                     "--arena-dir", str(tmp_path)]) == 2
+    assert "MC_TCP_PROTO=1" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == []
 
 

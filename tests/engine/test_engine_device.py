@@ -47,16 +47,24 @@ def test_resolve_names_the_devices():
         resolve("tpu")
 
 
-def test_cuda_demo_takes_the_local_backend_and_refuses_mooncake(monkeypatch):
+def test_cuda_demo_takes_the_local_backend_and_mooncake_only_as_the_cuda_build(monkeypatch):
     from kvd.engine.demo import choose_backend
 
+    engine = types.ModuleType("mooncake.engine")  # "installed", a build that names no flags
     monkeypatch.setitem(sys.modules, "mooncake", types.ModuleType("mooncake"))
-    monkeypatch.setitem(sys.modules, "mooncake.engine", types.ModuleType("mooncake.engine"))  # "installed"
+    monkeypatch.setitem(sys.modules, "mooncake.engine", engine)
+    monkeypatch.delenv("MC_INTRANODE_NVLINK", raising=False)
     assert choose_backend("auto", io.StringIO(), "cpu") == "mooncake"
     assert choose_backend("auto", io.StringIO(), "cuda") == "local"
     assert choose_backend("local", io.StringIO(), "cuda") == "local"
-    with pytest.raises(Unavailable, match=r"--backend mooncake with --device cuda.*use --backend local"):
+    with pytest.raises(Unavailable, match=r"--backend mooncake with --device cuda: .*needs Mooncake's CUDA build.*use --backend local"):
         choose_backend("mooncake", io.StringIO(), "cuda")
+    engine.SUPPORT_CUDA = False
+    with pytest.raises(Unavailable, match=r"SUPPORT_CUDA is False.*pip install mooncake-transfer-engine"):
+        choose_backend("mooncake", io.StringIO(), "cuda")
+    engine.SUPPORT_CUDA = engine.SUPPORT_INTRA_NVLINK = True
+    assert choose_backend("mooncake", io.StringIO(), "cuda") == "mooncake"
+    assert choose_backend("auto", io.StringIO(), "cuda") == "local"  # the host's own links stay the default
 
 
 def test_prepare_on_the_cpu_changes_nothing():

@@ -207,6 +207,8 @@ def test_the_summary_names_both_devices_and_warns_on_mixed_models():
                              "and the colocated reference")
     assert two[1].startswith("decode device  cuda:1 (NVIDIA H200): decode daemon's arena (CUDA VMM) and decode engine")
     assert "local backend cuda:0 -> cuda:1 (peer access)" in two[1]
+    over_mooncake = demo._device_lines(Placement(CUDA0, CUDA1), {"prefill": h200, "decode": h200}, "mooncake")
+    assert "mooncake backend cuda:0 -> cuda:1 (Transfer Engine)" in over_mooncake[1]
     mixed = demo._device_lines(Placement(CUDA0, CUDA1), {"prefill": h200, "decode": "NVIDIA H100 80GB HBM3"})
     assert len(mixed) == 3 and mixed[2].startswith("WARNING: the two GPUs are different models ('NVIDIA H200' vs "
                                                    "'NVIDIA H100 80GB HBM3')"), mixed

@@ -28,3 +28,19 @@ GPU = [
 NEEDS_VMM = pytest.mark.skipif(not _has("cuda.bindings"), reason="needs the cuda-python package (cuda.bindings.driver)")
 NEEDS_TRITON = pytest.mark.skipif(not _has("triton"), reason="needs Triton")
 
+
+
+def mooncake_cuda_missing() -> str:
+    """Why the Mooncake backend cannot move a CUDA arena here ("" when it can: the CUDA build
+    imports). Imports ``mooncake.engine`` through kvd (its log settings first); call it from
+    the modules that need it, not at this module's import."""
+    from kvd.backends.mooncake import build_info
+    from kvd.errors import Unavailable
+
+    try:
+        info = build_info()
+    except Unavailable as exc:
+        return str(exc)
+    if not info.cuda:
+        return f"needs Mooncake's CUDA build (mooncake-transfer-engine); installed: {info.describe()}"
+    return ""

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,18 +141,19 @@ def test_an_engine_process_attaches_the_gpu_arena_before_and_after_finalize(tmp_
 TOKENS = 103
 
 
-def cuda_pair(root: Path, devices: tuple[int, int] = (0, 0), **extra):
-    """A prefill and a decode daemon (subprocesses, arena=cuda on ``devices``, backend local);
-    a generator for module fixtures: both must exit 0 and leave no handle socket behind."""
+def cuda_pair(root: Path, devices: tuple[int, int] = (0, 0), backend: str = "local", **extra):
+    """A prefill and a decode daemon (subprocesses, arena=cuda on ``devices``, ``backend``: local
+    or mooncake); a generator for module fixtures: both must exit 0 and leave no handle socket
+    behind."""
     sides = []
     for role, dev in zip(("prefill", "decode"), devices):
-        opts = {**hk.DAEMON_OPTS, "arena_bytes": "4MiB", "backend": "local", "layout": "tiny-hybrid", "arena": "cuda",
+        opts = {**hk.DAEMON_OPTS, "arena_bytes": "4MiB", "backend": backend, "layout": "tiny-hybrid", "arena": "cuda",
                 "cuda_device": dev, "listen_tcp": f"127.0.0.1:{hk.free_port()}", **extra}
         sides.append(hk.Side(role, "subproc", root / role, opts))
     try:
         for s in sides:
             s.start()
-        yield hk.Pair("local", "subproc", *sides)
+        yield hk.Pair(backend, "subproc", *sides)
     finally:
         rcs = {s.role: s.stop() for s in sides}
         assert all(rc == 0 for rc in rcs.values()), f"daemons exited with {rcs}"
@@ -177,8 +179,9 @@ def _shm_path_result(src_arena: torch.Tensor, dst_arena: torch.Tensor, plan, src
 def hand_off_like_the_cpu_path(decode_workdir: Path, p: hk.Engine, d: hk.Engine, seed: int, wait_s: float) -> None:
     """Scatter both pools (compaction runs on the GPU arenas too), hand a hybrid request off and
     check the decode arena against the CPU shm path byte for byte (the sender's arena unchanged),
-    then a second request through the mapping the prefill daemon keeps. Shared by the one-GPU
-    test here and the two-GPU test."""
+    then a second request through what the prefill daemon keeps (the local backend's mapping, or
+    Mooncake's session). Shared by the one-GPU and two-GPU tests of both backends: the daemons'
+    backend (``d.side.opts["backend"]``) decides what the ticket's transfer endpoint must be."""
     rnd = random.Random(seed)
     p.scatter(rnd, "pf")
     d.scatter(rnd, "df")
@@ -190,7 +193,10 @@ def hand_off_like_the_cpu_path(decode_workdir: Path, p: hk.Engine, d: hk.Engine,
         torch.cuda.synchronize(t.device)
     lease = d.c.acquire_lease("r1", "recv")
     ticket = ticket_info(parse_ticket(lease.ticket))
-    assert ticket.transfer_endpoint == str(decode_workdir / "kvd.sock") + ".handles"
+    if d.side.opts["backend"] == "local":  # the decode daemon's handle socket
+        assert ticket.transfer_endpoint == str(decode_workdir / "kvd.sock") + ".handles"
+    else:  # Mooncake's "host:rpc port" (transfer_host is loopback here)
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", ticket.transfer_endpoint), ticket.transfer_endpoint
     assert torch.equal(ticket.vectors.full, dst.full)
     pi, di = p.c.info(), d.c.info()  # envelopes after the churn
     plan = plan_chunk(pi.layout, src, ticket.vectors, pi.envelopes, ticket.envelopes, 0, TOKENS, True)

@@ -133,6 +133,33 @@ def test_handle_names_the_kind_and_the_backed_prefix(vmm_arena_factory) -> None:
             os.close(fd)
 
 
+def test_chunks_are_rdma_capable_exactly_where_the_device_supports_it(vmm_arena_factory) -> None:
+    """The allocation flag an RDMA NIC needs to register VMM memory (Mooncake's GPUDirect path)
+    is set when the device reports GPUDirect RDMA on virtual memory, and only then; the chunks
+    still export and the bytes still read back."""
+    from kvd.arena_cuda import _ok, driver, gpu_direct_rdma_vmm
+
+    cu = driver()
+    a = vmm_arena_factory(GiB, 5 * MiB, chunk_bytes=4 * MiB)  # two chunks
+    with torch.cuda.device(a.device):
+        supported = gpu_direct_rdma_vmm(a.device.index)
+        dev = _ok(cu.cuDeviceGet(a.device.index), "cuDeviceGet")
+        attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+        assert supported == bool(_ok(cu.cuDeviceGetAttribute(attr, dev), "cuDeviceGetAttribute"))
+        assert a.gpu_direct_rdma == supported
+        for c in a._chunks:
+            prop = _ok(cu.cuMemGetAllocationPropertiesFromHandle(c.handle), "cuMemGetAllocationPropertiesFromHandle")
+            assert bool(prop.allocFlags.gpuDirectRDMACapable) == supported
+    data = _rand(5 * MiB, 9)
+    a.tensor().copy_(data)
+    torch.cuda.synchronize()
+    assert torch.equal(a.tensor(), data)
+    fds = a.export_fds()
+    for fd, _ in fds:
+        os.close(fd)
+    assert len(fds) == 2
+
+
 def test_pool_finalize_backs_in_place(vmm_arena_factory) -> None:
     """Post-capture sizing on a VMM arena: the base address, the page views' address and the
     tables' storage do not move through finalize and resize; pages hold what is written."""
