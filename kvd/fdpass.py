@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from kvd import errors as E
 from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
-from kvd.unix_socket import MAX_PATH, check_path, listen, unlink_own
+from kvd.unix_socket import MAX_PATH, UnixServer, check_path
 from kvd.unix_socket import recv_exact as _recv_exact
 
 __all__ = [
@@ -130,7 +130,7 @@ def _frame(obj: dict) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-class HandleServer:
+class HandleServer(UnixServer):
     """A thread that answers handle requests on an ``AF_UNIX`` stream socket at ``path``.
 
     Each connection is served in its own short-lived thread (at most ``max_clients`` at once;
@@ -150,18 +150,13 @@ class HandleServer:
         timeout: float = 2.0,
         max_clients: int = 8,
     ) -> None:
-        check_path(path)
+        super().__init__(path, "handle_socket", "handles")
         if timeout <= 0 or max_clients <= 0:
             raise InvalidArgument(f"handle server: timeout ({timeout}) and max_clients ({max_clients}) must be positive")
-        self.path = path
         self.timeout = timeout
         self._export = export
         self._authorize = authorize
         self._slots = threading.BoundedSemaphore(max_clients)
-        self._sock: socket.socket | None = None
-        self._ino = 0  # inode of the socket file we bound: stop() unlinks only that one
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._workers: set[threading.Thread] = set()
         self._watched: set[socket.socket] = set()  # open watches: no thread, no slot (see the module docstring)
         self._lock = threading.Lock()
@@ -169,21 +164,10 @@ class HandleServer:
         #: connections dropped without an answer (client gone or too slow).
         self.served = self.refused = self.dropped = 0
 
-    # -- life cycle --------------------------------------------------------------------------
+    # -- serving -----------------------------------------------------------------------------
 
-    def start(self) -> HandleServer:
-        self._sock, self._ino = listen(self.path, "handle_socket", "handles")
-        self._thread = threading.Thread(target=self._accept_loop, name="kvd-handles", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop accepting, wait for exchanges in flight (each bounded by ``timeout``), unlink."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+    def _end(self) -> None:
+        """Wait for exchanges in flight (each bounded by ``timeout``); close every watch."""
         with self._lock:
             workers = list(self._workers)
         for w in workers:
@@ -192,39 +176,19 @@ class HandleServer:
             watched, self._watched = list(self._watched), set()
         for c in watched:
             c.close()  # every watcher sees EOF: this server no longer vouches for its arena
-        if self._sock is not None:
-            self._sock.close()
-        unlink_own(self.path, self._ino)
 
-    def __enter__(self) -> HandleServer:
-        return self.start()
+    def _tick(self) -> None:
+        self._reap_watches()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    # -- serving -----------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            self._reap_watches()
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                log.exception("handle server: accept failed")
-                continue
-            if not self._slots.acquire(blocking=False):
-                self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"), busy=True)
-                conn.close()
-                continue
-            t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
-            with self._lock:
-                self._workers.add(t)
-            t.start()
+    def _accepted(self, conn: socket.socket) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"), busy=True)
+            conn.close()
+            return
+        t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
+        with self._lock:
+            self._workers.add(t)
+        t.start()
 
     @property
     def watching(self) -> int:

@@ -1,4 +1,4 @@
-"""Unix stream sockets as kvd serves them: path checks, claiming a path, exact reads.
+"""Unix stream sockets as kvd serves them: path checks, claiming a path, an accept loop, exact reads.
 
 Shared by the handle socket (:mod:`kvd.fdpass`) and the peer socket
 (:mod:`kvd.server.peer_socket`). Each refusal names the setting an operator changes
@@ -7,13 +7,19 @@ Shared by the handle socket (:mod:`kvd.fdpass`) and the peer socket
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
+import threading
+from typing import TypeVar
 
 from kvd.errors import InvalidArgument, Unavailable
 
-__all__ = ["MAX_PATH", "check_path", "listen", "recv_exact", "unlink_own"]
+__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "recv_exact", "unlink_own"]
+
+log = logging.getLogger("kvd.unix_socket")
+_S = TypeVar("_S", bound="UnixServer")
 
 #: Bytes of a Unix socket path (sun_path is 108 bytes with its terminating NUL).
 MAX_PATH = 107
@@ -89,3 +95,72 @@ def recv_exact(conn: socket.socket, n: int) -> bytes:
             raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
         buf += chunk
     return bytes(buf)
+
+
+class UnixServer:
+    """An accept loop on a Unix stream socket at ``path``, in a thread of its own.
+
+    :meth:`start` binds (:func:`listen`: a stale socket file replaced, a live one refused) and
+    starts the loop; :meth:`stop` ends it, lets the subclass end its connections
+    (:meth:`_end`), closes the socket and unlinks the path if it is still ours. A subclass
+    handles each new connection in :meth:`_accepted` (called on the accept thread: hand the
+    connection to a thread, never block) and may do housekeeping in :meth:`_tick`, called
+    at least every 0.1 s."""
+
+    def __init__(self, path: str, setting: str, serves: str) -> None:
+        check_path(path, setting)
+        self.path = path
+        self._setting = setting  # the configuration field named in refusals
+        self._serves = serves  # what it serves, in messages ("handles", "peer calls")
+        self._sock: socket.socket | None = None
+        self._ino = 0  # inode of the socket file we bound: stop() unlinks only that one
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self: _S) -> _S:
+        self._sock, self._ino = listen(self.path, self._setting, self._serves)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"kvd-{self._setting.removesuffix('_socket')}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, end the connections (the subclass says how), unlink the path."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._end()
+        if self._sock is not None:
+            self._sock.close()
+        unlink_own(self.path, self._ino)
+
+    def __enter__(self: _S) -> _S:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _accepted(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _tick(self) -> None:
+        """Housekeeping between accepts (nothing by default)."""
+
+    def _end(self) -> None:
+        """End the connections still open, after the accept loop stopped (nothing by default)."""
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            self._tick()
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("%s on %s: accept failed", self._setting.replace("_", " "), self.path)
+                continue
+            self._accepted(conn)
