@@ -730,9 +730,9 @@ class Ticket(_message.Message):
     backend: _builtins.str
     peer_socket: _builtins.str
     """The decode daemon's peer socket (a Unix socket path; "" when it serves none): a sender on the
-    same host may call CheckTicket and Commit there instead of over gRPC, once the daemon answering
-    on it proved to be boot `boot_id` (PeerHello). Another host, or another daemon on the same
-    path name, fails that proof and the sender uses peer_address.
+    same host may make its calls (CheckTicket, Commit, Heartbeat, AbortReceive) there instead of
+    over gRPC, once the daemon answering on it proved to be boot `boot_id` (PeerHello). Another
+    host, or another daemon on the same path name, fails that proof and the sender uses peer_address.
     """
     @_builtins.property
     def envelopes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Envelope]: ...
@@ -1666,9 +1666,9 @@ Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
 class PeerHello(_message.Message):
-    """The peer socket (kvd/server/peer_socket.py): a same-host fast path for the Peer service's
-    CheckTicket and Commit, carrying the same request and response messages in length-prefixed
-    frames. The first frame of a connection is a PeerHello; the daemon answers PeerHelloResponse
+    """The peer socket (kvd/server/peer_socket.py): a same-host fast path for a sender's Peer calls
+    (CheckTicket, Commit, Heartbeat, AbortReceive), carrying the same request and response messages
+    in length-prefixed frames. The first frame of a connection is a PeerHello; the daemon answers PeerHelloResponse
     or a PeerStatus refusal. A refused call is answered with a PeerStatus.
     """
 
