@@ -54,6 +54,7 @@ test: venv
 bench: venv
 	$(BIN)/python bench/pool.py
 	$(BIN)/python bench/control_plane.py
+	$(BIN)/python bench/peer_socket.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -25,6 +25,7 @@ class BenchDaemon:
     unix: str
     tmp: str
     tcp: str | None = None
+    metrics_port: int | None = None  # when started with --metrics-port
 
     @classmethod
     def spawn(cls, *args: str) -> BenchDaemon:
@@ -48,6 +49,8 @@ class BenchDaemon:
             m = re.match(r"kvd: serving on (.*?)(;|$)", line.strip())
             if m:
                 self.tcp = next((a for a in m.group(1).split(", ") if not a.startswith("unix:")), None)
+                port = re.search(r"metrics on :(\d+)", line)
+                self.metrics_port = int(port.group(1)) if port else None
                 break
         if self.proc.poll() is not None or not os.path.exists(self.unix[len("unix:"):]):
             self.stop()

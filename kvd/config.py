@@ -60,6 +60,14 @@ class Settings(BaseSettings):
         description="Unix socket that passes the CUDA arena's fds to engines and peer daemons (arena=cuda only); "
         "default: <listen_unix>.handles, or <tmpdir>/kvd-<pid>-<random>.handles without a Unix listener",
     )
+    peer_socket: str | None = Field(
+        None,
+        description="absolute path of the Unix socket on which a sending daemon of this host makes its calls of a "
+        "handoff (CheckTicket, Commit, Heartbeat, AbortReceive) without gRPC (named in tickets; served when backend "
+        "is not none); "
+        "default: <listen_unix>.peer, or <tmpdir>/kvd-<pid>-<random>.peer without a Unix listener; '' turns it off "
+        "(peers then call over gRPC only)",
+    )
     listen_unix: str | None = Field("/tmp/kvd.sock", description="Unix socket path for engines ('' to disable)")
     listen_tcp: str | None = Field(None, description="host:port for TCP (engines and peer daemons); port 0 picks one")
     advertise: str | None = Field(None, description="address peers use to reach this daemon (default: the TCP address, else the Unix socket)")
@@ -108,6 +116,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "handle_socket passes CUDA arena fds; a shm arena is mapped by its file path: drop handle_socket "
                 "or set arena=cuda"
+            )
+        if self.peer_socket and not self.peer_socket.startswith("/"):
+            raise ValueError(
+                f"peer_socket {self.peer_socket!r} must be an absolute path (it travels in tickets to another daemon, "
+                "whose working directory differs), or '' to turn the peer socket off"
             )
         if self.listen_tcp and not re.fullmatch(r"\[?[\w.:-]*\]?:\d+", self.listen_tcp):
             raise ValueError(f"listen_tcp {self.listen_tcp!r} must be host:port, e.g. 127.0.0.1:50051")

@@ -35,7 +35,6 @@ import logging
 import os
 import select
 import socket
-import stat
 import struct
 import threading
 import time
@@ -45,6 +44,8 @@ from typing import NamedTuple
 
 from kvd import errors as E
 from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
+from kvd.unix_socket import MAX_PATH, UnixServer, check_path
+from kvd.unix_socket import recv_exact as _recv_exact
 
 __all__ = [
     "MAX_FDS", "MAX_PATH", "MAX_WATCHES", "HandleHeader", "HandleRequest", "HandleServer", "Handles", "Watch",
@@ -55,8 +56,6 @@ log = logging.getLogger("kvd.fdpass")
 
 #: The kernel's limit of fds in one SCM_RIGHTS message (SCM_MAX_FD).
 MAX_FDS = 253
-#: Bytes of a Unix socket path (sun_path is 108 bytes with its terminating NUL).
-MAX_PATH = 107
 #: A request larger than this is refused unread: a real one is well under 1 KiB.
 MAX_REQUEST = 4096
 #: A reply header larger than this is refused by the importer (253 sizes fit in ~4 KiB).
@@ -125,34 +124,13 @@ Exporter = Callable[[bool], "tuple[HandleHeader, list[int]]"]
 Authorizer = Callable[[HandleRequest], None]
 
 
-def check_path(path: str) -> None:
-    """InvalidArgument unless ``path`` can name a Unix socket (not empty, at most 107 bytes)."""
-    if not path:
-        raise InvalidArgument("handle socket: empty path; set handle_socket to a socket path")
-    if len(os.fsencode(path)) > MAX_PATH:
-        raise InvalidArgument(
-            f"handle socket path {path!r} is {len(os.fsencode(path))} bytes; Unix sockets allow {MAX_PATH}: "
-            "set handle_socket (or listen_unix) to a shorter path"
-        )
-
-
 def _frame(obj: dict) -> bytes:
     """One message on the wire: a big-endian length, then that many bytes of JSON."""
     body = json.dumps(obj).encode()
     return _LEN.pack(len(body)) + body
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
-        buf += chunk
-    return bytes(buf)
-
-
-class HandleServer:
+class HandleServer(UnixServer):
     """A thread that answers handle requests on an ``AF_UNIX`` stream socket at ``path``.
 
     Each connection is served in its own short-lived thread (at most ``max_clients`` at once;
@@ -172,18 +150,13 @@ class HandleServer:
         timeout: float = 2.0,
         max_clients: int = 8,
     ) -> None:
-        check_path(path)
+        super().__init__(path, "handle_socket", "handles")
         if timeout <= 0 or max_clients <= 0:
             raise InvalidArgument(f"handle server: timeout ({timeout}) and max_clients ({max_clients}) must be positive")
-        self.path = path
         self.timeout = timeout
         self._export = export
         self._authorize = authorize
         self._slots = threading.BoundedSemaphore(max_clients)
-        self._sock: socket.socket | None = None
-        self._ino = 0  # inode of the socket file we bound: stop() unlinks only that one
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._workers: set[threading.Thread] = set()
         self._watched: set[socket.socket] = set()  # open watches: no thread, no slot (see the module docstring)
         self._lock = threading.Lock()
@@ -191,32 +164,10 @@ class HandleServer:
         #: connections dropped without an answer (client gone or too slow).
         self.served = self.refused = self.dropped = 0
 
-    # -- life cycle --------------------------------------------------------------------------
+    # -- serving -----------------------------------------------------------------------------
 
-    def start(self) -> HandleServer:
-        self._clear_stale()
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.bind(self.path)
-            s.listen(64)
-            # accept() wakes this often to see stop(); closing a socket does not wake a blocked accept.
-            s.settimeout(0.1)
-            self._ino = os.stat(self.path).st_ino
-        except OSError as exc:
-            s.close()
-            raise Unavailable(f"cannot serve handles on {self.path}: {exc}; set handle_socket to a writable path") from exc
-        self._sock = s
-        self._thread = threading.Thread(target=self._accept_loop, name="kvd-handles", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop accepting, wait for exchanges in flight (each bounded by ``timeout``), unlink."""
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+    def _end(self) -> None:
+        """Wait for exchanges in flight (each bounded by ``timeout``); close every watch."""
         with self._lock:
             workers = list(self._workers)
         for w in workers:
@@ -225,61 +176,19 @@ class HandleServer:
             watched, self._watched = list(self._watched), set()
         for c in watched:
             c.close()  # every watcher sees EOF: this server no longer vouches for its arena
-        if self._sock is not None:
-            self._sock.close()
-        try:
-            if self._ino and os.stat(self.path).st_ino == self._ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
-    def __enter__(self) -> HandleServer:
-        return self.start()
+    def _tick(self) -> None:
+        self._reap_watches()
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def _clear_stale(self) -> None:
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
+    def _accepted(self, conn: socket.socket) -> None:
+        if not self._slots.acquire(blocking=False):
+            self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"), busy=True)
+            conn.close()
             return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise InvalidArgument(f"handle socket path {self.path} exists and is not a socket; set handle_socket to another path")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(self.path)
-        except OSError:
-            os.unlink(self.path)  # nobody listens: a socket file left by a dead owner
-            return
-        finally:
-            probe.close()
-        raise Unavailable(f"another process serves handles on {self.path}; stop it or set handle_socket to another path")
-
-    # -- serving -----------------------------------------------------------------------------
-
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._stop.is_set():
-            self._reap_watches()
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                log.exception("handle server: accept failed")
-                continue
-            if not self._slots.acquire(blocking=False):
-                self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"), busy=True)
-                conn.close()
-                continue
-            t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
-            with self._lock:
-                self._workers.add(t)
-            t.start()
+        t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
+        with self._lock:
+            self._workers.add(t)
+        t.start()
 
     @property
     def watching(self) -> int:

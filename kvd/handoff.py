@@ -1,7 +1,8 @@
 """The handoff: moving one request's KV from a prefill daemon to a decode daemon.
 
-Core logic, no gRPC: the other daemon is reached through a :class:`PeerLink` (the server
-package implements it over gRPC) and bytes move through a :class:`~kvd.backends.base.Backend`.
+Core logic, no gRPC, no sockets: the other daemon is reached through a :class:`PeerLink` (the
+server package implements it over gRPC, with a same-host peer socket for the two calls on a
+Send's critical path) and bytes move through a :class:`~kvd.backends.base.Backend`.
 
 Receiving side (:class:`Inbox`, owned by the decode node)::
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from kvd.backends.base import Backend
     from kvd.node import Node
 
-__all__ = ["TransferState", "TransferRef", "TicketInfo", "PeerLink", "Inbox", "Outbox", "SendResult", "SEND_PHASES", "Status"]
+__all__ = ["TransferState", "TransferRef", "SocketRoute", "TicketInfo", "PeerLink", "Inbox", "Outbox", "SendResult", "SEND_PHASES", "Status"]
 
 log = logging.getLogger("kvd.handoff")
 
@@ -62,6 +63,15 @@ class TransferRef:
     rid: str
 
 
+class SocketRoute(NamedTuple):
+    """A same-host way to the daemon that issued a ticket: its peer socket, and the boot that must
+    answer there. A link may use it only after that daemon proved to be ``boot_id``: the same
+    path on another host, or in another container, belongs to another daemon."""
+
+    path: str
+    boot_id: str
+
+
 @dataclass(frozen=True, slots=True)
 class TicketInfo:
     """A parsed ticket (see ``Ticket`` in the proto): what the sender needs to write."""
@@ -76,24 +86,37 @@ class TicketInfo:
     vectors: IndexVectors
     transfer_endpoint: str
     backend: str
+    peer_socket: str = ""  # the issuer's peer socket path ("" when it offers none)
 
     @property
     def ref(self) -> TransferRef:
         return TransferRef(self.boot_id, self.lease_id, self.rid)
 
+    @property
+    def via(self) -> SocketRoute | None:
+        """The same-host route the ticket offers, if any (see :class:`SocketRoute`)."""
+        return SocketRoute(self.peer_socket, self.boot_id) if self.peer_socket else None
+
 
 class PeerLink(Protocol):
-    """How one daemon reaches another. Errors are kvd exceptions (Unavailable when unreachable)."""
+    """How one daemon reaches another. Errors are kvd exceptions (Unavailable when unreachable,
+    or when the connection broke during the call: a commit is never sent twice).
 
-    def check_ticket(self, address: str, ticket: bytes, sender: str) -> None: ...
+    ``via``: the same-host route the ticket offered. A sender's calls to the receiver may take it
+    instead of ``address``, with the same outcome and errors: CheckTicket and Commit are the
+    critical path of every Send, and the heartbeat and the abort go the same way so that the
+    receiver's liveness is judged on the path the transfer uses. ``abort_send`` (receiver to
+    sender) knows the sender by its address only."""
 
-    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int) -> None: ...
+    def check_ticket(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> None: ...
 
-    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool) -> None: ...
+    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None: ...
+
+    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool, via: SocketRoute | None = None) -> None: ...
 
     def abort_send(self, address: str, ref: TransferRef, reason: str) -> None: ...
 
-    def heartbeat(self, address: str, sender: str, refs: list[TransferRef]) -> list[int]: ...
+    def heartbeat(self, address: str, sender: str, refs: list[TransferRef], via: SocketRoute | None = None) -> list[int]: ...
 
 
 class Status(NamedTuple):
@@ -391,12 +414,12 @@ class Outbox:
             # chunks skip the round trip: the RECV lease pins the receiver's pages until the
             # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
             if not ob.began:
-                self.link.check_ticket(ticket.peer_address, raw, self.address)
+                self.link.check_ticket(ticket.peer_address, raw, self.address, ticket.via)
                 step("check")
             began = ob.began = True
             wrote = self._write(ob, plan, ticket)
             step("write")
-            self.link.commit(ticket.peer_address, ticket.ref, last, wrote)
+            self.link.commit(ticket.peer_address, ticket.ref, last, wrote, ticket.via)
             step("commit")
             self.bytes_total += wrote
             if last:
@@ -439,7 +462,7 @@ class Outbox:
 
     def _tell_receiver(self, ticket: TicketInfo, reason: str) -> None:
         try:
-            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, drained=True)
+            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, True, ticket.via)
         except KvdError as exc:
             log.info("could not tell %s about the abort of %s: %s", ticket.peer_address, ticket.rid, exc)
 
@@ -455,7 +478,7 @@ class Outbox:
         for ob in obs:
             # In-flight sends stop at their next batch and then report drained=True themselves.
             try:
-                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, drained=ob.active == 0)
+                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, ob.active == 0, ob.ticket.via)
             except KvdError:
                 pass
         return bool(obs)
@@ -478,14 +501,16 @@ class Outbox:
             for key, ob in list(self._open.items()):
                 if ob.aborted and ob.active == 0 and now - ob.aborted_at > self.lease_ttl:
                     del self._open[key]
-            by_peer: dict[str, list[_Outbound]] = {}
+            # One heartbeat per receiver, on the route its tickets offered (a restarted receiver
+            # is another route: its old boot's transfers are asked about apart).
+            by_peer: dict[tuple[str, SocketRoute | None], list[_Outbound]] = {}
             for ob in self._open.values():
                 # A Send still validating its ticket has not begun: nothing to keep alive yet.
                 if ob.began and not ob.aborted:
-                    by_peer.setdefault(ob.ticket.peer_address, []).append(ob)
-        for address, obs in by_peer.items():
+                    by_peer.setdefault((ob.ticket.peer_address, ob.ticket.via), []).append(ob)
+        for (address, via), obs in by_peer.items():
             try:
-                dead = set(self.link.heartbeat(address, self.address, [ob.ticket.ref for ob in obs]))
+                dead = set(self.link.heartbeat(address, self.address, [ob.ticket.ref for ob in obs], via))
             except KvdError as exc:
                 dead, why = {ob.ticket.lease_id for ob in obs}, f"receiver {address} unreachable: {exc}"
             else:

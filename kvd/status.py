@@ -2,7 +2,9 @@
 
 The server turns an exception into ``(code, message, trailing metadata)`` with :func:`to_status`;
 the client turns a ``grpc.RpcError`` back into the most specific kvd exception with
-:func:`from_rpc_error`. The trailing key ``kvd-error`` carries the exception class name so that
+:func:`from_rpc_error`. The peer socket (``kvd.server.peer_socket``) carries the same triple in
+its error frames and maps it back with :func:`from_status`, so a refusal raises the same class
+with the same message over either transport. The trailing key ``kvd-error`` carries the exception class name so that
 two classes sharing a code (``StaleEpoch`` and ``Pinned`` are both FAILED_PRECONDITION) come
 back as themselves; ``kvd-shortfall-bytes`` carries a CapacityError's shortfall and
 ``kvd-holders`` a Pinned error's lease labels.
@@ -14,7 +16,7 @@ import grpc
 
 from kvd import errors as E
 
-__all__ = ["CODES", "to_status", "from_rpc_error"]
+__all__ = ["CODES", "to_status", "from_rpc_error", "from_status", "code_from_int"]
 
 #: Most specific first; every class of the tree is listed (a test keeps this honest).
 CODES: dict[type[E.KvdError], grpc.StatusCode] = {
@@ -59,6 +61,14 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple[tuple[str
     return CODES[cls], str(exc), tuple(md)
 
 
+_BY_INT: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def code_from_int(value: int) -> grpc.StatusCode:
+    """The status code with this wire number (UNKNOWN for a number gRPC does not define)."""
+    return _BY_INT.get(value, grpc.StatusCode.UNKNOWN)
+
+
 def from_rpc_error(err: grpc.RpcError) -> E.KvdError:
     """The kvd exception a ``grpc.RpcError`` stands for (the caller raises it ``from err``)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
@@ -68,6 +78,12 @@ def from_rpc_error(err: grpc.RpcError) -> E.KvdError:
         md = {k: v for k, v in (err.trailing_metadata() or ())}
     except Exception:  # some transport errors carry no metadata
         pass
+    return from_status(code, details, md)
+
+
+def from_status(code: grpc.StatusCode, details: str, md: dict[str, str]) -> E.KvdError:
+    """The kvd exception a status code, message and trailing metadata (as :func:`to_status`
+    made them) stand for."""
     cls = _BY_NAME.get(md.get("kvd-error", ""), _BY_CODE.get(code, E.KvdError))
     if cls is E.CapacityError:
         return E.CapacityError(details, int(md.get("kvd-shortfall-bytes", "0") or 0))

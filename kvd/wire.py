@@ -159,6 +159,7 @@ def ticket_info(t: pb.Ticket) -> TicketInfo:
         vectors=vectors_from_pb(t.vectors),
         transfer_endpoint=t.transfer_endpoint,
         backend=t.backend,
+        peer_socket=t.peer_socket,
     )
 
 

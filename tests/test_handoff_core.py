@@ -29,23 +29,23 @@ class DirectLink:
         self.calls: list[tuple[str, tuple]] = []
         self.on_check = lambda: None
 
-    def check_ticket(self, address, ticket, sender):
+    def check_ticket(self, address, ticket, sender, via=None):
         self.calls.append(("check_ticket", (address, sender)))
         self.on_check()
         raise LayoutMismatch("group swa: page bytes differ (refused by the receiver)")
 
-    def commit(self, address, ref, last, nbytes):
+    def commit(self, address, ref, last, nbytes, via=None):
         self.calls.append(("commit", (ref, last, nbytes)))
         self.receiver.inbox.commit(ref, last, nbytes)
 
-    def abort_receive(self, address, ref, reason, drained):
+    def abort_receive(self, address, ref, reason, drained, via=None):
         self.calls.append(("abort_receive", (ref, reason, drained)))
         self.receiver.inbox.abort(ref, reason, drained)
 
     def abort_send(self, address, ref, reason):
         self.calls.append(("abort_send", (ref, reason)))
 
-    def heartbeat(self, address, sender, refs):
+    def heartbeat(self, address, sender, refs, via=None):
         self.calls.append(("heartbeat", tuple(refs)))
         return self.receiver.inbox.heartbeat(sender, refs)
 

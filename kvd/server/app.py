@@ -1,4 +1,4 @@
-"""Assemble and run a daemon: node + gRPC server + health + reflection + metrics + sweeper.
+"""Assemble and run a daemon: node + gRPC server + peer socket + health + reflection + metrics + sweeper.
 
 ``Daemon.start(settings)`` builds everything and binds (port 0 picks a port: tests use that);
 ``serve(settings)`` runs until SIGTERM/SIGINT, then stops accepting, reports NOT_SERVING, drains
@@ -25,7 +25,7 @@ from kvd.arena import Arena, ShmArena, reap_stale
 from kvd.backends.base import Backend, make_backend
 from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.fdpass import HandleServer, check_path
+from kvd.fdpass import HandleServer
 from kvd.handoff import Outbox, run_every
 from kvd.layout import GroupKind, Layout
 from kvd.node import Node
@@ -33,12 +33,15 @@ from kvd.pool import Pool
 from kvd.presets import load_layout
 from kvd.server.handles import ArenaHandles
 from kvd.server.metrics import Metrics
-from kvd.server.peer_link import GrpcPeerLink
+from kvd.server.peer_calls import PeerCalls
+from kvd.server.peer_link import DaemonPeerLink
+from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
 from kvd.server.service import Endpoint, KvdService, PeerService
+from kvd.unix_socket import check_path
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
-__all__ = ["Daemon", "handle_socket_path", "serve", "validate"]
+__all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "validate"]
 
 log = logging.getLogger("kvd.server")
 
@@ -51,11 +54,15 @@ _DRAFT_CAPABLE = {"mooncake", "local"}
 _HANDLE_CLIENTS = 64
 
 
-def validate(settings: Settings, handle_path: str | None = None) -> Layout:
+def validate(settings: Settings, handle_path: str | None = None, peer_path: str | None = None) -> Layout:
     """Refuse unsupported combinations at start-up with a message that says what to change.
     Returns the layout (loaded once: it may be a file). ``handle_path``: where an arena=cuda
-    daemon will serve its handles (default :func:`handle_socket_path`)."""
+    daemon will serve its handles (default :func:`handle_socket_path`); ``peer_path``: where it
+    will serve its peer socket (default :func:`peer_socket_path`)."""
     layout = load_layout(settings.layout)
+    peer_path = peer_path or peer_socket_path(settings)
+    if peer_path:
+        check_path(peer_path, "peer_socket")
     if settings.speculative and not layout.has(GroupKind.DRAFT):
         raise InvalidArgument(
             f"speculative=true but layout {layout.name!r} has no draft group; use a layout with a draft group "
@@ -96,14 +103,27 @@ def _check_cuda(settings: Settings, handle_path: str) -> None:
     check_path(handle_path)
 
 
+def _beside(settings: Settings, suffix: str) -> str:
+    """``<listen_unix><suffix>`` (absolute), else a fresh name in the temp directory (a daemon
+    without a Unix listener): where a daemon's other sockets live by default."""
+    if settings.listen_unix:
+        return os.path.abspath(settings.listen_unix) + suffix
+    return os.path.join(tempfile.gettempdir(), f"kvd-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}")
+
+
 def handle_socket_path(settings: Settings) -> str:
     """Where a CUDA arena's fds are handed out: ``handle_socket``, else ``<listen_unix>.handles``,
     else a fresh name in the temp directory (a daemon without a Unix listener)."""
-    if settings.handle_socket:
-        return settings.handle_socket
-    if settings.listen_unix:
-        return settings.listen_unix + ".handles"
-    return os.path.join(tempfile.gettempdir(), f"kvd-{os.getpid()}-{uuid.uuid4().hex[:8]}.handles")
+    return settings.handle_socket or _beside(settings, ".handles")
+
+
+def peer_socket_path(settings: Settings) -> str | None:
+    """Where a sender on this host calls this daemon without gRPC (:mod:`kvd.server.peer_socket`):
+    ``peer_socket``, else ``<listen_unix>.peer``, else a fresh name in the temp directory. None
+    when ``peer_socket`` is '' (off) or the daemon runs no backend (it receives no handoffs)."""
+    if settings.peer_socket == "" or settings.backend == "none":
+        return None
+    return settings.peer_socket or _beside(settings, ".peer")
 
 
 def _make_arena(settings: Settings) -> Arena:
@@ -127,8 +147,9 @@ class Daemon:
     metrics: Metrics | None
     backend: Backend | None = None
     outbox: Outbox | None = None
-    link: GrpcPeerLink | None = None
+    link: DaemonPeerLink | None = None
     handles: HandleServer | None = None  # arena=cuda: hands the arena's fds to engines and peers
+    peer_socket: PeerSocketServer | None = None  # a same-host sender's calls (CheckTicket, Commit, ...)
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -136,7 +157,8 @@ class Daemon:
     def start(cls, settings: Settings) -> Daemon:
         # Computed once: without a Unix listener the name is fresh each time it is derived.
         handle_path = handle_socket_path(settings) if settings.arena == "cuda" else None
-        layout = validate(settings, handle_path)
+        peer_path = peer_socket_path(settings)
+        layout = validate(settings, handle_path, peer_path)
         if settings.torch_threads:
             torch.set_num_threads(settings.torch_threads)
         arena = _make_arena(settings)
@@ -156,12 +178,15 @@ class Daemon:
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-rpc"),
             interceptors=[metrics.interceptor()],
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+            options=[("grpc.max_receive_message_length", MAX_FRAME), ("grpc.max_send_message_length", MAX_FRAME)],
         )
         addresses: list[str] = []
         handle_server: HandleServer | None = None
+        peer_server: PeerSocketServer | None = None
 
         def undo() -> None:  # a start-up failure leaves nothing behind: no socket, no arena
+            if peer_server is not None:
+                peer_server.stop()
             if handle_server is not None:
                 handle_server.stop()
             arena.close()
@@ -215,19 +240,32 @@ class Daemon:
                 raise
             # Register the whole arena again whenever its backing changes (post-capture sizing).
             node.on_backing_change.append(lambda: backend.register(arena))
-            link = GrpcPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
+            link = DaemonPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
             outbox = Outbox(node, backend, link, address=peer)
             metrics.collector.outbox = outbox
+            metrics.collector.link = link
             caps.append("handoff")
+        calls = PeerCalls(node, settings.peer_token, outbox)
+        if peer_path:
+            try:  # before any ticket can name it
+                peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s).start()
+            except BaseException:
+                if backend is not None:
+                    backend.close()
+                undo()
+                raise
+            metrics.collector.peer_socket = peer_server
+            caps.append("peer-socket")
         endpoint = Endpoint(
             peer_address=peer,
             backend=settings.backend,
             transfer_endpoint=backend.endpoint if backend else "",
             capabilities=tuple(caps),
             handle_socket=handle_server.path if handle_server else "",
+            peer_socket=peer_server.path if peer_server else "",
         )
         pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link), server)
-        pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, settings.peer_token, outbox), server)
+        pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, calls), server)
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         names = (
@@ -242,7 +280,10 @@ class Daemon:
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         if settings.metrics_port is not None:
             metrics.serve(settings.metrics_host, settings.metrics_port)
-        d = cls(settings, node, server, hs, addresses, metrics, backend=backend, outbox=outbox, link=link, handles=handle_server)
+        d = cls(
+            settings, node, server, hs, addresses, metrics,
+            backend=backend, outbox=outbox, link=link, handles=handle_server, peer_socket=peer_server,
+        )
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
         d._sweeper.start()
         if outbox is not None:
@@ -273,6 +314,8 @@ class Daemon:
         self._stop.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(self.settings.grace_s if grace is None else grace).wait()
+        if self.peer_socket is not None:
+            self.peer_socket.stop()  # callers see EOF and use gRPC, which is stopped too: Unavailable
         if self.metrics:
             self.metrics.close()
         if self.link is not None:

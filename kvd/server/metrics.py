@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -17,6 +18,10 @@ from prometheus_client.registry import Collector
 
 from kvd.handoff import Outbox
 from kvd.node import Node
+
+if TYPE_CHECKING:
+    from kvd.server.peer_link import DaemonPeerLink
+    from kvd.server.peer_socket import PeerSocketServer
 
 __all__ = ["Metrics"]
 
@@ -28,6 +33,8 @@ class _NodeCollector(Collector):
     def __init__(self, node: Node) -> None:
         self.node = node
         self.outbox: Outbox | None = None  # set when the daemon runs a transfer backend
+        self.link: DaemonPeerLink | None = None  # likewise: this daemon calling others
+        self.peer_socket: PeerSocketServer | None = None  # set when it serves a peer socket
 
     def collect(self) -> Iterator:
         s = self.node.stats()
@@ -83,6 +90,23 @@ class _NodeCollector(Collector):
             yield gauge("kvd_transfers_open", "Outbound transfers in progress", self.outbox.open_count(), {"direction": "out"})
         yield tr
         yield by
+        if self.link is not None:
+            calls = CounterMetricFamily(
+                "kvd_peer_calls", "Calls this daemon made to peer daemons, by method and path (socket: the peer's "
+                "same-host peer socket; grpc)", labels=["method", "path"],
+            )
+            for (method, path), n in sorted(self.link.calls().items()):
+                calls.add_metric([method, path], n)
+            yield calls
+        if self.peer_socket is not None:
+            served = CounterMetricFamily(
+                "kvd_peer_socket_calls", "Calls peer daemons made on this daemon's peer socket, by method and status code",
+                labels=["method", "code"],
+            )
+            for (method, code), n in sorted(self.peer_socket.answered().items()):
+                served.add_metric([method, code], n)
+            yield served
+            yield gauge("kvd_peer_socket_connections", "Peer socket connections open", self.peer_socket.connections)
 
 
 class _LatencyInterceptor(grpc.ServerInterceptor):

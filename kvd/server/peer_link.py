@@ -1,7 +1,11 @@
-"""The gRPC implementation of :class:`kvd.handoff.PeerLink`: how this daemon calls another.
+"""The daemon's :class:`kvd.handoff.PeerLink`: how this daemon calls another.
 
-Channels are cached per address. Every call has a short deadline so a dead peer is noticed in
-about a second, never after a long fixed timeout; errors come back as kvd exceptions.
+gRPC for every call; a sender's calls to a receiver -- CheckTicket and Commit, the two on a
+Send's critical path, and with them Heartbeat and AbortReceive -- over the receiver's peer socket
+instead when the ticket offered one and the daemon there proved to be the ticket's
+(:mod:`kvd.server.peer_conns`). AbortSend (receiver to sender) stays on gRPC. Channels are cached per address. Every call has a short
+deadline so a dead peer is noticed in about a second, never after a long fixed timeout; errors
+come back as kvd exceptions, the same classes and messages whichever way a call went.
 """
 
 from __future__ import annotations
@@ -9,18 +13,26 @@ from __future__ import annotations
 import threading
 
 import grpc
+from google.protobuf.message import Message
 
-from kvd.handoff import TransferRef
+from kvd.handoff import SocketRoute, TransferRef
+from kvd.server.peer_conns import PeerConnections
 from kvd.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.wire import TOKEN_KEY, grpc_target, ref_to_pb
 
-__all__ = ["GrpcPeerLink"]
+__all__ = ["DaemonPeerLink", "PATHS"]
+
+#: How a call went: the label of ``kvd_peer_calls_total``.
+PATHS = ("socket", "grpc")
 
 
-class GrpcPeerLink:
-    def __init__(self, *, token: str | None = None, timeout: float = 1.0) -> None:
+class DaemonPeerLink:
+    """``token``: this daemon's ``peer_token``; ``timeout``: each call's deadline (seconds);
+    ``sockets``: whether to take a ticket's peer socket (False: gRPC only)."""
+
+    def __init__(self, *, token: str | None = None, timeout: float = 1.0, sockets: bool = True) -> None:
         self.timeout = timeout
         # gRPC backs off reconnecting to a peer that refused (up to 2 minutes by default), and
         # heartbeats to a dead peer keep it backing off: a peer restarted on the same address
@@ -33,6 +45,17 @@ class GrpcPeerLink:
         self._stubs: dict[str, pb_grpc.PeerStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
+        self.sockets = PeerConnections(token=token, timeout=timeout) if sockets else None
+        self._calls: dict[tuple[str, str], int] = {}  # (method, path) -> calls made
+
+    def calls(self) -> dict[tuple[str, str], int]:
+        """Calls made so far by ``(method, path)``, path one of :data:`PATHS`."""
+        with self._lock:
+            return dict(self._calls)
+
+    def _count(self, method: str, path: str) -> None:
+        with self._lock:
+            self._calls[(method, path)] = self._calls.get((method, path), 0) + 1
 
     def _stub(self, address: str) -> pb_grpc.PeerStub:
         with self._lock:
@@ -43,29 +66,36 @@ class GrpcPeerLink:
                 stub = self._stubs[address] = pb_grpc.PeerStub(ch)
             return stub
 
-    def _call(self, address: str, method: str, request, timeout: float | None = None):
+    def _call(self, address: str, method: str, request: Message, via: SocketRoute | None = None):
+        conn = self.sockets.checkout(via) if via is not None and self.sockets is not None else None
+        if conn is not None:
+            self._count(method, "socket")
+            return self.sockets.call(conn, method, request)  # type: ignore[union-attr]
+        self._count(method, "grpc")
         try:
-            return getattr(self._stub(address), method)(request, metadata=self._md, timeout=timeout or self.timeout)
+            return getattr(self._stub(address), method)(request, metadata=self._md, timeout=self.timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
 
-    def check_ticket(self, address: str, ticket: bytes, sender: str) -> None:
-        self._call(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender))
+    def check_ticket(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> None:
+        self._call(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender), via)
 
-    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int) -> None:
-        self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes))
+    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None:
+        self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes), via)
 
-    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool) -> None:
-        self._call(address, "AbortReceive", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=reason, drained=drained))
+    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool, via: SocketRoute | None = None) -> None:
+        self._call(address, "AbortReceive", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=reason, drained=drained), via)
 
     def abort_send(self, address: str, ref: TransferRef, reason: str) -> None:
         self._call(address, "AbortSend", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=reason))
 
-    def heartbeat(self, address: str, sender: str, refs: list[TransferRef]) -> list[int]:
-        r = self._call(address, "Heartbeat", pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs]))
+    def heartbeat(self, address: str, sender: str, refs: list[TransferRef], via: SocketRoute | None = None) -> list[int]:
+        r = self._call(address, "Heartbeat", pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs]), via)
         return list(r.dead_lease_ids)
 
     def close(self) -> None:
+        if self.sockets is not None:
+            self.sockets.close()
         with self._lock:
             for ch in self._channels:
                 ch.close()

@@ -14,10 +14,11 @@ from typing import TypeVar
 import grpc
 
 from kvd import __version__
-from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound, PermissionDenied
-from kvd.handoff import Outbox, PeerLink, TransferRef
-from kvd.node import Node, TicketClaim
+from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
+from kvd.handoff import Outbox, PeerLink
+from kvd.node import Node
 from kvd.pool import AllocSpec
+from kvd.server.peer_calls import PeerCalls
 from kvd.status import to_status
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -29,7 +30,6 @@ from kvd.wire import (
     lease_kind_from_pb,
     lease_kind_to_pb,
     parse_ticket,
-    ref_from_pb,
     state_to_pb,
     ticket_info,
     stats_to_pb,
@@ -40,6 +40,8 @@ __all__ = ["KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint"]
 
 log = logging.getLogger("kvd.server")
 T = TypeVar("T")
+M = TypeVar("M")
+R = TypeVar("R")
 _UINT64_MAX = 2**64 - 1
 
 
@@ -53,12 +55,14 @@ class Endpoint:
         transfer_endpoint: str = "",
         capabilities: tuple[str, ...] = (),
         handle_socket: str = "",
+        peer_socket: str = "",
     ):
         self.peer_address = peer_address
         self.backend = backend
         self.transfer_endpoint = transfer_endpoint
         self.capabilities = capabilities
         self.handle_socket = handle_socket  # where a CUDA arena's fds are handed out ("" for shm)
+        self.peer_socket = peer_socket  # where a same-host sender calls this daemon without gRPC ("" when off)
 
 
 class _Base:
@@ -213,6 +217,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
                 vectors=vectors_to_pb(vec),
                 transfer_endpoint=self.endpoint.transfer_endpoint,
                 backend=self.endpoint.backend,
+                peer_socket=self.endpoint.peer_socket,
             ).SerializeToString()
         return pb.Lease(
             lease_id=lease.lease_id,
@@ -331,57 +336,31 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
 
 class PeerService(_Base, pb_grpc.PeerServicer):
-    """The daemon-to-daemon service. Guarded by a shared token when one is configured."""
+    """The daemon-to-daemon service over gRPC: :class:`~kvd.server.peer_calls.PeerCalls` behind
+    the token in metadata (the peer socket serves a same-host sender from the same calls)."""
 
-    def __init__(self, node: Node, endpoint: Endpoint, token: str | None = None, outbox: Outbox | None = None) -> None:
+    def __init__(self, node: Node, endpoint: Endpoint, calls: PeerCalls) -> None:
         super().__init__(node, endpoint)
-        self.token = token
-        self.outbox = outbox
+        self.calls = calls
 
-    def _auth(self, context) -> None:
-        if self.token and self._meta(context, TOKEN_KEY) != self.token:
-            raise PermissionDenied(f"peer call without the right {TOKEN_KEY!r} metadata; configure the same peer_token on both daemons")
+    def _peer(self, context, fn: Callable[[M], R], request: M) -> R:
+        def go():
+            self.calls.authorize(self._meta(context, TOKEN_KEY))
+            return fn(request)
+
+        return self._run(context, go)
 
     def CheckTicket(self, request: pb.CheckTicketRequest, context):
-        def go():
-            self._auth(context)
-            t = parse_ticket(request.ticket)
-            lease = self.node.check_ticket(TicketClaim(t.boot_id, t.epoch, t.lease_id, t.rid, t.layout_fingerprint))
-            if request.sender:
-                self.node.inbox.begin(TransferRef(t.boot_id, t.lease_id, t.rid), request.sender)
-            return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
-
-        return self._run(context, go)
+        return self._peer(context, self.calls.check_ticket, request)
 
     def Commit(self, request: pb.CommitRequest, context):
-        def go():
-            self._auth(context)
-            self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes)
-            return pb.CommitResponse()
-
-        return self._run(context, go)
+        return self._peer(context, self.calls.commit, request)
 
     def AbortReceive(self, request: pb.PeerAbortRequest, context):
-        def go():
-            self._auth(context)
-            self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained)
-            return pb.PeerAbortResponse()
-
-        return self._run(context, go)
+        return self._peer(context, self.calls.abort_receive, request)
 
     def AbortSend(self, request: pb.PeerAbortRequest, context):
-        def go():
-            self._auth(context)
-            if self.outbox is not None:
-                self.outbox.abort_remote(ref_from_pb(request.ref), request.reason or "no reason given")
-            return pb.PeerAbortResponse()
-
-        return self._run(context, go)
+        return self._peer(context, self.calls.abort_send, request)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context):
-        def go():
-            self._auth(context)
-            dead = self.node.inbox.heartbeat(request.sender, [ref_from_pb(r) for r in request.refs])
-            return pb.HeartbeatResponse(dead_lease_ids=dead)
-
-        return self._run(context, go)
+        return self._peer(context, self.calls.heartbeat, request)

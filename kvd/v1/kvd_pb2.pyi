@@ -716,6 +716,7 @@ class Ticket(_message.Message):
     VECTORS_FIELD_NUMBER: _builtins.int
     TRANSFER_ENDPOINT_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    PEER_SOCKET_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     peer_address: _builtins.str
     """the decode daemon's Peer service"""
@@ -727,6 +728,12 @@ class Ticket(_message.Message):
     transfer_endpoint: _builtins.str
     """data-plane address (e.g. a Mooncake session "host:port")"""
     backend: _builtins.str
+    peer_socket: _builtins.str
+    """The decode daemon's peer socket (a Unix socket path; "" when it serves none): a sender on the
+    same host may make its calls (CheckTicket, Commit, Heartbeat, AbortReceive) there instead of
+    over gRPC, once the daemon answering on it proved to be boot `boot_id` (PeerHello). Another
+    host, or another daemon on the same path name, fails that proof and the sender uses peer_address.
+    """
     @_builtins.property
     def envelopes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Envelope]: ...
     @_builtins.property
@@ -747,10 +754,11 @@ class Ticket(_message.Message):
         vectors: Global___IndexVectors | None = ...,
         transfer_endpoint: _builtins.str = ...,
         backend: _builtins.str = ...,
+        peer_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["vectors", b"vectors"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "boot_id", b"boot_id", "envelopes", b"envelopes", "epoch", b"epoch", "layout_fingerprint", b"layout_fingerprint", "lease_id", b"lease_id", "peer_address", b"peer_address", "rid", b"rid", "transfer_endpoint", b"transfer_endpoint", "vectors", b"vectors", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "boot_id", b"boot_id", "envelopes", b"envelopes", "epoch", b"epoch", "layout_fingerprint", b"layout_fingerprint", "lease_id", b"lease_id", "peer_address", b"peer_address", "peer_socket", b"peer_socket", "rid", b"rid", "transfer_endpoint", b"transfer_endpoint", "vectors", b"vectors", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1655,3 +1663,106 @@ class HeartbeatResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
+
+@_typing.final
+class PeerHello(_message.Message):
+    """The peer socket (kvd/server/peer_socket.py): a same-host fast path for a sender's Peer calls
+    (CheckTicket, Commit, Heartbeat, AbortReceive), carrying the same request and response messages
+    in length-prefixed frames. The first frame of a connection is a PeerHello; the daemon answers PeerHelloResponse
+    or a PeerStatus refusal. A refused call is answered with a PeerStatus.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    """the shared peer_token ("" when none is configured), as kvd-token on gRPC"""
+    boot_id: _builtins.str
+    """the boot the caller expects to answer (from the ticket)"""
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        boot_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerHello: _TypeAlias = PeerHello  # noqa: Y015
+
+@_typing.final
+class PeerHelloResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    boot_id: _builtins.str
+    """who answers: a caller expecting another boot must not use this socket"""
+    def __init__(
+        self,
+        *,
+        boot_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerHelloResponse: _TypeAlias = PeerHelloResponse  # noqa: Y015
+
+@_typing.final
+class PeerStatus(_message.Message):
+    """A refusal: the gRPC status code, message and trailing metadata kvd/status.py maps the
+    exception to, so the caller raises the same kvd exception as over gRPC.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """grpc.StatusCode value"""
+    message: _builtins.str
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """kvd-error, kvd-shortfall-bytes, kvd-holders"""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerStatus: _TypeAlias = PeerStatus  # noqa: Y015

@@ -293,3 +293,40 @@ def test_attaching_a_cuda_arena_without_cuda_says_why():
     r.kind = "nvme"
     with pytest.raises(InvalidArgument, match="arena kind 'nvme' is unknown to this client"):
         _attach(r, "sid")
+
+
+# ---- the peer socket: where it lives, how it is turned off, refused when it cannot be -------------
+
+
+def test_peer_socket_path_is_derived_set_or_off(tmp_path):
+    from kvd.server.app import peer_socket_path
+
+    s = load_settings(listen_unix=str(tmp_path / "k.sock"), backend="local")
+    assert s.peer_socket is None and peer_socket_path(s) == str(tmp_path / "k.sock") + ".peer"
+    assert peer_socket_path(load_settings(backend="local", peer_socket="/tmp/p.sock")) == "/tmp/p.sock"
+    tcp_only = peer_socket_path(load_settings(backend="local", listen_unix="", listen_tcp="127.0.0.1:0"))
+    assert re.fullmatch(rf".*/kvd-{os.getpid()}-[0-9a-f]{{8}}\.peer", tcp_only or "")
+    assert peer_socket_path(load_settings(backend="local", peer_socket="")) is None  # off
+    assert peer_socket_path(load_settings(backend="none")) is None  # receives no handoffs
+    with pytest.raises(InvalidArgument, match="peer_socket 'off' must be an absolute path .* or '' to turn the peer socket off"):
+        load_settings(backend="local", peer_socket="off")
+
+
+def test_peer_socket_path_too_long_is_refused_at_start(tmp_path):
+    long_sock = str(tmp_path / ("x" * 110))
+    s = load_settings(listen_unix=str(tmp_path / "k.sock"), arena_dir=str(tmp_path), backend="local", peer_socket=long_sock)
+    for start in (validate, Daemon.start):
+        with pytest.raises(InvalidArgument, match=r"peer socket path .* set peer_socket \(or listen_unix\) to a shorter path"):
+            start(s)
+    assert sorted(os.listdir(tmp_path)) == []  # refused before the arena or any socket was made
+
+
+def test_a_daemon_serves_its_peer_socket_until_it_stops(tmp_path):
+    s = load_settings(listen_unix=str(tmp_path / "k.sock"), arena_bytes=MiB, backend="local")
+    d = Daemon.start(s)
+    path = str(tmp_path / "k.sock.peer")
+    try:
+        assert d.peer_socket is not None and d.peer_socket.path == path and os.path.exists(path)
+    finally:
+        d.stop(0)
+    assert not os.path.exists(path)

@@ -95,3 +95,44 @@ def test_codes_without_kvd_metadata_map_to_the_general_class(code, cls):
 def test_unknown_class_name_in_metadata_falls_back_to_the_code():
     back = from_rpc_error(FakeRpcError(grpc.StatusCode.NOT_FOUND, "gone", (("kvd-error", "FromTheFuture"),)))
     assert type(back) is E.NotFound
+
+
+class _Refusing:
+    """Peer calls whose Commit raises ``exc`` (anything goes at the hello)."""
+
+    exc: BaseException = E.KvdError("unset")
+
+    def authorize(self, presented: str) -> None:
+        pass
+
+    def commit(self, request):
+        raise self.exc
+
+
+def test_the_peer_socket_raises_what_grpc_raises():
+    """Each class crosses the peer socket (kvd.server.peer_socket) as it crosses gRPC: the same
+    class, message and extras (shortfall, holders), through the same mapping."""
+    import shutil
+    import tempfile
+
+    from kvd.handoff import SocketRoute
+    from kvd.server.peer_conns import PeerConnections
+    from kvd.server.peer_socket import PeerSocketServer
+    from kvd.v1 import kvd_pb2 as pb
+
+    calls = _Refusing()
+    where = tempfile.mkdtemp(prefix="kvd-sm-")  # short: tmp_path can outgrow a socket path
+    with PeerSocketServer(f"{where}/p.sock", calls, "boot") as srv:  # type: ignore[arg-type]
+        pc = PeerConnections(token=None, timeout=5.0)
+        for cls in [*ALL, ZeroDivisionError]:
+            calls.exc = make(cls) if cls is not ZeroDivisionError else ZeroDivisionError("boom")
+            over_grpc = from_rpc_error(FakeRpcError(*to_status(calls.exc)))
+            with pytest.raises(E.KvdError) as info:
+                pc.call(pc.checkout(SocketRoute(srv.path, "boot")), "Commit", pb.CommitRequest())
+            got = info.value
+            assert type(got) is type(over_grpc) and str(got) == str(over_grpc), (cls, got, over_grpc)
+            assert getattr(got, "shortfall_bytes", None) == getattr(over_grpc, "shortfall_bytes", None)
+            assert getattr(got, "holders", None) == getattr(over_grpc, "holders", None)
+        assert pc.idle == 1, "every refusal left the connection in step"
+        pc.close()
+    shutil.rmtree(where)

@@ -111,6 +111,23 @@ class Side:
     def connect(self, name: str) -> Client:
         return self.t.connect(name=name)
 
+    @property
+    def peer_socket(self) -> str:
+        """The daemon's peer socket path (the default: beside its Unix listener)."""
+        return self.t.unix.removeprefix("unix:") + ".peer"
+
+    def samples(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The daemon's Prometheus samples (``daemon_kit.samples`` keys): scraped from a
+        subprocess, read from the registry in-process (whose HTTP exporter is off)."""
+        if self.mode == "subproc":
+            return dk.samples(dk.scrape(self.t.metrics_port))
+        assert self.t.daemon is not None and self.t.daemon.metrics is not None
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in self.t.daemon.metrics.registry.collect()
+            for s in fam.samples
+        }
+
     def alive(self) -> bool:
         if self.target is None:
             return False

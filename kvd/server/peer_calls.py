@@ -1,0 +1,70 @@
+"""The Peer service's semantics, once for both transports.
+
+The gRPC servicer (:class:`kvd.server.service.PeerService`) and the same-host peer socket
+(:mod:`kvd.server.peer_socket`) both call :class:`PeerCalls`: a v1 request message in, the v1
+response message out, a kvd exception for a refusal. Each transport maps that exception to a
+status with :func:`kvd.status.to_status` and authenticates its caller with :meth:`authorize`
+(per call over gRPC, once per connection on the socket), so a ticket is accepted or refused in
+the same words whichever way it came.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from kvd.errors import PermissionDenied
+from kvd.handoff import Outbox, TransferRef
+from kvd.node import Node, TicketClaim
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import TOKEN_KEY, parse_ticket, ref_from_pb
+
+__all__ = ["PeerCalls"]
+
+
+class PeerCalls:
+    """What a peer daemon may ask of this one. ``token``: the shared ``peer_token`` (None: peers
+    are not authenticated); ``outbox``: this daemon's sending side (None without a backend)."""
+
+    def __init__(self, node: Node, token: str | None = None, outbox: Outbox | None = None) -> None:
+        self.node = node
+        self.token = token
+        self.outbox = outbox
+
+    def authorize(self, presented: str) -> None:
+        """PermissionDenied unless ``presented`` is the configured peer token (anything goes
+        when none is configured). Changes nothing."""
+        # Constant-time: the socket answers a wrong token at once, so timing must not leak a prefix.
+        if self.token and not hmac.compare_digest(presented.encode(), self.token.encode()):
+            raise PermissionDenied(
+                f"peer call without the right peer token ({TOKEN_KEY!r} metadata over gRPC, the hello over the peer "
+                "socket); configure the same peer_token on both daemons"
+            )
+
+    def check_ticket(self, request: pb.CheckTicketRequest) -> pb.CheckTicketResponse:
+        """Validate a ticket this daemon issued; with a sender, the transfer begins (RECEIVING)."""
+        t = parse_ticket(request.ticket)
+        lease = self.node.check_ticket(TicketClaim(t.boot_id, t.epoch, t.lease_id, t.rid, t.layout_fingerprint))
+        if request.sender:
+            self.node.inbox.begin(TransferRef(t.boot_id, t.lease_id, t.rid), request.sender)
+        return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
+
+    def commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
+        """A chunk's writes completed; the last one makes the transfer READY."""
+        self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes)
+        return pb.CommitResponse()
+
+    def abort_receive(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:
+        """The sender gave up on a transfer into this daemon."""
+        self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained)
+        return pb.PeerAbortResponse()
+
+    def abort_send(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:
+        """The receiver aborted a transfer this daemon sends: stop at the next batch."""
+        if self.outbox is not None:
+            self.outbox.abort_remote(ref_from_pb(request.ref), request.reason or "no reason given")
+        return pb.PeerAbortResponse()
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        """The sender is alive; answers the transfers this daemon no longer accepts."""
+        dead = self.node.inbox.heartbeat(request.sender, [ref_from_pb(r) for r in request.refs])
+        return pb.HeartbeatResponse(dead_lease_ids=dead)

@@ -1,0 +1,233 @@
+"""The caller's side of the peer socket (:mod:`kvd.server.peer_socket`): this daemon's
+connections to other daemons' peer sockets, a few held per daemon.
+
+:meth:`PeerConnections.checkout` hands out a connection to the daemon a
+:class:`~kvd.handoff.SocketRoute` names -- one that answered the hello as the route's boot --
+or None when the route cannot be used now: nothing listens on the path, the daemon there is
+another one (another host's ticket, another container, this daemon itself), or it is full. The
+caller then uses gRPC. A route that failed is not tried again for ``retry_s``, so a Send to a
+daemon on another host does not pay a connect attempt each time. A refused token is raised
+(PermissionDenied): that daemon refuses it over gRPC too.
+
+:meth:`PeerConnections.call` sends one request and reads its reply, within ``timeout``. The
+daemon's refusal is raised as the kvd class gRPC would raise, with the same message. A connection
+that breaks or goes silent during a call is closed and the call raises Unavailable or
+DeadlineExceeded: it is never tried again, on this connection or another (a Commit must not be
+sent twice). Several threads call at once, each on its own connection; at most ``keep`` idle
+ones are kept per route.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+
+from google.protobuf.message import DecodeError, Message
+
+from kvd.errors import DeadlineExceeded, KvdError, PermissionDenied, Unavailable
+from kvd.handoff import SocketRoute
+from kvd.server.peer_socket import HELLO, MAX_FRAME, METHOD_IDS, METHODS, OK, REFUSED, frame, read_head
+from kvd.status import code_from_int, from_status
+from kvd.unix_socket import recv_exact
+from kvd.v1 import kvd_pb2 as pb
+
+__all__ = ["PeerConnections", "KEEP", "RETRY_S"]
+
+log = logging.getLogger("kvd.peer_socket")
+
+#: Idle connections kept per route (about the Sends this daemon runs at once to one daemon).
+KEEP = 8
+#: Seconds a route that could not be used is left alone before it is tried again.
+RETRY_S = 10.0
+#: poll() events on an idle connection: the daemon never writes unasked, so any is an EOF.
+_GONE = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+class _Unusable(Exception):
+    """This route cannot be used now: the caller uses gRPC (and, unless ``busy``, for a while)."""
+
+    def __init__(self, why: str, *, busy: bool = False) -> None:
+        super().__init__(why)
+        self.busy = busy
+
+
+class _Conn:
+    """One held connection, answered by ``route.boot_id``."""
+
+    __slots__ = ("sock", "route")
+
+    def __init__(self, sock: socket.socket, route: SocketRoute) -> None:
+        self.sock = sock
+        self.route = route
+
+    def quiet(self) -> bool:
+        """Zero-timeout poll: False once the daemon closed its end (stopped, died)."""
+        p = select.poll()
+        p.register(self.sock, _GONE)
+        return not p.poll(0)
+
+    def exchange(self, kind: int, msg: Message, timeout: float) -> tuple[int, bytes]:
+        """Send a frame, read the reply frame: ``(status, body)``, all within ``timeout``.
+        OSError (TimeoutError included) or ConnectionError when the connection fails."""
+        deadline = time.monotonic() + timeout
+        self.sock.settimeout(timeout)
+        self.sock.sendall(frame(kind, msg))
+        return self.reply(deadline)
+
+    def reply(self, deadline: float) -> tuple[int, bytes]:
+        """Read one reply frame by ``deadline`` (monotonic): ``(status, body)``."""
+        s = self.sock
+        s.settimeout(max(deadline - time.monotonic(), 1e-4))
+        head = read_head(s)
+        if head is None:
+            raise ConnectionError("the daemon closed the connection before replying")
+        n, status = head
+        if n > MAX_FRAME or status not in (OK, REFUSED):
+            raise ConnectionError(f"the daemon sent a malformed reply (kind {status}, {n:,d} bytes)")
+        s.settimeout(max(deadline - time.monotonic(), 1e-4))
+        return status, recv_exact(s, n)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _refusal(body: bytes) -> KvdError:
+    st = pb.PeerStatus.FromString(body)
+    return from_status(code_from_int(st.code), st.message, dict(st.metadata))
+
+
+class PeerConnections:
+    """Pooled peer-socket connections of one daemon. ``token``: this daemon's ``peer_token``;
+    ``timeout``: the bound of a connect + hello and of each call (the peer link's timeout)."""
+
+    def __init__(self, *, token: str | None, timeout: float, keep: int = KEEP, retry_s: float = RETRY_S) -> None:
+        self.token = token or ""
+        self.timeout = timeout
+        self.keep = keep
+        self.retry_s = retry_s
+        self._idle: dict[SocketRoute, list[_Conn]] = {}
+        self._failed: dict[SocketRoute, float] = {}  # route -> monotonic time it may be tried again
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def checkout(self, via: SocketRoute) -> _Conn | None:
+        """A connection to ``via``'s daemon for one call, or None: use gRPC (see the module doc).
+        Raises PermissionDenied when that daemon refuses this daemon's token."""
+        with self._lock:
+            if self._closed or self._failed.get(via, 0.0) > time.monotonic():
+                return None
+            idle = self._idle.get(via, [])
+            while idle:
+                c = idle.pop()
+                if c.quiet():
+                    return c
+                c.close()  # its daemon closed it meanwhile; a new hello says whether it is still there
+        try:
+            return self._open(via)
+        except _Unusable as exc:
+            log.info("peer socket %s (boot %s) not used, calling over gRPC: %s", via.path, via.boot_id, exc)
+            if not exc.busy:
+                with self._lock:
+                    self._failed[via] = time.monotonic() + self.retry_s
+            return None
+        finally:
+            with self._lock:
+                self._prune()  # opening is rare (a new daemon, a failed route): tidy up then
+
+    def call(self, conn: _Conn, name: str, request: Message) -> Message:
+        """Call Peer rpc ``name`` on a checked-out connection, which this returns to the pool (or
+        closes, when the call failed it). Raises the daemon's refusal as its kvd class."""
+        m = METHODS[METHOD_IDS[name]]
+        path = conn.route.path
+        try:
+            status, body = conn.exchange(m.id, request, self.timeout)
+            reply = m.response.FromString(body) if status == OK else _refusal(body)
+        except TimeoutError as exc:
+            conn.close()
+            raise DeadlineExceeded(f"peer socket {path}: no reply to {name} within {self.timeout:g} s") from exc
+        except (OSError, DecodeError) as exc:
+            conn.close()
+            raise Unavailable(f"peer socket {path} failed during {name} (the daemon is gone or restarted): {exc}") from exc
+        except BaseException:
+            conn.close()  # interrupted mid-call: the stream may hold half a frame
+            raise
+        self._checkin(conn)
+        if isinstance(reply, KvdError):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        """Close every idle connection; those checked out close when they come back."""
+        with self._lock:
+            self._closed = True
+            conns = [c for cs in self._idle.values() for c in cs]
+            self._idle.clear()
+        for c in conns:
+            c.close()
+
+    @property
+    def idle(self) -> int:
+        """Idle connections held now."""
+        with self._lock:
+            return sum(len(cs) for cs in self._idle.values())
+
+    # -- inside --------------------------------------------------------------------------------
+    def _open(self, via: SocketRoute) -> _Conn:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn = _Conn(s, via)
+        try:
+            s.settimeout(self.timeout)
+            try:
+                s.connect(via.path)
+            except OSError as exc:  # ENOENT, ECONNREFUSED, EACCES, a path too long, ...
+                raise _Unusable(f"cannot connect: {exc.strerror or exc}") from exc
+            try:
+                deadline = time.monotonic() + self.timeout
+                try:
+                    s.sendall(frame(HELLO, pb.PeerHello(token=self.token, boot_id=via.boot_id)))
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # a full daemon refuses without reading the hello: its reply says why
+                status, body = conn.reply(deadline)
+                if status == REFUSED:
+                    err = _refusal(body)
+                else:
+                    answered = pb.PeerHelloResponse.FromString(body).boot_id
+            except (OSError, DecodeError) as exc:
+                raise _Unusable(f"the hello failed: {exc}") from exc
+            if status == REFUSED:
+                if isinstance(err, PermissionDenied):
+                    raise err
+                raise _Unusable(f"the hello was refused: {type(err).__name__}: {err}", busy=isinstance(err, Unavailable))
+            if answered != via.boot_id:
+                raise _Unusable(f"it is served by boot {answered!r}, not the ticket's {via.boot_id!r}: another daemon's socket")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def _checkin(self, conn: _Conn) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(conn.route, [])
+            if not self._closed and len(idle) < self.keep:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def _prune(self) -> None:
+        """Under the lock: forget failures past their time and idle connections of daemons that
+        went away (a restarted daemon is a new route: its old boot's list would stay forever)."""
+        now = time.monotonic()
+        for via in [v for v, t in self._failed.items() if t <= now]:
+            del self._failed[via]
+        for via, cs in list(self._idle.items()):
+            live = [c for c in cs if c.quiet()]
+            for c in cs:
+                if c not in live:
+                    c.close()
+            if live:
+                self._idle[via] = live
+            else:
+                del self._idle[via]

@@ -1,0 +1,286 @@
+"""The peer socket: a sender's calls to a receiving daemon of the same host, without gRPC.
+
+Every Send makes two calls to the receiving daemon on its critical path, CheckTicket before the
+first byte and Commit after the last. A Python gRPC unary round trip costs about 0.6 ms even over
+a Unix socket; a request and reply on a held Unix socket between two Python processes about
+10 us. The ``local`` backend only ever runs between daemons of one host, so a decode daemon also
+serves those calls on a Unix stream socket (``peer_socket``, named in its tickets) and a prefill
+daemon that can reach it calls them there (:class:`~kvd.server.peer_conns.PeerConnections`, used
+by :class:`kvd.server.peer_link.DaemonPeerLink`). The sender's Heartbeat and AbortReceive go the
+same way: liveness is judged on the path the transfer uses (a gRPC channel that the hot calls no
+longer warm may still be backing off from a restart of the receiver, and a heartbeat failing
+there would stop a healthy transfer). gRPC stays the fallback and the only path across hosts;
+AbortSend, from the receiver to the sender, stays on gRPC.
+
+Frames, both ways, carry the v1 protobuf messages of the Peer service -- no serialisation of
+their own::
+
+    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian, at most MAX_FRAME)
+
+    caller                                              daemon (a thread per connection)
+    ── kind 0: PeerHello {token, boot_id} ──────────▶  boot_id not ours: answer, close
+    ◀── kind 0: PeerHelloResponse {boot_id} ───────── (or 1: PeerStatus, then close)
+    ── kind 1: CheckTicketRequest ──────────────────▶  PeerCalls.check_ticket
+    ◀── kind 0: CheckTicketResponse | 1: PeerStatus ─
+    ── kind 2: CommitRequest ───────────────────────▶  PeerCalls.commit
+    ◀── kind 0: CommitResponse | 1: PeerStatus ──────
+    ... kind 3: Heartbeat, kind 4: AbortReceive ...     (the connection stays open, pooled)
+
+A request's kind is its method id (:data:`METHODS`: the Peer rpc of that name and its request
+and response types, read from the service descriptor); a reply's kind is its status, 0 (the
+rpc's response) or 1 (a :class:`PeerStatus`: the gRPC code, message and metadata
+:func:`kvd.status.to_status` gives the exception, raised again by the caller through
+:func:`kvd.status.from_status`). The handlers are :class:`~kvd.server.peer_calls.PeerCalls`, the
+same ones the gRPC servicer runs.
+
+Identity: the same path names another daemon on another host, in another container, or this
+very daemon (a ticket of a remote decode daemon names ``/tmp/kvd.sock.peer``, which may be the
+caller's own). The hello names the boot the caller expects (the ticket's); the daemon answers
+its own and closes unless they match, and the caller drops a connection answered by another
+boot, so no other daemon ever sees a call meant for this one. The hello also carries the peer
+token (checked as the gRPC service checks ``kvd-token``); it goes only where the ticket points,
+as it already does over gRPC (``peer_address``).
+
+This module holds the wire and the server; the caller's side is
+:mod:`kvd.server.peer_conns`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from kvd.errors import InvalidArgument, KvdError, Unavailable
+from kvd.server.peer_calls import PeerCalls
+from kvd.status import to_status
+from kvd.unix_socket import UnixServer, recv_exact
+from kvd.v1 import kvd_pb2 as pb
+
+__all__ = [
+    "HELLO", "OK", "REFUSED", "MAX_FRAME", "MAX_HELLO", "MAX_CONNECTIONS", "METHODS", "METHOD_IDS", "Method",
+    "PeerSocketServer", "frame", "read_head",
+]
+
+log = logging.getLogger("kvd.peer_socket")
+
+_HEAD = struct.Struct(">IB")
+#: Kind of the first frame of a connection, both ways.
+HELLO = 0
+#: Reply kinds: the rpc's response message, or a PeerStatus refusal.
+OK, REFUSED = 0, 1
+#: The largest frame either side reads: the gRPC server's message limit, so a ticket that fits a
+#: gRPC call fits here too.
+MAX_FRAME = 64 << 20
+#: The largest hello the server reads from a caller that has not authenticated yet.
+MAX_HELLO = 4096
+#: Connections one daemon serves at once (a thread each); more are refused, and their callers
+#: use gRPC. A prefill daemon holds about as many as it runs Sends at once to this daemon.
+MAX_CONNECTIONS = 64
+
+
+class Method(NamedTuple):
+    """One Peer rpc the socket serves: its frame kind, name, message types and handler."""
+
+    id: int
+    name: str
+    request: type[Message]
+    response: type[Message]
+    handler: Callable[[PeerCalls, Message], Message]
+
+
+def _method(mid: int, name: str, handler: Callable) -> Method:
+    d = pb.DESCRIPTOR.services_by_name["Peer"].methods_by_name[name]
+    return Method(mid, name, getattr(pb, d.input_type.name), getattr(pb, d.output_type.name), handler)
+
+
+#: What the socket serves, by frame kind. Ids are part of the wire: never reuse one.
+METHODS: dict[int, Method] = {
+    m.id: m
+    for m in (
+        _method(1, "CheckTicket", lambda calls, request: calls.check_ticket(request)),
+        _method(2, "Commit", lambda calls, request: calls.commit(request)),
+        _method(3, "Heartbeat", lambda calls, request: calls.heartbeat(request)),
+        _method(4, "AbortReceive", lambda calls, request: calls.abort_receive(request)),
+    )
+}
+METHOD_IDS: dict[str, int] = {m.name: m.id for m in METHODS.values()}
+
+
+def frame(kind: int, msg: Message) -> bytes:
+    body = msg.SerializeToString()
+    return _HEAD.pack(len(body), kind) + body
+
+
+def read_head(sock: socket.socket) -> tuple[int, int] | None:
+    """``(body length, kind)`` of the next frame, or None when the peer closed between frames."""
+    first = sock.recv(_HEAD.size)
+    if not first:
+        return None
+    if len(first) < _HEAD.size:
+        first += recv_exact(sock, _HEAD.size - len(first))
+    n, kind = _HEAD.unpack(first)
+    return n, kind
+
+
+def _refusal(exc: BaseException) -> tuple[bytes, grpc.StatusCode]:
+    """The refusal frame of an exception (through the one mapping), and its status code."""
+    code, msg, md = to_status(exc)
+    return frame(REFUSED, pb.PeerStatus(code=code.value[0], message=msg, metadata=dict(md))), code
+
+
+class _Close(Exception):
+    """The connection cannot go on (a refused hello, a frame past the limit): reply, then close."""
+
+    def __init__(self, reply: bytes) -> None:
+        super().__init__()
+        self.reply = reply
+
+
+class PeerSocketServer(UnixServer):
+    """Serves :data:`METHODS` of ``calls`` on a Unix stream socket at ``path`` for boot ``boot_id``.
+
+    A thread per connection (at most ``max_connections``; more get an Unavailable refusal). A
+    connection is authenticated once, by its hello, then serves calls until the caller closes
+    it; it may idle without limit (callers pool them), but a frame once begun must arrive within
+    ``timeout``. A caller that sends garbage gets an InvalidArgument refusal (and, when the
+    stream can no longer be followed, the connection closes); one that vanishes mid-frame is
+    dropped; neither stops the server.
+
+    :meth:`start` binds (replacing a stale socket file, refusing a live one); :meth:`stop`
+    closes every connection (callers see EOF), waits for their threads and unlinks the path."""
+
+    def __init__(self, path: str, calls: PeerCalls, boot_id: str, *, timeout: float = 2.0, max_connections: int = MAX_CONNECTIONS) -> None:
+        super().__init__(path, "peer_socket", "peer calls")
+        self.calls = calls
+        self.boot_id = boot_id
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
+        #: connections refused (busy, a bad hello, another boot expected) and dropped (gone mid-frame).
+        self.refused = self.dropped = 0
+
+    # -- what it did ---------------------------------------------------------------------------
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        with self._lock:
+            return len(self._conns)
+
+    def answered(self) -> dict[tuple[str, str], int]:
+        """Calls answered so far by ``(method, status code name)``; "OK" for a success."""
+        with self._lock:
+            return dict(self._answered)
+
+    # -- serving -------------------------------------------------------------------------------
+    def _end(self) -> None:
+        with self._lock:
+            conns = dict(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close would not)
+            except OSError:
+                pass
+        for t in conns.values():
+            t.join(self.timeout + 1.0)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        t = threading.Thread(target=self._serve, args=(conn,), name="kvd-peer-conn", daemon=True)
+        with self._lock:
+            busy = len(self._conns) >= self.max_connections
+            if not busy:
+                self._conns[conn] = t
+        if busy:
+            self._close(conn, _refusal(Unavailable(f"peer socket {self.path} serves {self.max_connections} connections already; use gRPC"))[0])
+            return
+        t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.timeout)
+            self._greet(conn)
+            while not self._stop.is_set():
+                conn.settimeout(None)  # idle between calls: a pooled connection waits for the next Send
+                head = read_head(conn)
+                if head is None:
+                    return  # the caller closed it
+                conn.settimeout(self.timeout)
+                conn.sendall(self._answer(conn, *head))
+        except _Close as c:
+            self._close(conn, c.reply)
+        except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()
+            if not self._stop.is_set():
+                with self._lock:
+                    self.dropped += 1
+                log.info("peer socket: dropped a connection: %s", exc)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _greet(self, conn: socket.socket) -> None:
+        """Read the hello; answer it, or raise _Close (wrong daemon, wrong token, not a hello)."""
+        head = read_head(conn)
+        if head is None:
+            raise ConnectionError("the caller closed before its hello")
+        n, kind = head
+        try:
+            if kind != HELLO or n > MAX_HELLO:
+                raise InvalidArgument(
+                    f"peer socket: the first frame must be a hello (kind {HELLO}, at most {MAX_HELLO} bytes), "
+                    f"got kind {kind} of {n:,d} bytes"
+                )
+            try:
+                hello = pb.PeerHello.FromString(recv_exact(conn, n))
+            except DecodeError as exc:
+                raise InvalidArgument(f"peer socket: the hello does not parse as PeerHello ({exc})") from exc
+            me = frame(OK, pb.PeerHelloResponse(boot_id=self.boot_id))
+            if hello.boot_id != self.boot_id:
+                raise _Close(me)  # the caller wants another daemon: it learns who answered, nothing more
+            self.calls.authorize(hello.token)
+        except KvdError as exc:
+            raise _Close(_refusal(exc)[0]) from exc
+        conn.sendall(me)
+
+    def _answer(self, conn: socket.socket, n: int, kind: int) -> bytes:
+        """The reply frame to one call frame whose head was read (its body is read here)."""
+        if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
+            raise _Close(_refusal(InvalidArgument(f"peer socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit"))[0])
+        body = recv_exact(conn, n)
+        m = METHODS.get(kind)
+        name = m.name if m is not None else f"kind-{kind}"
+        try:
+            if m is None:
+                served = ", ".join(f"{x.id} ({x.name})" for x in METHODS.values())
+                raise InvalidArgument(f"peer socket: unknown method id {kind}; this daemon serves {served} (and {HELLO}: hello)")
+            try:
+                request = m.request.FromString(body)
+            except DecodeError as exc:
+                raise InvalidArgument(f"peer socket: a {m.name} frame does not parse as {m.request.__name__} ({exc})") from exc
+            reply, code = frame(OK, m.handler(self.calls, request)), "OK"
+        except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place
+            reply, status = _refusal(exc)
+            code = status.name
+            if status == grpc.StatusCode.INTERNAL:
+                log.exception("peer socket: internal error in %s", name)
+        with self._lock:
+            self._answered[(name, code)] = self._answered.get((name, code), 0) + 1
+        return reply
+
+    def _close(self, conn: socket.socket, reply: bytes) -> None:
+        with self._lock:
+            self.refused += 1
+        try:
+            conn.settimeout(self.timeout)
+            conn.sendall(reply)
+        except OSError:
+            pass  # the caller is gone; nothing else to do
+        conn.close()

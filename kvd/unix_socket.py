@@ -1,0 +1,166 @@
+"""Unix stream sockets as kvd serves them: path checks, claiming a path, an accept loop, exact reads.
+
+Shared by the handle socket (:mod:`kvd.fdpass`) and the peer socket
+(:mod:`kvd.server.peer_socket`). Each refusal names the setting an operator changes
+(``handle_socket``, ``peer_socket``), so one message fits both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import threading
+from typing import TypeVar
+
+from kvd.errors import InvalidArgument, Unavailable
+
+__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "recv_exact", "unlink_own"]
+
+log = logging.getLogger("kvd.unix_socket")
+_S = TypeVar("_S", bound="UnixServer")
+
+#: Bytes of a Unix socket path (sun_path is 108 bytes with its terminating NUL).
+MAX_PATH = 107
+
+
+def check_path(path: str, setting: str = "handle_socket") -> None:
+    """InvalidArgument unless ``path`` can name a Unix socket (not empty, at most 107 bytes).
+    ``setting``: the configuration field that chose the path (named in the message)."""
+    what = setting.replace("_", " ")
+    if not path:
+        raise InvalidArgument(f"{what}: empty path; set {setting} to a socket path")
+    if len(os.fsencode(path)) > MAX_PATH:
+        raise InvalidArgument(
+            f"{what} path {path!r} is {len(os.fsencode(path))} bytes; Unix sockets allow {MAX_PATH}: "
+            f"set {setting} (or listen_unix) to a shorter path"
+        )
+
+
+def _clear_stale(path: str, setting: str, serves: str) -> None:
+    """Remove a socket file nobody listens on (its owner died); refuse a live one or a non-socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise InvalidArgument(f"{setting.replace('_', ' ')} path {path} exists and is not a socket; set {setting} to another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a socket file left by a dead owner
+        return
+    finally:
+        probe.close()
+    raise Unavailable(f"another process serves {serves} on {path}; stop it or set {setting} to another path")
+
+
+def listen(path: str, setting: str, serves: str, *, backlog: int = 64) -> tuple[socket.socket, int]:
+    """Bind and listen on ``path`` (after :func:`check_path`), replacing a stale socket file and
+    refusing a live one. Returns the socket, whose ``accept`` wakes every 0.1 s (closing a socket
+    does not wake a blocked accept: the loop checks for a stop that often), and the inode of the
+    file bound, for :func:`unlink_own`. ``serves`` says what in messages ("handles")."""
+    check_path(path, setting)
+    _clear_stale(path, setting, serves)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.bind(path)
+        s.listen(backlog)
+        s.settimeout(0.1)
+        ino = os.stat(path).st_ino
+    except OSError as exc:
+        s.close()
+        raise Unavailable(f"cannot serve {serves} on {path}: {exc}; set {setting} to a writable path") from exc
+    return s, ino
+
+
+def unlink_own(path: str, ino: int) -> None:
+    """Unlink ``path`` if it is still the socket file we bound (inode ``ino``), not a successor's."""
+    try:
+        if ino and os.stat(path).st_ino == ino:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes; ConnectionError when the peer closes first (saying after how many)."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
+class UnixServer:
+    """An accept loop on a Unix stream socket at ``path``, in a thread of its own.
+
+    :meth:`start` binds (:func:`listen`: a stale socket file replaced, a live one refused) and
+    starts the loop; :meth:`stop` ends it, lets the subclass end its connections
+    (:meth:`_end`), closes the socket and unlinks the path if it is still ours. A subclass
+    handles each new connection in :meth:`_accepted` (called on the accept thread: hand the
+    connection to a thread, never block) and may do housekeeping in :meth:`_tick`, called
+    at least every 0.1 s."""
+
+    def __init__(self, path: str, setting: str, serves: str) -> None:
+        check_path(path, setting)
+        self.path = path
+        self._setting = setting  # the configuration field named in refusals
+        self._serves = serves  # what it serves, in messages ("handles", "peer calls")
+        self._sock: socket.socket | None = None
+        self._ino = 0  # inode of the socket file we bound: stop() unlinks only that one
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self: _S) -> _S:
+        self._sock, self._ino = listen(self.path, self._setting, self._serves)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"kvd-{self._setting.removesuffix('_socket')}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, end the connections (the subclass says how), unlink the path."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._end()
+        if self._sock is not None:
+            self._sock.close()
+        unlink_own(self.path, self._ino)
+
+    def __enter__(self: _S) -> _S:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _accepted(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _tick(self) -> None:
+        """Housekeeping between accepts (nothing by default)."""
+
+    def _end(self) -> None:
+        """End the connections still open, after the accept loop stopped (nothing by default)."""
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            self._tick()
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                log.exception("%s on %s: accept failed", self._setting.replace("_", " "), self.path)
+                continue
+            self._accepted(conn)

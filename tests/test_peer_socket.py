@@ -1,0 +1,389 @@
+"""The peer socket (``kvd/server/peer_socket.py``: wire and server; ``kvd/server/peer_conns.py``:
+the caller's pooled connections) against one in-process node: the framing and its refusals,
+the hello (identity, token), the pool and its fallbacks, a connection that breaks mid-call.
+Handoffs over it between real daemons are in ``tests/handoff/test_handoff_peer_socket.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+import pool_testkit as pk
+from kvd import errors as E
+from kvd.handoff import SocketRoute, TransferRef, TransferState
+from kvd.leases import LeaseKind
+from kvd.node import Node
+from kvd.pool import AllocSpec, Pool
+from kvd.server.peer_calls import PeerCalls
+from kvd.server.peer_conns import PeerConnections
+from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
+from kvd.status import code_from_int, from_status
+from kvd.unix_socket import recv_exact
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import TICKET_VERSION, ref_to_pb, vectors_to_pb
+
+TOKEN = "tok"
+CHECK, COMMIT = METHOD_IDS["CheckTicket"], METHOD_IDS["Commit"]
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    d = tempfile.mkdtemp(prefix="kvd-ps-")  # pytest's tmp_path can outgrow the 107 bytes of a socket path
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def node() -> Iterator[Node]:
+    s = pk.sizings()["two-group"]
+    arena = pk.arena_for(s)
+    n = Node(Pool(s.layout, arena))
+    yield n
+    n.check()
+    arena.close()
+
+
+@pytest.fixture
+def server(node: Node, sock_dir: Path) -> Iterator[PeerSocketServer]:
+    srv = PeerSocketServer(str(sock_dir / "p.sock"), PeerCalls(node, TOKEN), node.pool.boot_id, timeout=1.0).start()
+    yield srv
+    srv.stop()
+
+
+def _ticket(node: Node, rid: str = "r1") -> tuple[bytes, TransferRef]:
+    """A RECV lease on ``node`` for a fresh request, and its ticket bytes and reference."""
+    sid = node.open_session("decode").session_id
+    node.allocate(sid, [AllocSpec(rid, 12, receive=True)])
+    lease, vec = node.acquire_lease(sid, rid, LeaseKind.RECV)
+    t = pb.Ticket(
+        version=TICKET_VERSION, peer_address="decode", boot_id=node.pool.boot_id, epoch=vec.epoch, lease_id=lease.lease_id,
+        rid=rid, layout_fingerprint=node.layout.fingerprint, vectors=vectors_to_pb(vec), backend="local",
+    )
+    return t.SerializeToString(), TransferRef(node.pool.boot_id, lease.lease_id, rid)
+
+
+def _raw(srv: PeerSocketServer, *, boot: str | None = None, token: str = TOKEN) -> tuple[socket.socket, int, bytes]:
+    """A bare connection that sent its hello; returns it and the hello's reply (status, body)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(srv.path)
+    s.sendall(frame(HELLO, pb.PeerHello(token=token, boot_id=srv.boot_id if boot is None else boot)))
+    status, body = _reply(s)
+    return s, status, body
+
+
+def _reply(s: socket.socket) -> tuple[int, bytes]:
+    head = read_head(s)
+    assert head is not None, "the server closed without a reply"
+    n, status = head
+    return status, recv_exact(s, n)
+
+
+def _refusal(body: bytes) -> E.KvdError:
+    st = pb.PeerStatus.FromString(body)
+    return from_status(code_from_int(st.code), st.message, dict(st.metadata))
+
+
+def _closed(s: socket.socket) -> bool:
+    """The server closed its end (a reset: it closed without reading everything we sent)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _conns(token: str = TOKEN, **kw) -> PeerConnections:
+    return PeerConnections(token=token, timeout=kw.pop("timeout", 2.0), **kw)
+
+
+# ---- calls ---------------------------------------------------------------------------------------
+
+
+def test_check_ticket_and_commit_over_the_socket(node, server):
+    raw, ref = _ticket(node)
+    pc = _conns()
+    via = SocketRoute(server.path, node.pool.boot_id)
+    r = pc.call(pc.checkout(via), "CheckTicket", pb.CheckTicketRequest(ticket=raw, sender="prefill"))
+    assert r.expires_in_seconds > 0
+    assert node.inbox.status("r1").state is TransferState.RECEIVING
+    pc.call(pc.checkout(via), "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=True, bytes=123))
+    st = node.inbox.status("r1")
+    assert (st.state, st.nbytes) == (TransferState.READY, 123)
+    # One connection served both calls, and is held for the next.
+    assert pc.idle == 1 and server.connections == 1
+    assert server.answered() == {("CheckTicket", "OK"): 1, ("Commit", "OK"): 1}
+    pc.close()
+
+
+@pytest.mark.parametrize("edit, cls", [({"lease_id": 999}, E.NotFound), ({"epoch": 12345}, E.StaleEpoch), ({"rid": "nope"}, E.InvalidArgument)])
+def test_a_refusal_is_the_class_and_message_grpc_gives(node, server, edit, cls):
+    raw, _ = _ticket(node)
+    t = pb.Ticket.FromString(raw)
+    for k, v in edit.items():
+        setattr(t, k, v)
+    forged = pb.CheckTicketRequest(ticket=t.SerializeToString(), sender="prefill")
+    # What the gRPC servicer raises: the same PeerCalls, before the status mapping.
+    with pytest.raises(cls) as direct:
+        PeerCalls(node, TOKEN).check_ticket(forged)
+    before = node.stats()
+    pc = _conns()
+    with pytest.raises(E.KvdError) as over:
+        pc.call(pc.checkout(SocketRoute(server.path, node.pool.boot_id)), "CheckTicket", forged)
+    assert type(over.value) is cls and str(over.value) == str(direct.value)
+    # The refusal changed nothing (the stale counter counts the socket's refusal, as over gRPC).
+    stale = int(cls is E.StaleEpoch)
+    assert node.stats() == dataclasses.replace(before, stale_refusals_total=before.stale_refusals_total + stale)
+    assert node.inbox.status("r1").state is TransferState.WAITING
+    assert pc.idle == 1, "a refusal keeps the connection in step: it goes back to the pool"
+    pc.close()
+
+
+def test_unknown_method_is_refused_and_the_connection_goes_on(node, server):
+    s, status, _ = _raw(server)
+    assert status == OK
+    s.sendall(struct.pack(">IB", 0, 9))
+    status, body = _reply(s)
+    exc = _refusal(body)
+    assert status == REFUSED and type(exc) is E.InvalidArgument
+    assert "unknown method id 9" in str(exc) and "1 (CheckTicket), 2 (Commit)" in str(exc)
+    raw, _ = _ticket(node)
+    s.sendall(frame(CHECK, pb.CheckTicketRequest(ticket=raw)))
+    status, body = _reply(s)
+    assert status == OK and pb.CheckTicketResponse.FromString(body).expires_in_seconds > 0
+    assert server.answered() == {("kind-9", "INVALID_ARGUMENT"): 1, ("CheckTicket", "OK"): 1}
+    s.close()
+
+
+def test_a_body_that_does_not_parse_is_refused(server):
+    s, _, _ = _raw(server)
+    s.sendall(struct.pack(">IB", 3, COMMIT) + b"\xff\xff\xff")
+    status, body = _reply(s)
+    exc = _refusal(body)
+    assert status == REFUSED and type(exc) is E.InvalidArgument and "does not parse as CommitRequest" in str(exc)
+    s.close()
+
+
+def test_an_oversized_frame_is_refused_and_the_connection_closed(server):
+    s, _, _ = _raw(server)
+    s.sendall(struct.pack(">IB", MAX_FRAME + 1, COMMIT))
+    status, body = _reply(s)
+    exc = _refusal(body)
+    assert status == REFUSED and type(exc) is E.InvalidArgument and f"exceeds the {MAX_FRAME:,d}-byte limit" in str(exc)
+    assert _closed(s), "the rest of the stream cannot be followed: the server closes"
+    s.close()
+
+
+def test_a_truncated_frame_drops_the_connection_not_the_server(node, server):
+    s, _, _ = _raw(server)
+    s.sendall(struct.pack(">IB", 100, COMMIT) + b"\x0a" * 10)
+    s.close()  # gone mid-frame
+    pc = _conns()
+    raw, _ = _ticket(node)
+    pc.call(pc.checkout(SocketRoute(server.path, node.pool.boot_id)), "CheckTicket", pb.CheckTicketRequest(ticket=raw))
+    assert server.dropped == 1 and server.answered() == {("CheckTicket", "OK"): 1}
+    pc.close()
+
+
+def test_the_first_frame_must_be_a_small_hello(node, server):
+    raw, _ = _ticket(node)
+    for first in (frame(CHECK, pb.CheckTicketRequest(ticket=raw)), struct.pack(">IB", MAX_HELLO + 1, HELLO)):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(server.path)
+        s.sendall(first)
+        status, body = _reply(s)
+        exc = _refusal(body)
+        assert status == REFUSED and type(exc) is E.InvalidArgument and "the first frame must be a hello" in str(exc)
+        assert _closed(s)
+        s.close()
+    assert server.answered() == {} and node.inbox.status("r1").state is TransferState.WAITING
+
+
+# ---- the hello: identity and token -----------------------------------------------------------------
+
+
+def test_a_hello_for_another_boot_learns_who_answered_and_nothing_more(node, server):
+    s, status, body = _raw(server, boot="some-other-boot")
+    assert status == OK and pb.PeerHelloResponse.FromString(body).boot_id == node.pool.boot_id
+    assert _closed(s), "a connection that expected another daemon is closed at once"
+    s.close()
+    pc = _conns()
+    assert pc.checkout(SocketRoute(server.path, "some-other-boot")) is None  # the caller uses gRPC
+    refused = server.refused
+    assert pc.checkout(SocketRoute(server.path, "some-other-boot")) is None
+    assert server.refused == refused, "a route that failed is not tried again at once"
+    assert pc.checkout(SocketRoute(server.path, node.pool.boot_id)) is not None, "the right boot on the same path is another route"
+    assert server.answered() == {}
+
+
+def test_a_wrong_token_is_refused_as_over_grpc(node, server):
+    s, status, body = _raw(server, token="wrong")
+    exc = _refusal(body)
+    assert status == REFUSED and type(exc) is E.PermissionDenied
+    assert _closed(s)
+    s.close()
+    with pytest.raises(E.PermissionDenied) as direct:
+        PeerCalls(node, TOKEN).authorize("wrong")  # what the gRPC servicer raises for the wrong kvd-token
+    assert str(exc) == str(direct.value) and "kvd-token" in str(exc)
+    with pytest.raises(E.PermissionDenied, match="configure the same peer_token"):
+        _conns(token="wrong").checkout(SocketRoute(server.path, node.pool.boot_id))
+    with pytest.raises(E.PermissionDenied):
+        _conns(token="").checkout(SocketRoute(server.path, node.pool.boot_id))
+    assert server.answered() == {}
+
+
+def test_no_token_configured_lets_any_peer_in(node, sock_dir):
+    with PeerSocketServer(str(sock_dir / "open.sock"), PeerCalls(node), node.pool.boot_id) as srv:
+        assert _conns(token="whatever").checkout(SocketRoute(srv.path, node.pool.boot_id)) is not None
+
+
+# ---- the caller's pool ---------------------------------------------------------------------------
+
+
+def test_nothing_listening_means_grpc_for_a_while(node, sock_dir):
+    path = str(sock_dir / "later.sock")
+    via = SocketRoute(path, node.pool.boot_id)
+    patient, eager = _conns(retry_s=3600), _conns(retry_s=0)
+    assert patient.checkout(via) is None and eager.checkout(via) is None
+    with PeerSocketServer(path, PeerCalls(node, TOKEN), node.pool.boot_id) as srv:
+        assert patient.checkout(via) is None, "remembered: no connect attempt per Send"
+        assert eager.checkout(via) is not None
+        assert srv.refused == 0
+
+
+def test_a_full_server_refuses_and_the_caller_is_not_put_off(node, sock_dir):
+    with PeerSocketServer(str(sock_dir / "full.sock"), PeerCalls(node, TOKEN), node.pool.boot_id, max_connections=1) as srv:
+        via = SocketRoute(srv.path, node.pool.boot_id)
+        pc = _conns()
+        held = pc.checkout(via)
+        assert held is not None
+        assert pc.checkout(via) is None  # busy: this call goes over gRPC
+        assert srv.refused == 1
+        held.close()
+        # Busy is not remembered: the next call tries again (once the server saw the close).
+        got = None
+        for _ in range(200):
+            got = pc.checkout(via)
+            if got is not None:
+                break
+            threading.Event().wait(0.01)
+        assert got is not None
+
+
+def test_concurrent_calls_each_get_a_connection_and_a_few_are_kept(node, server):
+    raw, _ = _ticket(node)
+    pc = _conns(keep=2)
+    via = SocketRoute(server.path, node.pool.boot_id)
+    conns = [pc.checkout(via) for _ in range(4)]
+    assert len({id(c) for c in conns}) == 4 and server.connections == 4
+    errors: list[BaseException] = []
+
+    def call(c) -> None:
+        try:
+            pc.call(c, "CheckTicket", pb.CheckTicketRequest(ticket=raw))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=call, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert not errors and server.answered() == {("CheckTicket", "OK"): 4}
+    assert pc.idle == 2, "at most `keep` idle connections per route; the others are closed"
+    pc.close()
+    assert pc.idle == 0
+
+
+def test_stop_ends_pooled_connections(node, sock_dir):
+    srv = PeerSocketServer(str(sock_dir / "s.sock"), PeerCalls(node, TOKEN), node.pool.boot_id).start()
+    raw, _ = _ticket(node)
+    pc = _conns()
+    via = SocketRoute(srv.path, node.pool.boot_id)
+    pc.call(pc.checkout(via), "CheckTicket", pb.CheckTicketRequest(ticket=raw))
+    assert pc.idle == 1
+    srv.stop()
+    assert not Path(srv.path).exists()
+    assert pc.checkout(via) is None and pc.idle == 0  # the held connection saw EOF; nothing listens now
+
+
+def test_a_live_socket_is_not_taken_over(node, server):
+    with pytest.raises(E.Unavailable, match="another process serves peer calls on"):
+        PeerSocketServer(server.path, PeerCalls(node), node.pool.boot_id).start()
+
+
+def test_a_path_too_long_is_refused_naming_the_setting(node):
+    with pytest.raises(E.InvalidArgument, match="set peer_socket .or listen_unix. to a shorter path"):
+        PeerSocketServer("/tmp/" + "x" * 120, PeerCalls(node), node.pool.boot_id)
+
+
+# ---- a daemon that breaks mid-call -----------------------------------------------------------------
+
+
+class FakeDaemon:
+    """A bare Unix socket server that answers hellos as ``boot`` and then does ``after(conn)``
+    with each connection; counts the call frames it received over all connections."""
+
+    def __init__(self, path: str, boot: str, after: Callable[[socket.socket], None]) -> None:
+        self.path, self.boot, self.after = path, boot, after
+        self.frames = 0
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(8)
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            n, _ = read_head(c)  # type: ignore[misc]
+            recv_exact(c, n)
+            c.sendall(frame(OK, pb.PeerHelloResponse(boot_id=self.boot)))
+            head = read_head(c)
+            if head is None:
+                continue
+            recv_exact(c, head[0])
+            self.frames += 1
+            self.after(c)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize(
+    "after, cls, phrase",
+    [
+        (lambda c: c.close(), E.Unavailable, "failed during Commit"),
+        (lambda c: c.sendall(struct.pack(">IB", 0, 7)), E.Unavailable, "malformed reply"),
+        (lambda c: c.sendall(struct.pack(">IB", 50, OK) + b"\x08"), E.DeadlineExceeded, "no reply to Commit"),
+        (lambda c: None, E.DeadlineExceeded, "no reply to Commit within 0.3 s"),
+    ],
+    ids=["closed", "malformed", "truncated", "silent"],
+)
+def test_a_call_that_breaks_raises_and_is_never_sent_again(sock_dir, after, cls, phrase):
+    fake = FakeDaemon(str(sock_dir / "fake.sock"), "b1", after)
+    try:
+        pc = _conns(timeout=0.3)
+        via = SocketRoute(fake.path, "b1")
+        req = pb.CommitRequest(ref=ref_to_pb(TransferRef("b1", 1, "r")), last=True, bytes=1)
+        with pytest.raises(E.KvdError) as info:
+            pc.call(pc.checkout(via), "Commit", req)
+        assert type(info.value) is cls and phrase in str(info.value), info.value
+        assert fake.frames == 1, "the commit reached the daemon once: no retry on this or another connection"
+        assert pc.idle == 0, "a connection in an unknown state never goes back to the pool"
+    finally:
+        fake.close()
