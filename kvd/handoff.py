@@ -25,6 +25,7 @@ tells each receiver the sender is alive and learns of aborts on the receiving si
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, NotFound, StaleEpoch
 from kvd.leases import LeaseKind
 from kvd.pool import Envelope, IndexVectors
-from kvd.transfer import Plan, plan_chunk
+from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
 
 if TYPE_CHECKING:
     from kvd.backends.base import Backend
@@ -109,6 +110,11 @@ class PeerLink(Protocol):
     sender) knows the sender by its address only."""
 
     def check_ticket(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> None: ...
+
+    def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], None]:
+        """Send CheckTicket now; the returned function waits for the answer (raising the refusal
+        as :meth:`check_ticket` would). Call it exactly once: it returns the connection."""
+        ...
 
     def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None: ...
 
@@ -340,7 +346,8 @@ class SendResult:
     blocks: int
     seconds: float
     pages: dict[str, int] = field(default_factory=dict)
-    #: seconds per step of the Send, in order: lease, plan, check (first chunk only), write, commit
+    #: seconds per step of the Send, in order: lease, plan, check (first chunk only: the wait for the
+    #: CheckTicket answer left after lease and plan, which run while the receiver checks), write, commit
     phases: dict[str, float] = field(default_factory=dict)
 
 
@@ -404,17 +411,33 @@ class Outbox:
             now = time.perf_counter()
             phases[name], mark = now - mark, now
 
+        # Before the first byte the receiver confirms boot, epoch, lease and layout; it does so
+        # while this daemon takes the lease and plans (a round trip hidden behind ~0.5 ms of
+        # work). Later chunks skip it: the RECV lease pins the receiver's pages until the
+        # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
+        pending = None
         try:
-            lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
-            step("lease")
-            end = src.tokens if not t1 else t1
-            plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, last)
-            step("plan")
-            # Before the first byte: the receiver confirms boot, epoch, lease and layout. Later
-            # chunks skip the round trip: the RECV lease pins the receiver's pages until the
-            # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
-            if not ob.began:
-                self.link.check_ticket(ticket.peer_address, raw, self.address, ticket.via)
+            try:
+                if not ob.began:
+                    # What the ticket alone can show is refused before the receiver hears of it.
+                    check_range(t0, t1 or ticket.vectors.tokens, ticket.vectors.tokens)
+                    pair_envelopes(self.node.layout, self.node.pool.envelopes(), ticket.envelopes)
+                    pending = self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)
+                lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
+                step("lease")
+                end = src.tokens if not t1 else t1
+                plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, last)
+                step("plan")
+            except BaseException:
+                if pending is not None:
+                    # If the receiver accepted the ticket meanwhile, it learns of this failure at
+                    # once below (nothing was written: its pages are free to reuse at once).
+                    with contextlib.suppress(KvdError):
+                        pending()
+                        began = ob.began = True
+                raise
+            if pending is not None:
+                pending()  # the receiver's refusal, before any byte moves
                 step("check")
             began = ob.began = True
             wrote = self._write(ob, plan, ticket)
@@ -427,8 +450,9 @@ class Outbox:
             return SendResult(wrote, len(plan.src), mark - t_start, dict(plan.pages), phases)
         except KvdError as exc:
             self.failed_total += 1
-            # A ticket refused before any write must not fail the receiver's transfer (it may be
-            # forged or stale); once writes may have happened, the receiver must learn at once.
+            # A ticket refused by the receiver, or by what it shows alone, must not fail the
+            # receiver's transfer (it may be forged or stale); once the receiver accepted it,
+            # the receiver must learn at once.
             if began:
                 ob.aborted = ob.aborted or str(exc)
                 self._tell_receiver(ticket, f"{type(exc).__name__}: {exc}")

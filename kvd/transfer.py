@@ -28,7 +28,7 @@ from kvd.layout import GroupKind, Layout
 from kvd.pool import Envelope, IndexVectors
 from kvd.runs import coalesce_np
 
-__all__ = ["Block", "Plan", "plan_chunk"]
+__all__ = ["Block", "Plan", "check_range", "pair_envelopes", "plan_chunk"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,29 @@ class Plan:
 
     def as_lists(self) -> tuple[list[int], list[int], list[int]]:
         return self.src, self.dst, self.length
+
+
+def check_range(t0: int, t1: int, tokens: int) -> None:
+    """Refuses (InvalidArgument) a send range that is empty or not inside ``tokens``."""
+    if not (0 <= t0 < t1 <= tokens):
+        raise InvalidArgument(f"send range [{t0}, {t1}) is not inside the request's {tokens} tokens")
+
+
+def pair_envelopes(layout: Layout, src_env: list[Envelope], dst_env: list[Envelope]) -> dict[str, tuple[Envelope, Envelope]]:
+    """Each group's (source, destination) envelope. Refuses (LayoutMismatch) a group missing on
+    a side or whose page bytes differ: what a ticket of another layout (or a tampered one)
+    shows before any request is looked at."""
+    se = {e.group: e for e in src_env}
+    de = {e.group: e for e in dst_env}
+    out = {}
+    for g in layout.arena_order():
+        name = g.name
+        if name not in se or name not in de:
+            raise LayoutMismatch(f"group {name} missing from an envelope list (sender {sorted(se)}, receiver {sorted(de)})")
+        if se[name].page_bytes != de[name].page_bytes:
+            raise LayoutMismatch(f"group {name}: page bytes {se[name].page_bytes} here vs {de[name].page_bytes} at the receiver")
+        out[name] = (se[name], de[name])
+    return out
 
 
 def _ids(vec: torch.Tensor) -> np.ndarray:
@@ -91,22 +114,16 @@ def plan_chunk(
 
     Refuses (InvalidArgument) a range outside the request, vectors of different lengths, or
     envelopes whose page bytes differ (LayoutMismatch) -- before anything is written."""
-    if not (0 <= t0 < t1 <= src.tokens):
-        raise InvalidArgument(f"send range [{t0}, {t1}) is not inside the request's {src.tokens} tokens")
+    check_range(t0, t1, src.tokens)
     if src.tokens != dst.tokens:
         raise InvalidArgument(
             f"request {src.rid!r} has {src.tokens} tokens here but the receiver allocated {dst.tokens}; allocate the same length"
         )
-    se = {e.group: e for e in src_env}
-    de = {e.group: e for e in dst_env}
+    pairs = pair_envelopes(layout, src_env, dst_env)
     plan = Plan([], [], [], {})
     for g in layout.arena_order():
         name = g.name
-        if name not in se or name not in de:
-            raise LayoutMismatch(f"group {name} missing from an envelope list (sender {sorted(se)}, receiver {sorted(de)})")
-        s_env, d_env = se[name], de[name]
-        if s_env.page_bytes != d_env.page_bytes:
-            raise LayoutMismatch(f"group {name}: page bytes {s_env.page_bytes} here vs {d_env.page_bytes} at the receiver")
+        s_env, d_env = pairs[name]
         pb = s_env.page_bytes
         if g.kind is GroupKind.STATE:
             if not last:

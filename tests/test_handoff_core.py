@@ -9,7 +9,7 @@ import pytest
 
 import pool_testkit as pk
 from kvd.backends.local import LocalBackend
-from kvd.errors import LayoutMismatch
+from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.handoff import Outbox, TicketInfo, TransferRef, TransferState
 from kvd.leases import LeaseKind
 from kvd.node import Node
@@ -33,6 +33,9 @@ class DirectLink:
         self.calls.append(("check_ticket", (address, sender)))
         self.on_check()
         raise LayoutMismatch("group swa: page bytes differ (refused by the receiver)")
+
+    def start_check(self, address, ticket, sender, via=None):
+        return lambda: self.check_ticket(address, ticket, sender, via)
 
     def commit(self, address, ref, last, nbytes, via=None):
         self.calls.append(("commit", (ref, last, nbytes)))
@@ -94,3 +97,47 @@ def test_a_receiver_heartbeat_never_begins_a_waiting_transfer(pair):
     # A reference from another boot is reported dead and changes nothing.
     assert d.inbox.heartbeat("prefill", [TransferRef("other-boot", ticket.lease_id, rid)]) == [ticket.lease_id]
     assert d.inbox.status(rid).state is TransferState.WAITING
+
+
+class AcceptingLink(DirectLink):
+    """A DirectLink whose receiver accepts the ticket (as a real CheckTicket of a valid one does)."""
+
+    def __init__(self, receiver: Node, ref: TransferRef) -> None:
+        super().__init__(receiver)
+        self.ref = ref
+
+    def check_ticket(self, address, ticket, sender, via=None):
+        self.calls.append(("check_ticket", (address, sender)))
+        self.on_check()
+        self.receiver.inbox.begin(self.ref, sender)
+
+
+def test_a_send_refused_after_the_receiver_accepted_tells_the_receiver_at_once(pair):
+    """The receiver checks the ticket while the sender leases and plans. When the plan then
+    refuses (here: the prefill request is shorter than the receiver's), nothing was written and
+    the receiver, which accepted the ticket, is told at once with drained=True: its transfer
+    fails now, and freeing the request is not deferred behind a fence."""
+    p, ps, d, ds, rid, ticket = pair
+    link = AcceptingLink(d, ticket.ref)
+    ob = Outbox(p, LocalBackend(), link, address="prefill")
+    p.free(ps, [rid])
+    p.allocate(ps, [AllocSpec(rid, TOKENS - 5)])
+    with pytest.raises(InvalidArgument, match="allocate the same length"):
+        ob.send(ps, rid, ticket, b"raw", 0, None, last=True)
+    assert [c for c, _ in link.calls] == ["check_ticket", "abort_receive"]
+    assert link.calls[1][1][2] is True  # drained: nothing was written
+    st = d.inbox.status(rid)
+    assert st.state is TransferState.FAILED and "allocate the same length" in st.reason
+    assert ob.open_count() == 0 and len(p.leases) == 0
+    d.free(ds, [rid])
+    assert rid not in d.pool.request_ids
+
+
+def test_a_range_the_ticket_shows_is_wrong_is_refused_before_the_receiver_hears(pair):
+    p, ps, d, _, rid, ticket = pair
+    link = AcceptingLink(d, ticket.ref)
+    ob = Outbox(p, LocalBackend(), link, address="prefill")
+    with pytest.raises(InvalidArgument, match="not inside the request"):
+        ob.send(ps, rid, ticket, b"raw", 5, TOKENS + 1, last=True)
+    assert link.calls == [] and d.inbox.status(rid).state is TransferState.WAITING
+    assert ob.open_count() == 0 and len(p.leases) == 0

@@ -346,8 +346,12 @@ class CudaLocalBackend(Backend):
             if src.is_cuda:
                 # The receiver is told READY once write returns: every byte must have landed.
                 # Both strategies issue on the source's device (this daemon's GPU; the mapping is
-                # a tensor of it too, even when the memory lives on a peer GPU): wait for that stream.
-                torch.cuda.current_stream(src.device).synchronize()
+                # a tensor of it too, even when the memory lives on a peer GPU). Wait for these
+                # copies by an event, not the whole stream: with several Sends at once, a stream
+                # sync would also wait for copies other Sends queued after these.
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(src.device))
+                done.synchronize()
         except (RuntimeError, ValueError) as exc:  # a CUDA error from the launch or the wait; Triton refusing a pointer
             raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
         self.strategies[strategy] += 1

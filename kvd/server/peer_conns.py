@@ -24,6 +24,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError, Message
 
@@ -68,14 +69,6 @@ class _Conn:
         p = select.poll()
         p.register(self.sock, _GONE)
         return not p.poll(0)
-
-    def exchange(self, kind: int, msg: Message, timeout: float) -> tuple[int, bytes]:
-        """Send a frame, read the reply frame: ``(status, body)``, all within ``timeout``.
-        OSError (TimeoutError included) or ConnectionError when the connection fails."""
-        deadline = time.monotonic() + timeout
-        self.sock.settimeout(timeout)
-        self.sock.sendall(frame(kind, msg))
-        return self.reply(deadline)
 
     def reply(self, deadline: float) -> tuple[int, bytes]:
         """Read one reply frame by ``deadline`` (monotonic): ``(status, body)``."""
@@ -140,24 +133,51 @@ class PeerConnections:
     def call(self, conn: _Conn, name: str, request: Message) -> Message:
         """Call Peer rpc ``name`` on a checked-out connection, which this returns to the pool (or
         closes, when the call failed it). Raises the daemon's refusal as its kvd class."""
+        return self.start(conn, name, request)()
+
+    def start(self, conn: _Conn, name: str, request: Message) -> Callable[[], Message]:
+        """Send the request of :meth:`call` now; the returned function waits for the reply (the
+        same outcomes as :meth:`call`). Call it exactly once: it returns the connection."""
         m = METHODS[METHOD_IDS[name]]
-        path = conn.route.path
+        deadline = time.monotonic() + self.timeout
         try:
-            status, body = conn.exchange(m.id, request, self.timeout)
-            reply = m.response.FromString(body) if status == OK else _refusal(body)
-        except TimeoutError as exc:
-            conn.close()
-            raise DeadlineExceeded(f"peer socket {path}: no reply to {name} within {self.timeout:g} s") from exc
-        except (OSError, DecodeError) as exc:
-            conn.close()
-            raise Unavailable(f"peer socket {path} failed during {name} (the daemon is gone or restarted): {exc}") from exc
-        except BaseException:
-            conn.close()  # interrupted mid-call: the stream may hold half a frame
-            raise
-        self._checkin(conn)
-        if isinstance(reply, KvdError):
-            raise reply
-        return reply
+            conn.sock.settimeout(self.timeout)
+            conn.sock.sendall(frame(m.id, request))
+        except BaseException as exc:
+            failure = self._failed_call(conn, name, exc)
+            if failure is exc:
+                raise
+
+            def refused() -> Message:
+                raise failure from exc
+
+            return refused
+
+        def wait() -> Message:
+            try:
+                status, body = conn.reply(deadline)
+                reply = m.response.FromString(body) if status == OK else _refusal(body)
+            except BaseException as exc:
+                failure = self._failed_call(conn, name, exc)
+                if failure is exc:
+                    raise
+                raise failure from exc
+            self._checkin(conn)
+            if isinstance(reply, KvdError):
+                raise reply
+            return reply
+
+        return wait
+
+    def _failed_call(self, conn: _Conn, name: str, exc: BaseException) -> BaseException:
+        """Close a connection a call failed on (the stream may hold half a frame) and say why."""
+        conn.close()
+        path = conn.route.path
+        if isinstance(exc, TimeoutError):
+            return DeadlineExceeded(f"peer socket {path}: no reply to {name} within {self.timeout:g} s")
+        if isinstance(exc, (OSError, DecodeError)):
+            return Unavailable(f"peer socket {path} failed during {name} (the daemon is gone or restarted): {exc}")
+        return exc  # interrupted mid-call
 
     def close(self) -> None:
         """Close every idle connection; those checked out close when they come back."""

@@ -11,6 +11,7 @@ come back as kvd exceptions, the same classes and messages whichever way a call 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import grpc
 from google.protobuf.message import Message
@@ -66,19 +67,37 @@ class DaemonPeerLink:
                 stub = self._stubs[address] = pb_grpc.PeerStub(ch)
             return stub
 
-    def _call(self, address: str, method: str, request: Message, via: SocketRoute | None = None):
+    def _start(self, address: str, method: str, request: Message, via: SocketRoute | None = None) -> Callable[[], Message]:
+        """Send ``request`` now, over the route's socket when it is usable, else over gRPC; the
+        returned function waits for the reply (kvd exceptions either way)."""
         conn = self.sockets.checkout(via) if via is not None and self.sockets is not None else None
         if conn is not None:
             self._count(method, "socket")
-            return self.sockets.call(conn, method, request)  # type: ignore[union-attr]
+            return self.sockets.start(conn, method, request)  # type: ignore[union-attr]
         self._count(method, "grpc")
-        try:
-            return getattr(self._stub(address), method)(request, metadata=self._md, timeout=self.timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        future = getattr(self._stub(address), method).future(request, metadata=self._md, timeout=self.timeout)
+
+        def wait() -> Message:
+            try:
+                return future.result()
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+
+        return wait
+
+    def _call(self, address: str, method: str, request: Message, via: SocketRoute | None = None) -> Message:
+        return self._start(address, method, request, via)()
 
     def check_ticket(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> None:
-        self._call(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender), via)
+        self.start_check(address, ticket, sender, via)()
+
+    def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], None]:
+        wait = self._start(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender), via)
+
+        def checked() -> None:
+            wait()
+
+        return checked
 
     def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None:
         self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes), via)
