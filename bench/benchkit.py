@@ -28,16 +28,17 @@ class BenchDaemon:
     metrics_port: int | None = None  # when started with --metrics-port
 
     @classmethod
-    def spawn(cls, *args: str) -> BenchDaemon:
+    def spawn(cls, *args: str, cpus: set[int] | None = None) -> BenchDaemon:
         """Start the process; call :meth:`wait_ready` before use (spawn several, then wait:
-        their start-ups overlap)."""
+        their start-ups overlap). ``cpus``: run it (every thread) on these cores only."""
         tmp = tempfile.mkdtemp(prefix="kvd-bench-")
         sock = os.path.join(tmp, "kvd.sock")
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", sock, "--log-level", "WARNING", *args]
         # ROOT first, then whatever the caller had (a GPU machine's extra packages live there).
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONPATH": path})
+                                env={**os.environ, "PYTHONPATH": path}, preexec_fn=pin)
         return cls(proc, f"unix:{sock}", tmp)
 
     def wait_ready(self) -> BenchDaemon:
@@ -67,6 +68,15 @@ class BenchDaemon:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def cpu_set(spec: str) -> set[int]:
+    """``"2-5,8"`` -> {2, 3, 4, 5, 8} (the taskset list syntax)."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def cpu_model() -> str:

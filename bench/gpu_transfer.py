@@ -80,7 +80,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
-from benchkit import BenchDaemon  # noqa: E402
+from benchkit import BenchDaemon, cpu_set  # noqa: E402
 from gpu import _table  # noqa: E402
 
 from kvd.handoff import SEND_PHASES  # noqa: E402
@@ -243,8 +243,9 @@ class Pair:
         t0 = time.perf_counter()
         common = ["--arena", "cuda", "--backend", self.backend, "--layout", LAYOUT, "--peer-timeout-s", "30",
                   "--lease-ttl-s", "120", "--session-ttl-s", "60", "--grace-s", "1"]
-        self.P = BenchDaemon.spawn(*common, "--cuda-device", str(self.a), "--arena-bytes", str(self.p_bytes))
-        self.D = BenchDaemon.spawn(*common, "--cuda-device", str(self.b), "--arena-bytes", str(self.d_bytes))
+        p_cpus, d_cpus = (cpu_set(x) for x in self.args.daemon_cpus.split(":")) if self.args.daemon_cpus else (None, None)
+        self.P = BenchDaemon.spawn(*common, "--cuda-device", str(self.a), "--arena-bytes", str(self.p_bytes), cpus=p_cpus)
+        self.D = BenchDaemon.spawn(*common, "--cuda-device", str(self.b), "--arena-bytes", str(self.d_bytes), cpus=d_cpus)
         self.P.wait_ready()
         self.D.wait_ready()
         from kvd.client import Client
@@ -749,6 +750,9 @@ def main() -> int:
     ap.add_argument("--raw-reps", type=int, default=10, help="timed raw copies per byte count (default 10)")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens when building the requests (default 2048)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the mixed workload's token counts")
+    ap.add_argument("--daemon-cpus", metavar="P:D",
+                    help="pin the prefill daemon to cores P and the decode daemon to cores D (taskset lists, e.g. 2-3:4-5; "
+                         "what exclusive cores, e.g. Kubernetes' static CPU manager, give a sidecar)")
     args = ap.parse_args()
     quick = args.backend == "mooncake"  # over TCP: ~1.6 GB/s, about a second per 32k Send
     if args.repeats is None:
@@ -775,6 +779,7 @@ def main() -> int:
         pairs = [(a, b)]
     env = environment()
     log("env: " + json.dumps({k: v for k, v in env.items() if k != "topo"}))
+    log(f"daemon cores: {args.daemon_cpus or 'not pinned'} (prefill:decode)")
     log("nvidia-smi topo -m:\n" + env.get("topo", ""))
     if args.both and n < 2:
         log("only one GPU: --both runs 0,0 alone")
