@@ -233,6 +233,32 @@ def test_an_empty_write_is_a_no_op(pair: tuple[Writer, Peer]) -> None:
     assert (w.written(), w.batches()) == (0, 0)
 
 
+def test_an_async_write_is_in_flight_until_its_waiter_returned(pair: tuple[Writer, Peer]) -> None:
+    """write_async: bytes landed once the waiter returned; until then register waits for the
+    write; the waiter runs once; a refusal raises at once and leaves nothing in flight."""
+    import threading
+
+    from kvd.errors import InternalError
+
+    w, peer = pair
+    srcs, dsts, lens = scattered_blocks(w, peer, seed=3)[0]
+    landed = w.backend.write_async(peer.region, srcs, dsts, lens)
+    registering = threading.Thread(target=w.backend.register, args=(w.arena,))
+    registering.start()
+    registering.join(0.3)
+    assert registering.is_alive(), "register did not wait for the write in flight"
+    landed()
+    registering.join(10)
+    assert not registering.is_alive()
+    assert peer.hash(0, peer.region.backed_bytes) == digest(expected_image(w, peer, [(srcs, dsts, lens)]))
+    with pytest.raises(InternalError, match="waiter was called twice"):
+        landed()
+    with pytest.raises(InvalidArgument, match="nothing was written"):
+        w.backend.write_async(peer.region, [w.arena.base], [peer.region.base - 4096], [4096])
+    w.backend.register(w.arena)  # nothing in flight: returns at once
+    assert w.backend.write_async(peer.region, [], [], [])() is None
+
+
 # -- refusals: nothing is written -----------------------------------------------------------
 
 

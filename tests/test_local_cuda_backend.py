@@ -414,3 +414,24 @@ def test_a_peer_gpu_with_large_blocks_is_written_by_copy_engine(writer, peer, im
         assert torch.equal(peer.arena.tensor()[d_ - r.base : d_ - r.base + n_], arena.tensor()[s_ - arena.base : s_ - arena.base + n_])
     b.write(r, [arena.base], [r.base], [4096])  # a small block: the kernel
     assert b.strategies == {"kernel": 1, "copy-engine": 1}
+
+
+def test_an_async_write_checks_before_issuing_and_its_waiter_after_landing(writer, peer):
+    """The pre-write checks run before write_async returns (a dead peer: Unavailable, nothing
+    issued); the waiter does the post-write check (a peer gone meanwhile: Aborted, mapping
+    dropped), accounting and the in-flight count."""
+    b, arena = writer
+    r = peer.region
+    landed = b.write_async(r, [arena.base], [r.base], [4096])
+    assert b._in_flight == 1 and b.bytes_written == 0  # counted when landed, not when issued
+    landed()
+    assert b._in_flight == 0 and b.bytes_written == 4096
+    assert torch.equal(peer.arena.tensor()[:4096], arena.tensor()[:4096])
+    landed = b.write_async(r, [arena.base + 4096], [r.base + 4096], [4096])
+    peer.stop()  # dies after the copies were issued, before they were waited for
+    with pytest.raises(Aborted, match="lost its owner during the write"):
+        landed()
+    assert b._in_flight == 0 and peer.path not in b._peers
+    with pytest.raises(Unavailable, match="nothing was written"):
+        b.write_async(r, [arena.base], [r.base], [4096])
+    assert b._in_flight == 0

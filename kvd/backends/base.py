@@ -9,6 +9,8 @@ addresses). One backend object serves one local arena and any number of peers::
     ticket.transfer_endpoint = backend.endpoint
     ...
     backend.write(PeerRegion(ep, base, backed, region_id), srcs, dsts, lens)
+    landed = backend.write_async(peer, srcs, dsts, lens)   # copies issued ...
+    landed()                                                 # ... and every byte landed
 
 Addresses are absolute: ``srcs`` in this process's arena ``[base, base + registered)``,
 ``dsts`` in the peer's ``[peer.base, peer.base + peer.backed_bytes)`` (the peer's own
@@ -23,6 +25,14 @@ Failures, three ways (see :mod:`kvd.errors`):
   the backend is not installed.
 * :class:`Aborted` -- the write failed after it started; the peer's bytes in the blocks of
   this call are undefined. The caller aborts the transfer; it never retries blindly.
+
+Asynchronous writes. :meth:`Backend.write_async` issues the copies and returns a waiter that
+blocks until they landed, raising what :meth:`Backend.write` would have raised from then on; a
+caller overlaps its own work (the next request's lease and plan, the previous one's commit)
+with copies a device runs on its own. Only the CUDA local backend issues without waiting (it
+queues copies on the GPU stream); the others write synchronously inside ``write_async`` and
+return a waiter with nothing left to wait for. Mooncake could issue through its asynchronous
+batch API (``batch_transfer_async_write`` + ``get_batch_transfer_status``) instead; not done yet.
 """
 
 from __future__ import annotations
@@ -30,14 +40,22 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvd.arena import Arena
-from kvd.errors import FailedPrecondition, InvalidArgument, Unavailable
+from kvd.errors import FailedPrecondition, InternalError, InvalidArgument, Unavailable
 
-__all__ = ["Backend", "PeerRegion", "make_backend", "INSTALL_HINT"]
+__all__ = ["Backend", "PeerRegion", "Landed", "make_backend", "INSTALL_HINT"]
+
+#: What :meth:`Backend.write_async` returns: call it once; it returns when every byte landed.
+Landed = Callable[[], None]
+
+
+def _nothing_left() -> None:
+    """The waiter of a write that was complete when it was issued."""
 
 #: What to run when a backend's package or system library is missing (CPU hosts; GPU hosts
 #: install ``mooncake-transfer-engine``, the CUDA build, instead).
@@ -55,11 +73,12 @@ class PeerRegion:
 
 
 class Backend(abc.ABC):
-    """One local arena, registered once; synchronous batched writes to peers.
+    """One local arena, registered once; batched writes to peers, synchronous or issued and
+    waited for apart (:meth:`write_async`).
 
     Thread safety: :meth:`write` may run in several threads at once. :meth:`register` and
-    :meth:`close` wait for writes in flight to finish and hold new ones back meanwhile, so a
-    write never sees a half-updated registration.
+    :meth:`close` wait for writes in flight (an asynchronous one until its waiter returned) and
+    hold new ones back meanwhile, so a write never sees a half-updated registration.
 
     Counters (read any time; updated after each batch the transport confirmed):
     ``bytes_written``, ``batches`` (transport submissions that succeeded) and
@@ -121,11 +140,22 @@ class Backend(abc.ABC):
         Synchronous: returns once every byte is confirmed written, or raises (InvalidArgument
         before any byte moves; Unavailable or Aborted from the transport). Destination blocks
         must not overlap each other (the planner never produces overlaps); the order in which
-        blocks land is unspecified."""
+        blocks land is unspecified. ``write_async(...)()``."""
+        self.write_async(peer, srcs, dsts, lens)()
+
+    def write_async(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> Landed:
+        """Issue the copies of :meth:`write` and return a waiter: calling it blocks until every
+        byte landed and then checks what :meth:`write` checks after its copy (the peer still
+        alive), raising what :meth:`write` would raise.
+
+        Raises at once what is known before anything moves (InvalidArgument, Unavailable: the
+        peer is gone, nothing written). Call the waiter exactly once (a second call is a bug:
+        InternalError): until it returned the write counts as in flight, so :meth:`register`
+        and :meth:`close` wait for it, and the peer's bytes in these blocks are undefined."""
         if not (len(srcs) == len(dsts) == len(lens)):
             raise InvalidArgument(f"write needs equally long lists, got {len(srcs)} srcs, {len(dsts)} dsts, {len(lens)} lens")
         if not srcs:
-            return
+            return _nothing_left
         with self._cond:
             self._check_open()
             if self._arena is None:
@@ -134,11 +164,29 @@ class Backend(abc.ABC):
             lo, size = self._reg_lo, self._reg_size
         try:
             self._check_blocks(peer, lo, size, srcs, dsts, lens)
-            self._write(peer, srcs, dsts, lens)
-        finally:
-            with self._cond:
-                self._in_flight -= 1
-                self._cond.notify_all()
+            wait = self._issue(peer, srcs, dsts, lens)
+        except BaseException:
+            self._landed()
+            raise
+        called = False
+
+        def landed() -> None:
+            nonlocal called
+            if called:
+                raise InternalError(f"{self.name} backend: a write's waiter was called twice (a bug in the caller)")
+            called = True
+            try:
+                wait()
+            finally:
+                self._landed()
+
+        return landed
+
+    def _landed(self) -> None:
+        """A write is no longer in flight (issued and waited for, or refused)."""
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Unregister and release the transport. Idempotent; waits for writes in flight."""
@@ -171,9 +219,18 @@ class Backend(abc.ABC):
     def _unregister(self) -> None:
         """Undo the last :meth:`_register` (``self.registered`` still names its range)."""
 
-    @abc.abstractmethod
     def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
-        """Move the (already validated) blocks; call :meth:`_account` per confirmed batch."""
+        """Move the (already validated) blocks; call :meth:`_account` per confirmed batch. A
+        synchronous transport implements this; one that issues and waits apart overrides
+        :meth:`_issue` instead."""
+        raise InternalError(f"{type(self).__name__} implements neither _write nor _issue (a bug in kvd)")
+
+    def _issue(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> Landed:
+        """Start moving the (already validated) blocks; return what waits for them, then checks
+        and accounts (raising as :meth:`write` does). Default: the whole :meth:`_write` now, and
+        nothing left to wait for."""
+        self._write(peer, srcs, dsts, lens)
+        return _nothing_left
 
     @abc.abstractmethod
     def _close(self) -> None:

@@ -23,9 +23,12 @@ The copy. Source is this arena's tensor, destination the imported one; the plann
 (absolute addresses) become runs over ``[N, g]`` byte-row views of both, ``g`` the gcd of every
 offset and length (so every block is whole rows), and :func:`kvd.kernels.move_pages` moves them
 in one Triton launch on this daemon's GPU (the source's device: the staged run table, the table
-kernel and the move kernel all go on that device's current stream). The write then waits for
-that stream: the receiver is told READY as soon as ``write`` returns, and for a cross-GPU write
-the stores over the link are complete when the kernel is.
+kernel and the move kernel all go on that device's current stream), followed by a CUDA event.
+``write_async`` returns there, with the copies queued; its waiter synchronizes the event (only
+these copies, not the whole stream): the receiver is told READY as soon as the waiter returns,
+and for a cross-GPU write the stores over the link are complete when the kernel is. ``write``
+is both at once. A sender of many requests (``Outbox.send_many``) queues the next request's
+copies before it waits for the previous request's, so the GPU never waits for Python.
 
 Copy strategy (:func:`copy_strategy`, a pure function). Across GPUs, few large blocks go through
 the copy engines instead: one ``dst[d:d+n].copy_(src[s:s+n], non_blocking=True)`` per block on
@@ -48,6 +51,7 @@ check). No watch (a server without the op): pings, as before.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -60,7 +64,7 @@ import torch
 
 from kvd import fdpass
 from kvd.arena import Arena
-from kvd.backends.base import Backend, PeerRegion
+from kvd.backends.base import Backend, Landed, PeerRegion
 from kvd.errors import (
     Aborted,
     FailedPrecondition,
@@ -327,9 +331,11 @@ class CudaLocalBackend(Backend):
 
     # -- the copy ---------------------------------------------------------------------------
 
-    def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+    def _issue(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> Landed:
+        """Check the peer, queue the copies on this GPU's current stream and record an event
+        after them; the waiter waits for that event, then checks the peer again."""
         src = self._src
-        if src is None:  # Backend.write checked that an arena is registered
+        if src is None:  # Backend.write_async checked that an arena is registered
             raise InternalError("local cuda backend: write reached the copy with no registered source view")
         m = self._peers.get(peer.endpoint)
         if m is None or m.region_id != peer.region_id or m.size < peer.backed_bytes or not self._poll(m):
@@ -337,6 +343,7 @@ class CudaLocalBackend(Backend):
             m = self._checked_mapping(peer)
         lo = self.registered[0]
         strategy = copy_strategy(m.home, lens)
+        done = None
         try:
             s_off, d_off = [a - lo for a in srcs], [a - peer.base for a in dsts]
             if strategy == COPY_ENGINE:
@@ -344,16 +351,32 @@ class CudaLocalBackend(Backend):
             else:
                 copy_blocks(src, m.view, s_off, d_off, lens)
             if src.is_cuda:
-                # The receiver is told READY once write returns: every byte must have landed.
                 # Both strategies issue on the source's device (this daemon's GPU; the mapping is
-                # a tensor of it too, even when the memory lives on a peer GPU). Wait for these
-                # copies by an event, not the whole stream: with several Sends at once, a stream
-                # sync would also wait for copies other Sends queued after these.
+                # a tensor of it too, even when the memory lives on a peer GPU). The waiter waits
+                # for these copies by an event, not the whole stream: with several Sends at once,
+                # a stream sync would also wait for copies other Sends queued after these.
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(src.device))
-                done.synchronize()
-        except (RuntimeError, ValueError) as exc:  # a CUDA error from the launch or the wait; Triton refusing a pointer
+        except (RuntimeError, ValueError) as exc:  # a CUDA error from the launch; Triton refusing a pointer
+            if src.is_cuda:  # copies queued before the failure must not land after the caller was told
+                with contextlib.suppress(RuntimeError):
+                    torch.cuda.current_stream(src.device).synchronize()
             raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
+
+        def landed() -> None:
+            if done is not None:
+                # The receiver is told READY once the waiter returns: every byte must have landed.
+                try:
+                    done.synchronize()
+                except RuntimeError as exc:  # a CUDA error raised by the copies
+                    raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
+            self._after(peer, m, strategy, lens)
+
+        return landed
+
+    def _after(self, peer: PeerRegion, m: _Import, strategy: str, lens: list[int]) -> None:
+        """The copies landed: count them, then check the peer is still the one written to
+        (Aborted, the mapping dropped, when it died or was replaced meanwhile)."""
         self.strategies[strategy] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("wrote %d blocks (%d bytes) into %s by %s (home %s)", len(lens), sum(lens), peer.region_id, strategy, m.home)
