@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.handoff import SEND_PHASES, SendResult, TransferState
+from kvd.handoff import SendResult, TransferState
 from kvd.layout import Layout
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
@@ -46,11 +46,16 @@ from kvd.wire import (
     grpc_target,
     lease_kind_from_pb,
     lease_kind_to_pb,
+    send_result_from_pb,
     state_from_pb,
+    status_from_pb,
     vectors_from_pb,
 )
 
-__all__ = ["Client", "AsyncClient", "PoolInfo", "LeaseInfo", "Attachment", "TransferStatus", "SendResult", "TransferState"]
+__all__ = [
+    "Client", "AsyncClient", "PoolInfo", "LeaseInfo", "Attachment", "TransferStatus", "SendResult", "SendSpec", "SendOutcomes",
+    "TransferState",
+]
 
 T = TypeVar("T")
 
@@ -154,10 +159,33 @@ def _attach_cuda(r: pb.AttachResponse, layout: Layout, session: str) -> Attachme
     return Attachment(layout, handles.header.region_id, t, all_views(layout, t), owner)
 
 
-def _phases(m) -> dict[str, float]:
-    """A Send's step timings in the order the steps ran (a protobuf map has no order)."""
-    order = {name: i for i, name in enumerate(SEND_PHASES)}
-    return {k: m[k] for k in sorted(m, key=lambda k: (order.get(k, len(order)), k))}
+class SendSpec(NamedTuple):
+    """One item of :meth:`_Surface.send_many`: what :meth:`_Surface.send` takes (``end`` None:
+    up to the request's length; ``last`` moves the state and makes the request ready there)."""
+
+    rid: str
+    ticket: bytes
+    start: int = 0
+    end: int | None = None
+    last: bool = True
+
+
+class SendOutcomes(list):
+    """What :meth:`_Surface.send_many` returns: per item, in order, its :class:`SendResult` or
+    the :class:`~kvd.errors.KvdError` it failed with; ``seconds``: the whole call inside the
+    daemon (the items overlap in time there, so their own ``seconds`` do not add up to it)."""
+
+    seconds: float = 0.0
+
+
+def _send_request(s: SendSpec) -> pb.SendRequest:
+    return pb.SendRequest(rid=s.rid, ticket=s.ticket, token_start=s.start, token_end=s.end or 0, last=s.last)
+
+
+def _outcomes(r: pb.SendManyResponse) -> SendOutcomes:
+    out = SendOutcomes(status_from_pb(o.error) if o.WhichOneof("outcome") == "error" else send_result_from_pb(o.result) for o in r.outcomes)
+    out.seconds = r.seconds
+    return out
 
 
 def _info(r: pb.PoolInfo) -> PoolInfo:
@@ -309,8 +337,19 @@ class _Surface:
         decode daemon that issued ``ticket``. Call once per chunk; ``last`` moves the state and
         makes the request ready there. Raises before any write when the ticket is stale, for
         another layout, or its lease is gone."""
-        req = pb.SendRequest(rid=rid, ticket=ticket, token_start=start, token_end=end or 0, last=last)
-        return self._call("Send", req, lambda r: SendResult(r.bytes, r.blocks, r.seconds, dict(r.pages), _phases(r.phase_seconds)))
+        return self._call("Send", _send_request(SendSpec(rid, ticket, start, end, last)), send_result_from_pb)
+
+    def send_many(self, items: Sequence[SendSpec | tuple]) -> SendOutcomes:
+        """Prefill side: many independent :meth:`send` calls in one, e.g. every request one
+        forward pass finished. ``items``: :class:`SendSpec` or tuples ``(rid, ticket[, start[,
+        end[, last]]])``, at most 1024, each request once. The daemon pipelines them (one
+        request's copies run while it commits the one before and prepares the one after).
+
+        Returns, per item in order, its :class:`SendResult` or the kvd error its own ``send``
+        would have raised: one failing item leaves the others alone. Raises only for the whole
+        call (nothing sent): InvalidArgument for no item, too many, or one request twice."""
+        specs = [s if isinstance(s, SendSpec) else SendSpec(*s) for s in items]
+        return self._call("SendMany", pb.SendManyRequest(items=[_send_request(s) for s in specs]), _outcomes)
 
     def wait_ready(self, rid: str, timeout: float = 30.0) -> TransferStatus:
         """Decode side: block until ``rid``'s KV is READY or the transfer FAILED, or ``timeout``

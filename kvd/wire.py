@@ -11,12 +11,13 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from kvd.errors import InvalidArgument
-from kvd.handoff import TicketInfo, TransferRef, TransferState
+from kvd.errors import InvalidArgument, KvdError
+from kvd.handoff import SEND_PHASES, SendResult, TicketInfo, TransferRef, TransferState
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
 from kvd.pool import Envelope, IndexVectors
 from kvd.stats import GroupStats, PoolStats
+from kvd.status import code_from_int, from_status, to_status
 from kvd.v1 import kvd_pb2 as pb
 
 __all__ = [
@@ -36,6 +37,10 @@ __all__ = [
     "ref_from_pb",
     "state_to_pb",
     "state_from_pb",
+    "send_result_to_pb",
+    "send_result_from_pb",
+    "status_to_pb",
+    "status_from_pb",
 ]
 
 TICKET_VERSION = 1
@@ -190,3 +195,27 @@ def state_from_pb(v: int) -> TransferState:
         if x == v:
             return k
     raise InvalidArgument(f"unknown transfer state {v}")
+
+
+def send_result_to_pb(r: SendResult) -> pb.SendResponse:
+    return pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds, pages=r.pages, phase_seconds=r.phases)
+
+
+def send_result_from_pb(m: pb.SendResponse) -> SendResult:
+    """The SendResult of a Send reply, its step timings in the order the steps ran (a protobuf
+    map has no order)."""
+    order = {name: i for i, name in enumerate(SEND_PHASES)}
+    phases = {k: m.phase_seconds[k] for k in sorted(m.phase_seconds, key=lambda k: (order.get(k, len(order)), k))}
+    return SendResult(m.bytes, m.blocks, m.seconds, dict(m.pages), phases)
+
+
+def status_to_pb(exc: BaseException) -> pb.PeerStatus:
+    """An exception as a status message (:func:`kvd.status.to_status`: code, message, metadata):
+    a peer socket refusal, a SendMany item's failure."""
+    code, msg, md = to_status(exc)
+    return pb.PeerStatus(code=code.value[0], message=msg, metadata=dict(md))
+
+
+def status_from_pb(m: pb.PeerStatus) -> KvdError:
+    """The kvd exception a status message stands for (the inverse of :func:`status_to_pb`)."""
+    return from_status(code_from_int(m.code), m.message, dict(m.metadata))

@@ -88,6 +88,9 @@ class _NodeCollector(Collector):
             tr.add_metric(["out", "failed"], self.outbox.failed_total)
             by.add_metric(["out"], self.outbox.bytes_total)
             yield gauge("kvd_transfers_open", "Outbound transfers in progress", self.outbox.open_count(), {"direction": "out"})
+            yield counter("kvd_send_calls", "Send and SendMany calls this daemon ran (a Send carries one item)", self.outbox.calls_total)
+            yield counter("kvd_send_items", "Items those calls carried (each one transfer chunk, counted in kvd_transfers "
+                          "like a Send)", self.outbox.items_total)
         yield tr
         yield by
         if self.link is not None:

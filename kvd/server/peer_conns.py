@@ -31,9 +31,9 @@ from google.protobuf.message import DecodeError, Message
 from kvd.errors import DeadlineExceeded, KvdError, PermissionDenied, Unavailable
 from kvd.handoff import SocketRoute
 from kvd.server.peer_socket import HELLO, MAX_FRAME, METHOD_IDS, METHODS, OK, REFUSED, frame, read_head
-from kvd.status import code_from_int, from_status
 from kvd.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import status_from_pb
 
 __all__ = ["PeerConnections", "KEEP", "RETRY_S"]
 
@@ -88,8 +88,7 @@ class _Conn:
 
 
 def _refusal(body: bytes) -> KvdError:
-    st = pb.PeerStatus.FromString(body)
-    return from_status(code_from_int(st.code), st.message, dict(st.metadata))
+    return status_from_pb(pb.PeerStatus.FromString(body))
 
 
 class PeerConnections:

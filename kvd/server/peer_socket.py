@@ -59,9 +59,10 @@ from google.protobuf.message import DecodeError, Message
 
 from kvd.errors import InvalidArgument, KvdError, Unavailable
 from kvd.server.peer_calls import PeerCalls
-from kvd.status import to_status
+from kvd.status import code_from_int
 from kvd.unix_socket import UnixServer, recv_exact
 from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import status_to_pb
 
 __all__ = [
     "HELLO", "OK", "REFUSED", "MAX_FRAME", "MAX_HELLO", "MAX_CONNECTIONS", "METHODS", "METHOD_IDS", "Method",
@@ -131,8 +132,8 @@ def read_head(sock: socket.socket) -> tuple[int, int] | None:
 
 def _refusal(exc: BaseException) -> tuple[bytes, grpc.StatusCode]:
     """The refusal frame of an exception (through the one mapping), and its status code."""
-    code, msg, md = to_status(exc)
-    return frame(REFUSED, pb.PeerStatus(code=code.value[0], message=msg, metadata=dict(md))), code
+    st = status_to_pb(exc)
+    return frame(REFUSED, st), code_from_int(st.code)
 
 
 class _Close(Exception):

@@ -8,6 +8,7 @@ aborts the call with the kvd error class in the trailing metadata.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -15,7 +16,7 @@ import grpc
 
 from kvd import __version__
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
-from kvd.handoff import Outbox, PeerLink
+from kvd.handoff import Outbox, PeerLink, SendItem, check_batch_size
 from kvd.node import Node
 from kvd.pool import AllocSpec
 from kvd.server.peer_calls import PeerCalls
@@ -30,7 +31,9 @@ from kvd.wire import (
     lease_kind_from_pb,
     lease_kind_to_pb,
     parse_ticket,
+    send_result_to_pb,
     state_to_pb,
+    status_to_pb,
     ticket_info,
     stats_to_pb,
     vectors_to_pb,
@@ -285,17 +288,44 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     # ---- handoff ----------------------------------------------------------------------------
     def Send(self, request: pb.SendRequest, context):
         def go():
-            session = self._session(context)
-            self.node.touch(session)
-            if self.outbox is None:
-                raise FailedPrecondition("this daemon has no transfer backend (backend=none); start it with backend=mooncake or local")
+            session, outbox = self._sender(context)
             ticket = parse_ticket(request.ticket)
-            r = self.outbox.send(
+            r = outbox.send(
                 session, request.rid, ticket_info(ticket), request.ticket, request.token_start, request.token_end or None, request.last
             )
-            return pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds, pages=r.pages, phase_seconds=r.phases)
+            return send_result_to_pb(r)
 
         return self._run(context, go)
+
+    def SendMany(self, request: pb.SendManyRequest, context):
+        def go():
+            t0 = time.perf_counter()
+            session, outbox = self._sender(context)
+            check_batch_size(len(request.items))
+            items: list[SendItem | KvdError] = []
+            for it in request.items:
+                try:  # a ticket that does not parse is that item's failure alone
+                    info = ticket_info(parse_ticket(it.ticket))
+                except KvdError as exc:
+                    items.append(exc)
+                    continue
+                items.append(SendItem(it.rid, info, it.ticket, it.token_start, it.token_end or None, it.last))
+            outcomes = [
+                pb.SendOutcome(error=status_to_pb(r)) if isinstance(r, KvdError) else pb.SendOutcome(result=send_result_to_pb(r))
+                for r in outbox.send_many(session, items)
+            ]
+            return pb.SendManyResponse(outcomes=outcomes, seconds=time.perf_counter() - t0)
+
+        return self._run(context, go)
+
+    def _sender(self, context) -> tuple[str, Outbox]:
+        """The calling session (touched) and the outbox; FailedPrecondition on a daemon that
+        cannot send."""
+        session = self._session(context)
+        self.node.touch(session)
+        if self.outbox is None:
+            raise FailedPrecondition("this daemon has no transfer backend (backend=none); start it with backend=mooncake or local")
+        return session, self.outbox
 
     def WaitReady(self, request: pb.WaitRequest, context):
         def go():

@@ -1325,6 +1325,90 @@ class SendResponse(_message.Message):
 Global___SendResponse: _TypeAlias = SendResponse  # noqa: Y015
 
 @_typing.final
+class SendManyRequest(_message.Message):
+    """Prefill engine -> its daemon: many independent Sends in one call (e.g. every request a forward
+    pass finished). The daemon pipelines them: one item's copies run while it commits the item
+    before and prepares the item after. Each item succeeds or fails on its own, with the outcome
+    its own Send would have had (a refused ticket leaves its receiver untouched; a failure after
+    the receiver accepted tells that receiver at once). INVALID_ARGUMENT for the whole call, before
+    anything is sent: no item, more than 1024, or two items of one request or one ticket.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___SendRequest]: ...
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___SendRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendManyRequest: _TypeAlias = SendManyRequest  # noqa: Y015
+
+@_typing.final
+class SendOutcome(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def result(self) -> Global___SendResponse:
+        """the item's Send succeeded"""
+
+    @_builtins.property
+    def error(self) -> Global___PeerStatus:
+        """the item failed: the status its own Send would have ended with"""
+
+    def __init__(
+        self,
+        *,
+        result: Global___SendResponse | None = ...,
+        error: Global___PeerStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["result", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___SendOutcome: _TypeAlias = SendOutcome  # noqa: Y015
+
+@_typing.final
+class SendManyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    seconds: _builtins.float
+    """the whole call inside the daemon (items overlap in time)"""
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SendOutcome]:
+        """one per item, in the order of the request"""
+
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___SendOutcome] | None = ...,
+        seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SendManyResponse: _TypeAlias = SendManyResponse  # noqa: Y015
+
+@_typing.final
 class WaitRequest(_message.Message):
     """Decode engine -> its daemon: block until rid is READY or FAILED, or the timeout passes
     (then the current state is returned). Waiting keeps the RECV lease renewed.
@@ -1717,7 +1801,8 @@ Global___PeerHelloResponse: _TypeAlias = PeerHelloResponse  # noqa: Y015
 @_typing.final
 class PeerStatus(_message.Message):
     """A refusal: the gRPC status code, message and trailing metadata kvd/status.py maps the
-    exception to, so the caller raises the same kvd exception as over gRPC.
+    exception to, so the caller raises the same kvd exception as over gRPC (also a SendMany item's
+    failure, in SendOutcome).
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -129,6 +129,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.SendRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.SendResponse.FromString,
                 _registered_method=True)
+        self.SendMany = channel.unary_unary(
+                '/kvd.v1.Kvd/SendMany',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.SendManyRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.SendManyResponse.FromString,
+                _registered_method=True)
         self.WaitReady = channel.unary_unary(
                 '/kvd.v1.Kvd/WaitReady',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.WaitRequest.SerializeToString,
@@ -263,6 +268,12 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WaitReady(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -379,6 +390,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.Send,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.SendRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.SendResponse.SerializeToString,
+            ),
+            'SendMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendMany,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.SendManyRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.SendManyResponse.SerializeToString,
             ),
             'WaitReady': grpc.unary_unary_rpc_method_handler(
                     servicer.WaitReady,
@@ -909,6 +925,33 @@ class Kvd:
             '/kvd.v1.Kvd/Send',
             kvd_dot_v1_dot_kvd__pb2.SendRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.SendResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/SendMany',
+            kvd_dot_v1_dot_kvd__pb2.SendManyRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.SendManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

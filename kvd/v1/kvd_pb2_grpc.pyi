@@ -63,6 +63,7 @@ class KvdStub:
     Offload: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.OffloadRequest, _kvd_pb2.OffloadResponse]
     Restore: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.RestoreRequest, _kvd_pb2.RestoreResponse]
     Send: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]
+    SendMany: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.SendManyRequest, _kvd_pb2.SendManyResponse]
     WaitReady: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]
     Abort: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.AbortRequest, _kvd_pb2.AbortResponse]
     Echo: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.EchoRequest, _kvd_pb2.EchoResponse]
@@ -90,6 +91,7 @@ class KvdAsyncStub(KvdStub):
     Offload: _aio.UnaryUnaryMultiCallable[_kvd_pb2.OffloadRequest, _kvd_pb2.OffloadResponse]  # type: ignore[assignment]
     Restore: _aio.UnaryUnaryMultiCallable[_kvd_pb2.RestoreRequest, _kvd_pb2.RestoreResponse]  # type: ignore[assignment]
     Send: _aio.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]  # type: ignore[assignment]
+    SendMany: _aio.UnaryUnaryMultiCallable[_kvd_pb2.SendManyRequest, _kvd_pb2.SendManyResponse]  # type: ignore[assignment]
     WaitReady: _aio.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_kvd_pb2.AbortRequest, _kvd_pb2.AbortResponse]  # type: ignore[assignment]
     Echo: _aio.UnaryUnaryMultiCallable[_kvd_pb2.EchoRequest, _kvd_pb2.EchoResponse]  # type: ignore[assignment]
@@ -228,6 +230,13 @@ class KvdServicer(metaclass=_abc_1.ABCMeta):
         request: _kvd_pb2.SendRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvd_pb2.SendResponse, _abc.Awaitable[_kvd_pb2.SendResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SendMany(
+        self,
+        request: _kvd_pb2.SendManyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.SendManyResponse, _abc.Awaitable[_kvd_pb2.SendManyResponse]]: ...
 
     @_abc_1.abstractmethod
     def WaitReady(

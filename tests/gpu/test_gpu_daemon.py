@@ -14,6 +14,7 @@ CUDA memory is only ever imported by another process than the one that exported 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import random
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -225,14 +227,60 @@ def hand_off_like_the_cpu_path(decode_workdir: Path, p: hk.Engine, d: hk.Engine,
         e.free(*sorted(e.live))
 
 
-def test_two_cuda_daemons_hand_off_byte_identical_to_the_cpu_path(gpu_pair):
-    p, d = hk.Engine(gpu_pair.prefill, "prefill-engine"), hk.Engine(gpu_pair.decode, "decode-engine")
+def send_many_like_the_cpu_path(p: hk.Engine, d: hk.Engine, seed: int, wait_s: float) -> None:
+    """Four requests in one SendMany (the local cuda backend queues each request's copies before
+    it waits for the previous request's): every one READY, the decode arena byte for byte what
+    the CPU shm path writes for the four plans, the sender's arena unchanged."""
+    lengths = {f"m{i}": n for i, n in enumerate((103, 40, 7, 64))}
+    srcs = {rid: p.alloc(rid, n) for rid, n in lengths.items()}
+    for rid, n in lengths.items():
+        d.alloc(rid, n, receive=True)
+    hk.randomize(p.arena, seed + 20)
+    hk.randomize(d.arena, seed + 21)
+    for t in (p.arena, d.arena):
+        torch.cuda.synchronize(t.device)
+    tickets = {rid: d.c.acquire_lease(rid, "recv").ticket for rid in lengths}
+    pi, di = p.c.info(), d.c.info()
+    expected = d.arena.cpu()
+    for rid, n in lengths.items():
+        t = ticket_info(parse_ticket(tickets[rid]))
+        plan = plan_chunk(pi.layout, srcs[rid], t.vectors, pi.envelopes, t.envelopes, 0, n, True)
+        expected = _shm_path_result(p.arena, expected, plan, pi.envelopes[0].base, di.envelopes[0].base)
+    before_p = p.arena.cpu()
+
+    out = p.c.send_many([(rid, tickets[rid]) for rid in lengths])
+
+    assert [type(r).__name__ for r in out] == ["SendResult"] * len(lengths), out
+    for rid, r in zip(lengths, out):
+        st = d.c.wait_ready(rid, wait_s)
+        assert st.state is TransferState.READY and st.nbytes == r.nbytes, st
+    got = d.arena.cpu()
+    assert torch.equal(got, expected), f"decode arena vs the CPU path: {hk.diff_summary(got, expected)}"
+    assert torch.equal(p.arena.cpu(), before_p), "the sender's arena changed"
+    for e in (p, d):
+        e.free(*lengths)
+
+
+@contextlib.contextmanager
+def engines(pair: hk.Pair) -> Iterator[tuple[hk.Engine, hk.Engine]]:
+    """A prefill and a decode engine session on ``pair``, detached and closed afterwards."""
+    p, d = hk.Engine(pair.prefill, "prefill-engine"), hk.Engine(pair.decode, "decode-engine")
     try:
-        pi, di = p.c.info(), d.c.info()
-        assert "cuda-arena" in pi.capabilities and "handoff" in pi.capabilities and di.backend == "local"
-        assert p.arena.is_cuda and d.arena.is_cuda
-        hand_off_like_the_cpu_path(gpu_pair.decode.workdir, p, d, seed=11, wait_s=10)
+        yield p, d
     finally:
         for e in (p, d):
             e.close_attachment()
             e.c.close()
+
+
+def test_two_cuda_daemons_hand_off_byte_identical_to_the_cpu_path(gpu_pair):
+    with engines(gpu_pair) as (p, d):
+        pi, di = p.c.info(), d.c.info()
+        assert "cuda-arena" in pi.capabilities and "handoff" in pi.capabilities and di.backend == "local"
+        assert p.arena.is_cuda and d.arena.is_cuda
+        hand_off_like_the_cpu_path(gpu_pair.decode.workdir, p, d, seed=11, wait_s=10)
+
+
+def test_two_cuda_daemons_send_many_byte_identical_to_the_cpu_path(gpu_pair):
+    with engines(gpu_pair) as (p, d):
+        send_many_like_the_cpu_path(p, d, seed=17, wait_s=10)

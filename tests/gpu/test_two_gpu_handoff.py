@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 
 import handoff_kit as hk  # noqa: E402
-from test_gpu_daemon import cuda_pair, hand_off_like_the_cpu_path  # noqa: E402
+from test_gpu_daemon import cuda_pair, engines, hand_off_like_the_cpu_path, send_many_like_the_cpu_path  # noqa: E402
 
 from kvd.fdpass import fetch  # noqa: E402
 
@@ -78,11 +78,11 @@ def test_the_decode_arena_maps_for_cuda0_with_its_home_on_cuda1(gpu_pair):
 
 
 def test_a_request_hands_off_gpu0_to_gpu1_byte_identical_to_the_cpu_path(gpu_pair):
-    p, d = hk.Engine(gpu_pair.prefill, "prefill-engine"), hk.Engine(gpu_pair.decode, "decode-engine")
-    try:
+    with engines(gpu_pair) as (p, d):
         assert p.arena.device == torch.device("cuda", 0) and d.arena.device == torch.device("cuda", 1)
         hand_off_like_the_cpu_path(gpu_pair.decode.workdir, p, d, seed=13, wait_s=30)
-    finally:
-        for e in (p, d):
-            e.close_attachment()
-            e.c.close()
+
+
+def test_send_many_gpu0_to_gpu1_is_byte_identical_to_the_cpu_path(gpu_pair):
+    with engines(gpu_pair) as (p, d):
+        send_many_like_the_cpu_path(p, d, seed=19, wait_s=30)

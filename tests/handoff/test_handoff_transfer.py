@@ -281,6 +281,8 @@ def test_send_on_a_daemon_without_backend_is_failed_precondition(tmp_path):
         c.allocate("r", 8)
         with dk.expect(FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, "backend=none"):
             c.send("r", b"anything")
+        with dk.expect(FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, "backend=none"):
+            c.send_many([("r", b"anything")])
         t.node.check()
     finally:
         dk.stop_inproc(t)
