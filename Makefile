@@ -55,6 +55,7 @@ bench: venv
 	$(BIN)/python bench/pool.py
 	$(BIN)/python bench/control_plane.py
 	$(BIN)/python bench/peer_socket.py
+	$(BIN)/python bench/send_many.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -62,7 +62,7 @@ for what in "${STEPS[@]}"; do
     tests-handoff) step tests 120 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 90 tests/gpu/test_gpu_daemon.py tests/gpu/test_two_gpu_handoff.py ;;
     bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
-    transfer) step transfer 130 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
+    transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
     demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;

@@ -28,12 +28,21 @@ its SWA pages near the window; decode requests allocated ``receive=True`` before
 * ``mixed seq``: 32 requests, token counts log-uniform in [512, 32768] (seed ``--seed``), sent
   one after another;
 * ``mixed x8``: the same 32 requests by 8 concurrent senders (threads, each with its own
-  clients; request j belongs to sender j % 8).
+  clients; request j belongs to sender j % 8);
+* ``mixed batched``: the same 32 token counts as 4 SendMany calls of ``--batch`` (8) requests,
+  in the workload's order, one after another (the daemon pipelines each call: one request's
+  copies run while it commits the one before and prepares the one after). A call's requests
+  must belong to its session, so these are 32 more prefill requests, all of sender 0, built
+  with the others.
 
 Measured: the Send replies' ``seconds`` (server side: ticket check, lease, plan, writes, commit)
 and the client-observed wall time: the decode side is already waiting in WaitReady (a thread,
 as a decode engine waits for its KV) when Send is issued, and wall runs until both the Send reply
-and the WaitReady answer are back; for ``mixed x8`` the wall time of the whole pass. Baseline, in the same run: ``dst.copy_(src)`` of the same byte count -- inside GPU A for
+and the WaitReady answer are back; for ``mixed x8`` the wall time of the whole pass. ``mixed
+batched``: server = the SendMany replies' own ``seconds`` (the whole call in the daemon; its
+items overlap in time, so their ``seconds`` do not add up), summed over the calls; wall = per
+call, SendMany issued (the decode side already waiting in WaitReady for each of its requests)
+until its reply and every WaitReady answer are back, summed over the calls. Baseline, in the same run: ``dst.copy_(src)`` of the same byte count -- inside GPU A for
 A == B, ``dst_on_B.copy_(src_on_A)`` (torch's peer copy, copy engines) for A != B -- timed with
 CUDA events, median of ``--raw-reps``; a workload's raw time is the sum over its requests.
 Bytes are counted once (bytes moved, not read + written); ratio = kvd GB/s / raw GB/s.
@@ -96,6 +105,8 @@ SENDERS = 8
 WAITER_HEAD_START_S = 0.003
 #: Blocks per backend write, as the daemon's Outbox batches them (kvd.handoff.Outbox.batch_blocks).
 BATCH = 256
+#: Ways to send a workload's requests (Pair.send_pass).
+SEQ, X8, BATCHED = "seq", "x8", "batched"
 
 
 def log(msg: str) -> None:
@@ -200,6 +211,7 @@ class Row:
     why: str = ""
     first_pass_s: float = float("nan")
     concurrent: bool = False  # several senders at once: only the pass's wall time is a time
+    batched: bool = False  # SendMany calls: server = the calls' seconds; per-item phases overlap in time
     plan_here_s: float = 0.0  # plan_chunk of the workload's requests in the bench process (sum of medians)
 
     def as_dict(self) -> dict:
@@ -211,6 +223,7 @@ class Row:
             "wall_GBps": self.nbytes / wall / 1e9, "ratio_server": self.raw_s / srv, "ratio_wall": self.raw_s / wall,
             "server_ms_passes": [x * 1e3 for x in self.server_s], "wall_ms_passes": [x * 1e3 for x in self.wall_s],
             "first_pass_ms": self.first_pass_s * 1e3, "ok": self.ok, "why": self.why, "concurrent": self.concurrent,
+            "batched": self.batched,
             # the daemon's own clock per step (SendResult.phases), median over the passes
             "plan_here_ms": self.plan_here_s * 1e3,
             "phases_ms": {k: med([p.get(k, 0.0) for p in self.phases]) * 1e3 for k in SEND_PHASES if any(k in p for p in self.phases)},
@@ -226,8 +239,10 @@ class Pair:
         self.backend = args.backend
         self.big = Req("big", BIG, 0)
         self.mixed = [Req(f"m{j}", t, j % SENDERS) for j, t in enumerate(mixed_tokens(args.seed))] if args.mixed else []
+        # SendMany takes requests of the calling session only: the batched workload's own copies, all of sender 0.
+        self.batched = [Req(f"b{j}", t, 0) for j, t in enumerate(mixed_tokens(args.seed))] if args.mixed else []
         self.warm = [Req(f"warm{i}", t, 0) for i, t in enumerate((1000, 4096))]  # allocated whole (no chunks)
-        p_need = sum(held_bytes(r.tokens, chunk=args.chunk) for r in [self.big, *self.mixed])
+        p_need = sum(held_bytes(r.tokens, chunk=args.chunk) for r in [self.big, *self.mixed, *self.batched])
         p_need += sum(held_bytes(r.tokens, chunk=r.tokens) for r in self.warm)
         d_need = max(held_bytes(BIG, chunk=None), sum(held_bytes(r.tokens, chunk=None) for r in self.mixed))
         self.p_bytes, self.d_bytes = arena_bytes(p_need), arena_bytes(d_need)
@@ -305,7 +320,7 @@ class Pair:
 
         t0 = time.perf_counter()
         chunk = self.args.chunk
-        for r in [self.big, *self.mixed]:
+        for r in [self.big, *self.mixed, *self.batched]:
             kv = self.pc[r.worker]
             done = min(chunk, r.tokens)
             try:
@@ -323,7 +338,7 @@ class Pair:
                 done += add
         self.p_att.tensor.random_(0, 256)
         torch.cuda.synchronize(self.a)
-        log(f"[{self.label}] prefill requests built ({1 + len(self.mixed)}, chunks of {chunk} tokens) and filled "
+        log(f"[{self.label}] prefill requests built ({1 + len(self.mixed) + len(self.batched)}, chunks of {chunk} tokens) and filled "
             f"in {time.perf_counter() - t0:.1f} s")
 
     def receive(self, reqs: list[Req]) -> dict[str, bytes]:
@@ -371,6 +386,59 @@ class Pair:
             raise RuntimeError(f"{r.rid}: Send moved {res.nbytes:,d} bytes, WaitReady saw {st.nbytes:,d}, the plan has {r.nbytes:,d}")
         return res, wall
 
+    def send_batch(self, reqs: list[Req], tickets: dict[str, bytes]) -> tuple[dict[str, tuple[object, float]], float, float]:
+        """One SendMany of ``reqs`` (all of one sender) while the decode side already waits in
+        WaitReady for each; returns per request (its result, the call's wall), the call's own
+        seconds in the daemon, and the wall from issuing SendMany until its reply and every
+        WaitReady answer arrived."""
+        from kvd.client import SendResult, TransferState
+
+        w = reqs[0].worker
+        if any(r.worker != w for r in reqs):
+            raise RuntimeError("a SendMany call takes requests of its own session only")
+        got: dict[str, object] = {}
+        waiters = [threading.Thread(target=lambda r=r: got.__setitem__(r.rid, self.dc[w].wait_ready(r.rid, 120)), name=f"wait-{r.rid}")
+                   for r in reqs]
+        for t in waiters:
+            t.start()
+        time.sleep(WAITER_HEAD_START_S)  # the WaitReady calls reach the decode daemon before SendMany starts
+        a = time.perf_counter()
+        out = self.pc[w].send_many([(r.rid, tickets[r.rid]) for r in reqs])
+        for t in waiters:
+            t.join()
+        wall = time.perf_counter() - a
+        for r, res in zip(reqs, out):
+            if not isinstance(res, SendResult):
+                raise RuntimeError(f"{r.rid}: SendMany item failed: {type(res).__name__}: {res}")
+            st = got.get(r.rid)
+            if st is None:
+                raise RuntimeError(f"{r.rid}: WaitReady raised (see the thread's traceback)")
+            if st.state is not TransferState.READY:
+                raise RuntimeError(f"{r.rid}: transfer ended {st.state.value}: {st.reason}")
+            if r.nbytes and (res.nbytes != r.nbytes or st.nbytes != r.nbytes):
+                raise RuntimeError(f"{r.rid}: Send moved {res.nbytes:,d} bytes, WaitReady saw {st.nbytes:,d}, the plan has {r.nbytes:,d}")
+        return {r.rid: (res, wall) for r, res in zip(reqs, out)}, out.seconds, wall
+
+    def send_pass(self, reqs: list[Req], tickets: dict[str, bytes], how: str) -> tuple[dict[str, tuple[object, float]], float, float]:
+        """Send every request once, ``how``: SEQ (one Send after another), X8 (the senders at
+        once), BATCHED (SendMany calls of ``--batch`` requests, one after another). Returns per
+        request (Send result, wall), the pass's wall (SEQ, BATCHED: the sum of the calls' walls;
+        X8: its span) and server seconds (the sum of Send.seconds; BATCHED: of the calls' seconds)."""
+        if how == X8:
+            res = self.concurrent(reqs, tickets)
+            return res, self.span, sum(x.seconds for x, _ in res.values())
+        if how == BATCHED:
+            res, wall, server = {}, 0.0, 0.0
+            k = self.args.batch
+            for i in range(0, len(reqs), k):
+                part, s, w = self.send_batch(reqs[i : i + k], tickets)
+                res.update(part)
+                server += s
+                wall += w
+            return res, wall, server
+        res = {r.rid: self.send_one(r, tickets[r.rid]) for r in reqs}
+        return res, sum(w for _, w in res.values()), sum(x.seconds for x, _ in res.values())
+
     # -- the checked pass --------------------------------------------------------------------------
 
     def plan(self, r: Req, ticket: bytes):
@@ -388,7 +456,7 @@ class Pair:
                 return f"block {k} ({blk.length:,d} bytes at decode offset {blk.dst - self.d_base:,d}) differs"
         return ""
 
-    def checked_pass(self, reqs: list[Req], breakdown: list[dict] | None, concurrent: bool) -> tuple[str, float]:
+    def checked_pass(self, reqs: list[Req], breakdown: list[dict] | None, how: str) -> tuple[str, float]:
         """The first pass of a workload: decode arena zeroed, sent, every block compared. Also
         times the copy of each request's blocks in this process (for ``breakdown``)."""
         self.d_att.tensor.zero_()
@@ -406,10 +474,7 @@ class Pair:
                 xs.append(time.perf_counter() - a)
             r.plan_s = med(xs[2:])
         t0 = time.perf_counter()
-        if concurrent:
-            results = self.concurrent(reqs, tickets)
-        else:
-            results = {r.rid: self.send_one(r, tickets[r.rid]) for r in reqs}
+        results, _, _ = self.send_pass(reqs, tickets, how)
         first = time.perf_counter() - t0
         why = ""
         for r in reqs:
@@ -499,20 +564,16 @@ class Pair:
         self.span = max(b for _, b in spans) - min(a for a, _ in spans)
         return out
 
-    def timed_passes(self, row: Row, reqs: list[Req], passes: int, concurrent: bool) -> None:
+    def timed_passes(self, row: Row, reqs: list[Req], passes: int, how: str) -> None:
         for _ in range(passes):
             tickets = self.receive(reqs)
             gc.disable()
             try:
-                if concurrent:
-                    res = self.concurrent(reqs, tickets)
-                    row.wall_s.append(self.span)
-                else:
-                    res = {r.rid: self.send_one(r, tickets[r.rid]) for r in reqs}
-                    row.wall_s.append(sum(w for _, w in res.values()))
+                res, wall, server = self.send_pass(reqs, tickets, how)
             finally:
                 gc.enable()
-            row.server_s.append(sum(x.seconds for x, _ in res.values()))
+            row.wall_s.append(wall)
+            row.server_s.append(server)
             steps: dict[str, float] = {}
             for x, _ in res.values():
                 for k, v in x.phases.items():
@@ -611,23 +672,25 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
         # The baseline needs the byte counts: a checked pass of each workload first.
         bd_big: list[dict] = []
         bd_mixed: list[dict] = []
-        why_big, first_big = pair.checked_pass([pair.big], bd_big, concurrent=False)
+        why_big, first_big = pair.checked_pass([pair.big], bd_big, SEQ)
         if pair.mixed:
-            why_seq, first_seq = pair.checked_pass(pair.mixed, bd_mixed, concurrent=False)
-            why_conc, first_conc = pair.checked_pass(pair.mixed, None, concurrent=True)
+            why_seq, first_seq = pair.checked_pass(pair.mixed, bd_mixed, SEQ)
+            why_conc, first_conc = pair.checked_pass(pair.mixed, None, X8)
+            why_bat, first_bat = pair.checked_pass(pair.batched, None, BATCHED)
             log(f"[{pair.label}] checked passes: 32k {'ok' if not why_big else why_big}; mixed seq "
-                f"{'ok' if not why_seq else why_seq}; mixed x8 {'ok' if not why_conc else why_conc}")
+                f"{'ok' if not why_seq else why_seq}; mixed x8 {'ok' if not why_conc else why_conc}; mixed batched "
+                f"{'ok' if not why_bat else why_bat}")
         else:
             log(f"[{pair.label}] checked pass: 32k {'ok' if not why_big else why_big}; mixed workloads skipped")
 
-        sizes = [pair.big.nbytes] + [r.nbytes for r in pair.mixed]
+        sizes = [pair.big.nbytes] + [r.nbytes for r in pair.mixed + pair.batched]
         raw = pair.raw_copy_s(sizes, args.raw_reps)
         raw_mixed = sum(raw[r.nbytes] for r in pair.mixed)
         mixed_bytes = sum(r.nbytes for r in pair.mixed)
 
         rows = [Row(pair.backend, pair.label, "32k", 1, pair.big.nbytes, raw[pair.big.nbytes], ok=not why_big, why=why_big,
                     first_pass_s=first_big, plan_here_s=pair.big.plan_s)]
-        pair.timed_passes(rows[0], [pair.big], args.repeats, concurrent=False)
+        pair.timed_passes(rows[0], [pair.big], args.repeats, SEQ)
         if pair.mixed:
             plan_mixed = sum(r.plan_s for r in pair.mixed)
             rows += [
@@ -635,9 +698,13 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
                     first_pass_s=first_seq, plan_here_s=plan_mixed),
                 Row(pair.backend, pair.label, f"mixed x{SENDERS}", len(pair.mixed), mixed_bytes, raw_mixed, ok=not why_conc,
                     why=why_conc, first_pass_s=first_conc, concurrent=True, plan_here_s=plan_mixed),
+                Row(pair.backend, pair.label, "mixed batched", len(pair.batched), sum(r.nbytes for r in pair.batched),
+                    sum(raw[r.nbytes] for r in pair.batched), ok=not why_bat, why=why_bat, first_pass_s=first_bat, batched=True,
+                    plan_here_s=sum(r.plan_s for r in pair.batched)),
             ]
-            pair.timed_passes(rows[1], pair.mixed, args.mixed_passes, concurrent=False)
-            pair.timed_passes(rows[2], pair.mixed, args.mixed_passes, concurrent=True)
+            pair.timed_passes(rows[1], pair.mixed, args.mixed_passes, SEQ)
+            pair.timed_passes(rows[2], pair.mixed, args.mixed_passes, X8)
+            pair.timed_passes(rows[3], pair.batched, args.mixed_passes, BATCHED)
         out["rows"] = [r.as_dict() for r in rows]
 
         # Where the time goes, per request: medians of the timed 32k passes; mixed: per-request
@@ -691,7 +758,9 @@ def report(env: dict, pairs: list[dict]) -> None:
     backends = ", ".join(sorted({r["backend"] for p in pairs for r in p["rows"]})) or "-"
     log(f"\n## GPU transfer: kvd ({backends} backend) vs a raw copy of the same bytes (bytes counted once: moved, not "
         "read + written; ratio = kvd GB/s / raw GB/s; raw = dst.copy_(src) inside one GPU, or dst_on_B.copy_(src_on_A) "
-        "across GPUs; server = Send.seconds, wall = client: Send issued until its reply and the decode side's already waiting WaitReady both returned, x8 = the pass's span)\n")
+        "across GPUs; server = Send.seconds, wall = client: Send issued until its reply and the decode side's already waiting WaitReady both returned, x8 = the pass's span; "
+        "batched = SendMany calls of --batch requests: server = the calls' own seconds, wall = per call until its reply and all its "
+        "WaitReady answers returned, summed)\n")
     rows = [r for p in pairs for r in p["rows"]]
     log(_table(
         ["backend", "GPUs P,D", "workload", "reqs", "GB", "raw ms", "raw GB/s", "kvd server ms", "GB/s", "ratio",
@@ -719,7 +788,8 @@ def report(env: dict, pairs: list[dict]) -> None:
                     "peer RPCs ms", "rest ms", "client extra ms"], bd_rows))
     log("\n## The daemon's own clock: each Send's steps (SendResult.phases), summed per pass, median over passes, ms "
         "(lease = SEND lease; plan = blocks planned; check = CheckTicket round trip; write = copies + liveness; "
-        "commit = Commit round trip; x8 rows overlap in time)\n")
+        "commit = Commit round trip; x8 rows overlap in time; batched rows too: a request's write runs from its copies issued "
+        "until they landed, while the daemon commits the request before and prepares the one after)\n")
     ph_rows = [[r["backend"], r["devices"], r["workload"], r["requests"], *(f"{r['phases_ms'].get(k, 0.0):.2f}" for k in SEND_PHASES),
                 "-" if r["concurrent"] else f"{r['server_ms']:.2f}", f"{r['plan_here_ms']:.2f}"] for r in rows if r.get("phases_ms")]
     log(_table(["backend", "GPUs P,D", "workload", "reqs", *SEND_PHASES, "Send.seconds ms", "plan in this process ms"], ph_rows))
@@ -748,6 +818,7 @@ def main() -> int:
                     help="run the mixed workloads too (default: yes for local, no for mooncake)")
     ap.add_argument("--mixed-passes", type=int, default=3, help="timed passes of each mixed workload (default 3; 1 with --backend mooncake)")
     ap.add_argument("--raw-reps", type=int, default=10, help="timed raw copies per byte count (default 10)")
+    ap.add_argument("--batch", type=int, default=8, help="requests per SendMany call in the mixed batched workload (default 8)")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens when building the requests (default 2048)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the mixed workload's token counts")
     ap.add_argument("--daemon-cpus", metavar="P:D",
