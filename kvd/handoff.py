@@ -338,6 +338,7 @@ class _Outbound:
     session: str
     aborted: str = ""  # reason, once the transfer must stop
     aborted_at: float = 0.0  # when the receiver aborted it (an idle entry answers later Sends a while)
+    presumed: bool = False  # ``aborted`` is the heartbeat's inference; the receiver's own reason may follow
     active: int = 0  # Send calls in progress
     began: bool = False  # the receiver accepted the ticket at least once
 
@@ -673,8 +674,8 @@ class Outbox:
         heartbeat loop drops it after that."""
         with self._lock:
             ob = self._open.get((ref.boot_id, ref.lease_id))
-            if ob is not None and not ob.aborted:
-                ob.aborted, ob.aborted_at = f"receiver aborted: {reason}", time.monotonic()
+            if ob is not None and (not ob.aborted or ob.presumed):
+                ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
 
     def heartbeat_once(self) -> None:
         """Tell every receiver with an open transfer that this sender is alive; stop transfers
@@ -701,10 +702,11 @@ class Outbox:
                 why = "the receiver no longer accepts this transfer"
             with self._lock:
                 for ob in obs:
-                    if ob.ticket.lease_id in dead:
-                        ob.aborted = ob.aborted or why
-                        if ob.active == 0:
-                            self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
+                    if ob.ticket.lease_id in dead and not ob.aborted:
+                        # Kept listed like a receiver's abort (dropped after lease_ttl): the
+                        # engine's next Send hears why. A heartbeat can overtake the receiver's
+                        # AbortSend (the socket is faster than gRPC); its reason replaces this.
+                        ob.aborted, ob.aborted_at, ob.presumed = why, time.monotonic(), True
 
     def open_count(self) -> int:
         """Outbound transfers in progress (a transfer aborted while idle no longer counts)."""

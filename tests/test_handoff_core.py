@@ -5,11 +5,13 @@ loopback tier can only hit by chance (a heartbeat landing inside a Send)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import pool_testkit as pk
 from kvd.backends.local import LocalBackend
-from kvd.errors import InvalidArgument, LayoutMismatch
+from kvd.errors import Aborted, InvalidArgument, LayoutMismatch
 from kvd.handoff import Outbox, TicketInfo, TransferRef, TransferState
 from kvd.leases import LeaseKind
 from kvd.node import Node
@@ -141,3 +143,28 @@ def test_a_range_the_ticket_shows_is_wrong_is_refused_before_the_receiver_hears(
         ob.send(ps, rid, ticket, b"raw", 5, TOKENS + 1, last=True)
     assert link.calls == [] and d.inbox.status(rid).state is TransferState.WAITING
     assert ob.open_count() == 0 and len(p.leases) == 0
+
+
+def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_listed(pair):
+    """The heartbeat (peer socket) can learn that the receiver dropped a transfer before the
+    receiver's AbortSend (gRPC) arrives. The idle transfer stays listed, so the engine's next Send
+    hears why instead of starting over with a ticket whose lease is gone; the receiver's own
+    reason replaces the heartbeat's once it arrives."""
+    p, ps, d, _, rid, ticket = pair
+    ticket = dataclasses.replace(ticket, transfer_endpoint=d.pool.arena.path)
+    link = AcceptingLink(d, ticket.ref)
+    backend = LocalBackend()
+    backend.register(p.pool.arena)
+    ob = Outbox(p, backend, link, address="prefill")
+    ob.send(ps, rid, ticket, b"raw", 0, TOKENS // 2, last=False)
+    d.inbox.abort_local(rid, "engine preempted it")
+    ob.heartbeat_once()
+    assert ob.open_count() == 0  # aborted while idle: still listed, no longer in progress
+    with pytest.raises(Aborted, match="no longer accepts"):
+        ob.send(ps, rid, ticket, b"raw", TOKENS // 2, None, last=True)
+    ob.abort_remote(ticket.ref, "aborted by the decode engine: engine preempted it")
+    with pytest.raises(Aborted, match="receiver aborted: aborted by the decode engine: engine preempted it"):
+        ob.send(ps, rid, ticket, b"raw", TOKENS // 2, None, last=True)
+    assert [c for c, _ in link.calls] == ["check_ticket", "commit", "heartbeat"]
+    assert len(p.leases) == 0
+    backend.close()
