@@ -92,7 +92,7 @@ import torch  # noqa: E402
 from benchkit import BenchDaemon, cpu_set  # noqa: E402
 from gpu import _table  # noqa: E402
 
-from kvd.handoff import SEND_PHASES  # noqa: E402
+from kvd.outbox import SEND_PHASES  # noqa: E402
 from kvd.transfer import plan_chunk  # noqa: E402
 from kvd.wire import parse_ticket, ticket_info  # noqa: E402
 
@@ -103,7 +103,7 @@ MIXED_N, MIXED_LO, MIXED_HI = 32, 512, 32768
 SENDERS = 8
 #: How long the decode side's WaitReady is in flight before Send starts (not counted).
 WAITER_HEAD_START_S = 0.003
-#: Blocks per backend write, as the daemon's Outbox batches them (kvd.handoff.Outbox.batch_blocks).
+#: Blocks per backend write, as the daemon's Outbox batches them (kvd.outbox.Outbox.batch_blocks).
 BATCH = 256
 #: Ways to send a workload's requests (Pair.send_pass).
 SEQ, X8, BATCHED = "seq", "x8", "batched"

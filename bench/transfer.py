@@ -404,7 +404,8 @@ def plan_lens(p_kv, d_kv, layout, sv, dv, tokens: int) -> list[int]:
 
 def run_backend(backend: str, args, log) -> list[Row]:
     from kvd.client import Client
-    from kvd.handoff import Outbox, TransferState
+    from kvd.handoff import TransferState
+    from kvd.outbox import Outbox
     from kvd.presets import load_layout
 
     layout = load_layout(LAYOUT)

@@ -12,7 +12,8 @@ import pytest
 import pool_testkit as pk
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, LayoutMismatch
-from kvd.handoff import Outbox, TicketInfo, TransferRef, TransferState
+from kvd.handoff import TicketInfo, TransferRef, TransferState
+from kvd.outbox import Outbox
 from kvd.leases import LeaseKind
 from kvd.node import Node
 from kvd.pool import AllocSpec, Pool

@@ -1,4 +1,4 @@
-"""Pure-core tests of :meth:`kvd.handoff.Outbox.send_many`: two in-process nodes whose shm arenas
+"""Pure-core tests of :meth:`kvd.outbox.Outbox.send_many`: two in-process nodes whose shm arenas
 the ``local`` backend really copies between, and a peer link that runs the receiver's own ticket
 check (``Node.check_ticket`` + ``Inbox.begin``, what ``PeerCalls.check_ticket`` does) in-process.
 
@@ -17,7 +17,8 @@ import torch
 import pool_testkit as pk
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, KvdError, NotFound, StaleEpoch
-from kvd.handoff import MAX_SEND_ITEMS, SEND_PHASES, Outbox, SendItem, SendResult, TicketInfo, TransferState
+from kvd.handoff import TicketInfo, TransferState
+from kvd.outbox import MAX_SEND_ITEMS, SEND_PHASES, Outbox, SendItem, SendResult
 from kvd.leases import LeaseKind
 from kvd.node import Node, TicketClaim
 from kvd.pool import AllocSpec, Pool

@@ -26,7 +26,8 @@ from kvd.backends.base import Backend, make_backend
 from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
 from kvd.fdpass import HandleServer
-from kvd.handoff import Outbox, run_every
+from kvd.handoff import run_every
+from kvd.outbox import Outbox
 from kvd.layout import GroupKind, Layout
 from kvd.node import Node
 from kvd.pool import Pool

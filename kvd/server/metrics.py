@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvd.handoff import Outbox
+from kvd.outbox import Outbox
 from kvd.node import Node
 
 if TYPE_CHECKING:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import hmac
 
 from kvd.errors import PermissionDenied
-from kvd.handoff import Outbox, TransferRef
+from kvd.handoff import TransferRef
+from kvd.outbox import Outbox
 from kvd.node import Node, TicketClaim
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import TOKEN_KEY, parse_ticket, ref_from_pb

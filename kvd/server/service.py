@@ -16,7 +16,8 @@ import grpc
 
 from kvd import __version__
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
-from kvd.handoff import Outbox, PeerLink, SendItem, check_batch_size
+from kvd.handoff import PeerLink
+from kvd.outbox import Outbox, SendItem, check_batch_size
 from kvd.node import Node
 from kvd.pool import AllocSpec
 from kvd.server.peer_calls import PeerCalls

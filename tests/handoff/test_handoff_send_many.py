@@ -15,7 +15,7 @@ import torch
 
 from kvd.client import AsyncClient, SendResult, SendSpec, TransferState
 from kvd.errors import InvalidArgument, NotFound
-from kvd.handoff import MAX_SEND_ITEMS, SEND_PHASES
+from kvd.outbox import MAX_SEND_ITEMS, SEND_PHASES
 
 READY, WAITING = TransferState.READY, TransferState.WAITING
 

@@ -1,0 +1,437 @@
+"""The sending side of the handoff: :class:`Outbox`, owned by the prefill daemon.
+
+``send`` validates the ticket with the receiver before the first byte (the receiver checks it
+while this daemon takes its SEND lease and plans the blocks), writes them in bounded batches
+checking for an abort between batches, commits, and releases the lease only after its writes
+landed. ``send_many`` does the same for many independent requests at once, pipelined: one
+request's copies run while the daemon commits the one before and prepares the one after
+(``send`` is ``send_many`` of one). ``heartbeat_once`` tells each receiver this sender is alive
+and learns of aborts on the receiving side. The states, records and the receiving side are in
+:mod:`kvd.handoff`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, cast
+
+from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch
+from kvd.handoff import PeerLink, SocketRoute, TicketInfo, TransferRef
+from kvd.leases import LeaseKind
+from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
+
+if TYPE_CHECKING:
+    from kvd.backends.base import Backend, Landed
+    from kvd.node import Node
+
+__all__ = ["Outbox", "SendItem", "SendResult", "SEND_PHASES", "MAX_SEND_ITEMS", "check_batch_size"]
+
+log = logging.getLogger("kvd.outbox")
+
+
+@dataclass(slots=True)
+class _Outbound:
+    rid: str
+    ticket: TicketInfo
+    session: str
+    aborted: str = ""  # reason, once the transfer must stop
+    aborted_at: float = 0.0  # when the receiver aborted it (an idle entry answers later Sends a while)
+    presumed: bool = False  # ``aborted`` is the heartbeat's inference; the receiver's own reason may follow
+    active: int = 0  # Send calls in progress
+    began: bool = False  # the receiver accepted the ticket at least once
+
+
+#: The steps of a Send, in the order they run (SendResult.phases keeps this order).
+SEND_PHASES = ("lease", "plan", "check", "write", "commit")
+
+#: The most items one :meth:`Outbox.send_many` call (one SendMany) takes.
+MAX_SEND_ITEMS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    nbytes: int
+    blocks: int
+    seconds: float
+    pages: dict[str, int] = field(default_factory=dict)
+    #: seconds per step of the Send, in order: lease, plan, check (first chunk only: the wait for the
+    #: CheckTicket answer left after lease and plan, which run while the receiver checks), write
+    #: (copies issued until they all landed: in a send_many, the next item's lease, plan and check
+    #: and the previous item's commit run meanwhile), commit
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class SendItem(NamedTuple):
+    """One transfer of :meth:`Outbox.send_many`: tokens ``[start, end)`` of ``rid`` (``end``
+    None: up to the request's length) to the receiver of ``ticket``; ``last`` also moves the
+    state slot and makes the request READY there. ``raw``: the ticket's bytes as the receiver
+    issued them (its CheckTicket reads them)."""
+
+    rid: str
+    ticket: TicketInfo
+    raw: bytes
+    start: int = 0
+    end: int | None = None
+    last: bool = True
+
+
+def check_batch_size(n: int) -> None:
+    """InvalidArgument unless ``n`` items make a SendMany: 1 to :data:`MAX_SEND_ITEMS`."""
+    if n <= 0:
+        raise InvalidArgument("SendMany needs at least one item; a Send of one request is Send")
+    if n > MAX_SEND_ITEMS:
+        raise InvalidArgument(f"SendMany takes at most {MAX_SEND_ITEMS} items, got {n:,d}; split them into several calls")
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One item of a send_many on its way: where it stands, and what its end must undo."""
+
+    index: int  # its place in the call
+    item: SendItem
+    t_start: float = field(default_factory=time.perf_counter)
+    mark: float = 0.0  # end of the latest step (phases)
+    phases: dict[str, float] = field(default_factory=dict)
+    ob: _Outbound | None = None  # set once counted in ob.active (the end uncounts it)
+    lease_id: int | None = None  # its SEND lease (released when its writes have all returned)
+    plan: Plan | None = None
+    began: bool = False  # the receiver accepted the ticket for this item: writes may follow
+    waits: list[Landed] = field(default_factory=list)  # writes issued and not yet waited for
+    issued: int = 0  # bytes of the writes issued
+    finished: bool = False
+
+    def __post_init__(self) -> None:
+        self.mark = self.t_start
+
+    def step(self, name: str) -> None:
+        """Where a Send's time goes, reported with the result."""
+        now = time.perf_counter()
+        self.phases[name], self.mark = now - self.mark, now
+
+
+class Outbox:
+    """Outbound transfers of one (prefill) node: runs ``Send`` / ``SendMany`` and the heartbeats."""
+
+    def __init__(
+        self,
+        node: Node,
+        backend: Backend,
+        link: PeerLink,
+        *,
+        address: str,
+        batch_blocks: int = 256,
+        lease_ttl: float = 30.0,
+    ) -> None:
+        self.node = node
+        self.backend = backend
+        self.link = link
+        self.address = address
+        self.batch_blocks = batch_blocks
+        self.lease_ttl = lease_ttl
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, int], _Outbound] = {}  # (receiver boot, receiver lease) -> transfer
+        self.bytes_total = 0
+        self.sent_total = 0
+        self.failed_total = 0
+        self.calls_total = 0  # send / send_many calls (each item also counts as a Send above)
+        self.items_total = 0  # items those calls carried
+
+    def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
+        """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver: :meth:`send_many` of one
+        item, its failure raised."""
+        (r,) = self.send_many(session, [SendItem(rid, ticket, raw, t0, t1, last)])
+        if isinstance(r, KvdError):
+            raise r
+        return r
+
+    def send_many(self, session: str, items: Sequence[SendItem | KvdError]) -> list[SendResult | KvdError]:
+        """Move each item's tokens to its receiver, pipelined; returns one outcome per item, in
+        order: its SendResult, or the kvd error it failed with. An item given as an error (its
+        ticket did not parse) is returned in its place untouched.
+
+        Each item is a Send of its own: refused before any write, and before its receiver hears
+        of it, when its ticket or range is wrong; once its receiver accepted the ticket, any
+        failure tells that receiver at once (drained: its writes were waited for first), and
+        the other items go on. Its SEND lease is released once its writes returned.
+
+        Pipeline (one thread; "prep" = check sent, lease, plan, check answer; the copies run on
+        their own where the backend issues them asynchronously: the CUDA local backend)::
+
+            daemon  prep 0 │ issue 0 │ prep 1 │ issue 1 │ wait 0 │ commit 0 │ prep 2 │ issue 2 │ wait 1 │ commit 1 │ ...
+            device           copies 0 ──────────────────┤ copies 1 ──────────────────────────────────┤ copies 2 ...
+
+        Item i's copies are queued behind item i-1's before the daemon waits for those, so while
+        the device copies item i the daemon commits item i-1 and prepares item i+1: the device
+        idles only when that takes longer than item i's copies.
+
+        Raises (nothing sent) InvalidArgument for no item or more than :data:`MAX_SEND_ITEMS`,
+        and for two items of one request or one ticket (chunks of a request, or a request to two
+        receivers, go in separate calls)."""
+        check_batch_size(len(items))
+        _refuse_duplicates(items)
+        self.calls_total += 1
+        self.items_total += len(items)
+        out: list[SendResult | KvdError | None] = [None] * len(items)
+        flights: list[_Flight] = []
+        prev: _Flight | None = None
+        try:
+            for i, item in enumerate(items):
+                f = None
+                if isinstance(item, KvdError):
+                    out[i] = item
+                else:
+                    f = _Flight(i, item)
+                    flights.append(f)
+                    try:
+                        self._prepare(session, f)
+                        self._issue(f)
+                    except Exception as exc:  # noqa: BLE001 -- the item's outcome; the others go on
+                        out[i], f = self._fail(session, f, exc), None
+                # Item i's copies are queued behind item i-1's: now wait for those and commit it.
+                if prev is not None:
+                    out[prev.index] = self._complete(session, prev)
+                prev = f
+            if prev is not None:
+                out[prev.index] = self._complete(session, prev)
+        finally:
+            # Reached with flights unfinished only when something beyond a kvd error (an
+            # interrupt) cut the loop: their writes must still return before their leases go.
+            for f in flights:
+                if not f.finished:
+                    self._drain(f)
+                    self._finish(session, f)
+        return out  # type: ignore[return-value]  # every slot was filled
+
+    # -- the steps of one item ---------------------------------------------------------------
+
+    def _prepare(self, session: str, f: _Flight) -> None:
+        """Everything before the first byte: the ticket's own checks, the transfer registered,
+        the receiver's check (sent first, waited for last), the SEND lease and the plan."""
+        rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
+        if ticket.layout_fingerprint != self.node.layout.fingerprint:
+            raise LayoutMismatch(
+                f"ticket layout fingerprint {ticket.layout_fingerprint} differs from this daemon's "
+                f"{self.node.layout.fingerprint}: prefill and decode must run the same layout (page size, dtype, groups)"
+            )
+        if ticket.backend != self.backend.name:
+            raise InvalidArgument(
+                f"ticket asks for backend {ticket.backend!r} but this daemon runs {self.backend.name!r}; configure both the same"
+            )
+        if ticket.rid != rid:
+            raise InvalidArgument(f"ticket is for request {ticket.rid!r}, not {rid!r}")
+        key = (ticket.boot_id, ticket.lease_id)
+        with self._lock:
+            ob = self._open.get(key)
+            if ob is None:
+                ob = self._open[key] = _Outbound(rid, ticket, session)
+            if ob.aborted:
+                raise Aborted(f"transfer of {rid!r} was aborted: {ob.aborted}")
+            ob.active += 1
+            f.ob = ob
+        # Before the first byte the receiver confirms boot, epoch, lease and layout; it does so
+        # while this daemon takes the lease and plans (a round trip hidden behind ~0.5 ms of
+        # work). Later chunks skip it: the RECV lease pins the receiver's pages until the
+        # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
+        pending = None
+        try:
+            if not ob.began:
+                # What the ticket alone can show is refused before the receiver hears of it.
+                check_range(t0, t1 or ticket.vectors.tokens, ticket.vectors.tokens)
+                pair_envelopes(self.node.layout, self.node.pool.envelopes(), ticket.envelopes)
+                pending = self.link.start_check(ticket.peer_address, f.item.raw, self.address, ticket.via)
+            lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
+            f.lease_id = lease.lease_id
+            f.step("lease")
+            end = src.tokens if not t1 else t1
+            f.plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, f.item.last)
+            f.step("plan")
+        except BaseException:
+            if pending is not None:
+                # If the receiver accepted the ticket meanwhile, it learns of this failure at
+                # once (nothing was written: its pages are free to reuse at once).
+                with contextlib.suppress(KvdError):
+                    pending()
+                    f.began = ob.began = True
+            raise
+        if pending is not None:
+            pending()  # the receiver's refusal, before any byte moves
+            f.step("check")
+        f.began = ob.began = True
+
+    def _issue(self, f: _Flight) -> None:
+        """Issue the item's writes in batches of ``batch_blocks``, none after an abort."""
+        from kvd.backends.base import PeerRegion
+
+        ob, ticket = f.ob, f.item.ticket
+        if ob is None or f.plan is None:
+            raise InternalError(f"send of {f.item.rid!r}: writes issued before the transfer was prepared")
+        env = ticket.envelopes[0]
+        peer = PeerRegion(ticket.transfer_endpoint, env.base, env.backed_bytes, env.region_id)
+        srcs, dsts, lens = f.plan.as_lists()
+        for i in range(0, len(srcs), self.batch_blocks):
+            if ob.aborted:
+                raise Aborted(f"transfer of {ob.rid!r} aborted after {f.issued:,d} bytes: {ob.aborted}")
+            j = i + self.batch_blocks
+            f.waits.append(self.backend.write_async(peer, srcs[i:j], dsts[i:j], lens[i:j]))
+            f.issued += sum(lens[i:j])
+
+    def _drain(self, f: _Flight) -> BaseException | None:
+        """Wait for every write of ``f`` issued and not yet waited for (each waiter once);
+        returns the first failure."""
+        first = None
+        while f.waits:
+            landed = f.waits.pop(0)
+            try:
+                landed()
+            except Exception as exc:  # noqa: BLE001 -- the rest must still be waited for
+                first = first or exc
+        return first
+
+    def _complete(self, session: str, f: _Flight) -> SendResult | KvdError:
+        """Wait for the item's writes, commit, release: its outcome."""
+        try:
+            err = self._drain(f)
+            if err is not None:
+                raise err
+            f.step("write")
+            ticket = f.item.ticket
+            self.link.commit(ticket.peer_address, ticket.ref, f.item.last, f.issued, ticket.via)
+            f.step("commit")
+        except Exception as exc:  # noqa: BLE001 -- the item's outcome
+            return self._fail(session, f, exc)
+        self.bytes_total += f.issued
+        if f.item.last:
+            self.sent_total += 1
+        self._finish(session, f)
+        plan = cast(Plan, f.plan)  # set by _prepare, which every issued item passed
+        return SendResult(f.issued, len(plan.src), f.mark - f.t_start, dict(plan.pages), f.phases)
+
+    def _fail(self, session: str, f: _Flight, exc: Exception) -> KvdError:
+        """The item failed with ``exc``: wait for whatever of it is still in flight, tell its
+        receiver if it accepted the ticket, release. Returns the error (a bug as InternalError)."""
+        err = exc if isinstance(exc, KvdError) else InternalError(f"internal error (a bug in kvd): {type(exc).__name__}: {exc}")
+        if err is not exc:
+            err.__cause__ = exc
+            log.error("send of %s failed by a bug", f.item.rid, exc_info=exc)
+        try:
+            self._drain(f)  # the item failed already; a write failing too changes nothing
+            self.failed_total += 1
+            # A ticket refused by the receiver, or by what it shows alone, must not fail the
+            # receiver's transfer (it may be forged or stale); once the receiver accepted it,
+            # the receiver must learn at once, and nothing of this item can still land.
+            if f.began and f.ob is not None:
+                f.ob.aborted = f.ob.aborted or str(err)
+                self._tell_receiver(f.item.ticket, f"{type(err).__name__}: {err}")
+        finally:
+            self._finish(session, f)
+        return err
+
+    def _finish(self, session: str, f: _Flight) -> None:
+        """Release the item's SEND lease and uncount it (its writes have all returned)."""
+        f.finished = True
+        if f.lease_id is not None:
+            try:
+                self.node.release_lease(session, f.lease_id)
+            except KvdError:
+                pass  # expired meanwhile: nothing pins the pages anyway
+        ob = f.ob
+        if ob is None:
+            return
+        with self._lock:
+            ob.active -= 1
+            # Done, failed, or never accepted by the receiver (nothing to heartbeat for).
+            if (f.item.last or ob.aborted or not ob.began) and ob.active == 0:
+                self._open.pop((f.item.ticket.boot_id, f.item.ticket.lease_id), None)
+
+    def _tell_receiver(self, ticket: TicketInfo, reason: str) -> None:
+        try:
+            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, True, ticket.via)
+        except KvdError as exc:
+            log.info("could not tell %s about the abort of %s: %s", ticket.peer_address, ticket.rid, exc)
+
+    def abort_local(self, session: str, rid: str, reason: str) -> bool:
+        """The prefill engine aborts its transfer(s) of ``rid``. Returns whether one was open."""
+        with self._lock:
+            obs = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session]
+            for ob in obs:
+                ob.aborted = ob.aborted or f"aborted by the prefill engine: {reason}"
+            idle = [ob for ob in obs if ob.active == 0]
+            for ob in idle:
+                self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
+        for ob in obs:
+            # In-flight sends stop at their next batch and then report drained=True themselves.
+            try:
+                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, ob.active == 0, ob.ticket.via)
+            except KvdError:
+                pass
+        return bool(obs)
+
+    def abort_remote(self, ref: TransferRef, reason: str) -> None:
+        """The receiver aborted: stop writing at the next batch. An idle transfer (between
+        chunks) stays listed for ``lease_ttl`` so the engine's next Send gets the reason; the
+        heartbeat loop drops it after that."""
+        with self._lock:
+            ob = self._open.get((ref.boot_id, ref.lease_id))
+            if ob is not None and (not ob.aborted or ob.presumed):
+                ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
+
+    def heartbeat_once(self) -> None:
+        """Tell every receiver with an open transfer that this sender is alive; stop transfers
+        the receiver no longer accepts, and those whose receiver cannot be reached. Forgets
+        transfers the receiver aborted while idle once ``lease_ttl`` has passed."""
+        with self._lock:
+            now = time.monotonic()
+            for key, ob in list(self._open.items()):
+                if ob.aborted and ob.active == 0 and now - ob.aborted_at > self.lease_ttl:
+                    del self._open[key]
+            # One heartbeat per receiver, on the route its tickets offered (a restarted receiver
+            # is another route: its old boot's transfers are asked about apart).
+            by_peer: dict[tuple[str, SocketRoute | None], list[_Outbound]] = {}
+            for ob in self._open.values():
+                # A Send still validating its ticket has not begun: nothing to keep alive yet.
+                if ob.began and not ob.aborted:
+                    by_peer.setdefault((ob.ticket.peer_address, ob.ticket.via), []).append(ob)
+        for (address, via), obs in by_peer.items():
+            try:
+                dead = set(self.link.heartbeat(address, self.address, [ob.ticket.ref for ob in obs], via))
+            except KvdError as exc:
+                dead, why = {ob.ticket.lease_id for ob in obs}, f"receiver {address} unreachable: {exc}"
+            else:
+                why = "the receiver no longer accepts this transfer"
+            with self._lock:
+                for ob in obs:
+                    if ob.ticket.lease_id in dead and not ob.aborted:
+                        # Kept listed like a receiver's abort (dropped after lease_ttl): the
+                        # engine's next Send hears why. A heartbeat can overtake the receiver's
+                        # AbortSend (the socket is faster than gRPC); its reason replaces this.
+                        ob.aborted, ob.aborted_at, ob.presumed = why, time.monotonic(), True
+
+    def open_count(self) -> int:
+        """Outbound transfers in progress (a transfer aborted while idle no longer counts)."""
+        with self._lock:
+            return sum(1 for ob in self._open.values() if ob.active or not ob.aborted)
+
+
+def _refuse_duplicates(items: Sequence[SendItem | KvdError]) -> None:
+    """InvalidArgument naming every item that repeats an earlier item's request or ticket."""
+    by_rid: dict[str, int] = {}
+    by_ticket: dict[tuple[str, int], int] = {}
+    dups = []
+    for i, it in enumerate(items):
+        if isinstance(it, KvdError):
+            continue
+        j, k = by_rid.setdefault(it.rid, i), by_ticket.setdefault((it.ticket.boot_id, it.ticket.lease_id), i)
+        if j != i:
+            dups.append(f"items {j} and {i} both send request {it.rid!r}")
+        elif k != i:
+            dups.append(f"items {k} and {i} carry the same ticket (lease {it.ticket.lease_id} of receiver boot {it.ticket.boot_id!r})")
+    if dups:
+        raise InvalidArgument(
+            f"SendMany: {'; '.join(dups)}. A call sends each request once, with one ticket (chunks of one request, or "
+            "one request to two receivers, go in separate calls); nothing was sent"
+        )
