@@ -400,16 +400,25 @@ class Outbox:
             try:
                 dead = set(self.link.heartbeat(address, self.address, [ob.ticket.ref for ob in obs], via))
             except KvdError as exc:
-                dead, why = {ob.ticket.lease_id for ob in obs}, f"receiver {address} unreachable: {exc}"
+                dead, why, answered = {ob.ticket.lease_id for ob in obs}, f"receiver {address} unreachable: {exc}", False
             else:
-                why = "the receiver no longer accepts this transfer"
+                why, answered = "the receiver no longer accepts this transfer", True
             with self._lock:
                 for ob in obs:
-                    if ob.ticket.lease_id in dead and not ob.aborted:
-                        # Kept listed like a receiver's abort (dropped after lease_ttl): the
-                        # engine's next Send hears why. A heartbeat can overtake the receiver's
-                        # AbortSend (the socket is faster than gRPC); its reason replaces this.
+                    if ob.ticket.lease_id not in dead or ob.aborted:
+                        continue
+                    if answered:
+                        # The receiver dropped it. Kept listed like a receiver's abort (dropped
+                        # after lease_ttl) so the engine's next Send hears why: this heartbeat
+                        # can overtake the receiver's AbortSend (the peer socket is faster than
+                        # gRPC), whose reason then replaces this one.
                         ob.aborted, ob.aborted_at, ob.presumed = why, time.monotonic(), True
+                    else:
+                        # Unreachable: stop it, and forget it once idle -- the engine's next Send
+                        # asks the receiver again (a restarted one says so: StaleEpoch).
+                        ob.aborted = why
+                        if ob.active == 0:
+                            self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
 
     def open_count(self) -> int:
         """Outbound transfers in progress (a transfer aborted while idle no longer counts)."""
