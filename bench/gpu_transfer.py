@@ -92,7 +92,7 @@ import torch  # noqa: E402
 from benchkit import BenchDaemon, cpu_set  # noqa: E402
 from gpu import _table  # noqa: E402
 
-from kvd.outbox import SEND_PHASES  # noqa: E402
+from kvd.handoff import SEND_PHASES  # noqa: E402
 from kvd.transfer import plan_chunk  # noqa: E402
 from kvd.wire import parse_ticket, ticket_info  # noqa: E402
 

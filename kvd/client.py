@@ -30,8 +30,7 @@ import grpc
 import torch
 
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.handoff import TransferState
-from kvd.outbox import SendResult
+from kvd.handoff import SendResult, TransferState
 from kvd.layout import Layout
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, StaleEpoch
@@ -42,7 +42,7 @@ from kvd.pool import Envelope, IndexVectors
 if TYPE_CHECKING:
     from kvd.node import Node
 
-__all__ = ["TransferState", "TransferRef", "SocketRoute", "TicketInfo", "PeerLink", "Inbox", "Status", "run_every"]
+__all__ = ["TransferState", "TransferRef", "SocketRoute", "TicketInfo", "SendResult", "SEND_PHASES", "PeerLink", "Inbox", "Status", "run_every"]
 
 log = logging.getLogger("kvd.handoff")
 
@@ -98,6 +98,24 @@ class TicketInfo:
         return SocketRoute(self.peer_socket, self.boot_id) if self.peer_socket else None
 
 
+#: The steps of a Send, in the order they run (SendResult.phases keeps this order).
+SEND_PHASES = ("lease", "plan", "check", "write", "commit")
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    nbytes: int
+    blocks: int
+    seconds: float
+    pages: dict[str, int] = field(default_factory=dict)
+    #: seconds per step of the Send, in order: lease, plan, check (first chunk only: the wait for the
+    #: CheckTicket answer left after lease and plan, which run while the receiver checks), write
+    #: (copies issued until they all landed: in a send_many, the next item's lease, plan and check
+    #: and the previous item's commit run meanwhile), commit
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+
 class PeerLink(Protocol):
     """How one daemon reaches another. Errors are kvd exceptions (Unavailable when unreachable,
     or when the connection broke during the call: a commit is never sent twice).
@@ -108,11 +126,9 @@ class PeerLink(Protocol):
     receiver's liveness is judged on the path the transfer uses. ``abort_send`` (receiver to
     sender) knows the sender by its address only."""
 
-    def check_ticket(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> None: ...
-
-    def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], None]:
-        """Send CheckTicket now; the returned function waits for the answer (raising the refusal
-        as :meth:`check_ticket` would). Call it exactly once: it returns the connection."""
+    def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], object]:
+        """Send CheckTicket now; the returned function waits for the answer (raising the
+        receiver's refusal). Call it exactly once: it returns the connection."""
         ...
 
     def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None: ...

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch
-from kvd.handoff import PeerLink, SocketRoute, TicketInfo, TransferRef
+from kvd.handoff import PeerLink, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.leases import LeaseKind
 from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from kvd.backends.base import Backend, Landed
     from kvd.node import Node
 
-__all__ = ["Outbox", "SendItem", "SendResult", "SEND_PHASES", "MAX_SEND_ITEMS", "check_batch_size"]
+__all__ = ["Outbox", "SendItem", "MAX_SEND_ITEMS", "check_batch_size"]
 
 log = logging.getLogger("kvd.outbox")
 
@@ -46,24 +46,8 @@ class _Outbound:
     began: bool = False  # the receiver accepted the ticket at least once
 
 
-#: The steps of a Send, in the order they run (SendResult.phases keeps this order).
-SEND_PHASES = ("lease", "plan", "check", "write", "commit")
-
 #: The most items one :meth:`Outbox.send_many` call (one SendMany) takes.
 MAX_SEND_ITEMS = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class SendResult:
-    nbytes: int
-    blocks: int
-    seconds: float
-    pages: dict[str, int] = field(default_factory=dict)
-    #: seconds per step of the Send, in order: lease, plan, check (first chunk only: the wait for the
-    #: CheckTicket answer left after lease and plan, which run while the receiver checks), write
-    #: (copies issued until they all landed: in a send_many, the next item's lease, plan and check
-    #: and the previous item's commit run meanwhile), commit
-    phases: dict[str, float] = field(default_factory=dict)
 
 
 class SendItem(NamedTuple):
@@ -174,8 +158,9 @@ class Outbox:
         receivers, go in separate calls)."""
         check_batch_size(len(items))
         _refuse_duplicates(items)
-        self.calls_total += 1
-        self.items_total += len(items)
+        with self._lock:  # counters are bumped by every gRPC worker thread
+            self.calls_total += 1
+            self.items_total += len(items)
         out: list[SendResult | KvdError | None] = [None] * len(items)
         flights: list[_Flight] = []
         prev: _Flight | None = None
@@ -238,17 +223,18 @@ class Outbox:
         # work). Later chunks skip it: the RECV lease pins the receiver's pages until the
         # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
         pending = None
+        own_env = self.node.pool.envelopes()
         try:
             if not ob.began:
                 # What the ticket alone can show is refused before the receiver hears of it.
                 check_range(t0, t1 or ticket.vectors.tokens, ticket.vectors.tokens)
-                pair_envelopes(self.node.layout, self.node.pool.envelopes(), ticket.envelopes)
+                pair_envelopes(self.node.layout, own_env, ticket.envelopes)
                 pending = self.link.start_check(ticket.peer_address, f.item.raw, self.address, ticket.via)
             lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
             f.lease_id = lease.lease_id
             f.step("lease")
             end = src.tokens if not t1 else t1
-            f.plan = plan_chunk(self.node.layout, src, ticket.vectors, self.node.pool.envelopes(), ticket.envelopes, t0, end, f.item.last)
+            f.plan = plan_chunk(self.node.layout, src, ticket.vectors, own_env, ticket.envelopes, t0, end, f.item.last)
             f.step("plan")
         except BaseException:
             if pending is not None:
@@ -304,9 +290,9 @@ class Outbox:
             f.step("commit")
         except Exception as exc:  # noqa: BLE001 -- the item's outcome
             return self._fail(session, f, exc)
-        self.bytes_total += f.issued
-        if f.item.last:
-            self.sent_total += 1
+        with self._lock:
+            self.bytes_total += f.issued
+            self.sent_total += f.item.last
         self._finish(session, f)
         plan = cast(Plan, f.plan)  # set by _prepare, which every issued item passed
         return SendResult(f.issued, len(plan.src), f.mark - f.t_start, dict(plan.pages), f.phases)
@@ -320,7 +306,8 @@ class Outbox:
             log.error("send of %s failed by a bug", f.item.rid, exc_info=exc)
         try:
             self._drain(f)  # the item failed already; a write failing too changes nothing
-            self.failed_total += 1
+            with self._lock:
+                self.failed_total += 1
             # A ticket refused by the receiver, or by what it shows alone, must not fail the
             # receiver's transfer (it may be forged or stale); once the receiver accepted it,
             # the receiver must learn at once, and nothing of this item can still land.

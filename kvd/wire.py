@@ -12,8 +12,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kvd.errors import InvalidArgument, KvdError
-from kvd.handoff import TicketInfo, TransferRef, TransferState
-from kvd.outbox import SEND_PHASES, SendResult
+from kvd.handoff import SEND_PHASES, SendResult, TicketInfo, TransferRef, TransferState
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
 from kvd.pool import Envelope, IndexVectors

@@ -17,8 +17,8 @@ import torch
 import pool_testkit as pk
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, KvdError, NotFound, StaleEpoch
-from kvd.handoff import TicketInfo, TransferState
-from kvd.outbox import MAX_SEND_ITEMS, SEND_PHASES, Outbox, SendItem, SendResult
+from kvd.handoff import SEND_PHASES, SendResult, TicketInfo, TransferState
+from kvd.outbox import MAX_SEND_ITEMS, Outbox, SendItem
 from kvd.leases import LeaseKind
 from kvd.node import Node, TicketClaim
 from kvd.pool import AllocSpec, Pool

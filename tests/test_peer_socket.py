@@ -23,6 +23,7 @@ from kvd.leases import LeaseKind
 from kvd.node import Node
 from kvd.pool import AllocSpec, Pool
 from kvd.server.peer_calls import PeerCalls
+from kvd.server import peer_conns
 from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
 from kvd.status import code_from_int, from_status
@@ -259,7 +260,7 @@ def test_nothing_listening_means_grpc_for_a_while(node, sock_dir):
         assert srv.refused == 0
 
 
-def test_a_full_server_refuses_and_the_caller_is_not_put_off(node, sock_dir):
+def test_a_full_server_refuses_and_the_caller_waits_only_briefly(node, sock_dir):
     with PeerSocketServer(str(sock_dir / "full.sock"), PeerCalls(node, TOKEN), node.pool.boot_id, max_connections=1) as srv:
         via = SocketRoute(srv.path, node.pool.boot_id)
         pc = _conns()
@@ -268,14 +269,16 @@ def test_a_full_server_refuses_and_the_caller_is_not_put_off(node, sock_dir):
         assert pc.checkout(via) is None  # busy: this call goes over gRPC
         assert srv.refused == 1
         held.close()
-        # Busy is not remembered: the next call tries again (once the server saw the close).
+        # Busy is remembered for BUSY_RETRY_S only: the next calls go over gRPC without a
+        # refused connect each, then the route is tried again (long before RETRY_S).
+        assert pc.checkout(via) is None and srv.refused == 1
         got = None
-        for _ in range(200):
+        for _ in range(int(peer_conns.BUSY_RETRY_S * 100) + 300):
             got = pc.checkout(via)
             if got is not None:
                 break
             threading.Event().wait(0.01)
-        assert got is not None
+        assert got is not None and srv.refused == 1
 
 
 def test_concurrent_calls_each_get_a_connection_and_a_few_are_kept(node, server):

@@ -43,6 +43,9 @@ log = logging.getLogger("kvd.peer_socket")
 KEEP = 8
 #: Seconds a route that could not be used is left alone before it is tried again.
 RETRY_S = 10.0
+#: Seconds a route whose daemon was full (at its connection limit) is left to gRPC: every call
+#: would otherwise pay a refused connect + hello before going over gRPC anyway.
+BUSY_RETRY_S = 0.5
 #: poll() events on an idle connection: the daemon never writes unasked, so any is an EOF.
 _GONE = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
@@ -121,9 +124,9 @@ class PeerConnections:
             return self._open(via)
         except _Unusable as exc:
             log.info("peer socket %s (boot %s) not used, calling over gRPC: %s", via.path, via.boot_id, exc)
-            if not exc.busy:
-                with self._lock:
-                    self._failed[via] = time.monotonic() + self.retry_s
+            # A full server is tried again soon; a wrong daemon or nothing listening after RETRY_S.
+            with self._lock:
+                self._failed[via] = time.monotonic() + (min(self.retry_s, BUSY_RETRY_S) if exc.busy else self.retry_s)
             return None
         finally:
             with self._lock:
@@ -135,8 +138,9 @@ class PeerConnections:
         return self.start(conn, name, request)()
 
     def start(self, conn: _Conn, name: str, request: Message) -> Callable[[], Message]:
-        """Send the request of :meth:`call` now; the returned function waits for the reply (the
-        same outcomes as :meth:`call`). Call it exactly once: it returns the connection."""
+        """Send the request of :meth:`call` now (raising at once when the connection fails); the
+        returned function waits for the reply (the same outcomes as :meth:`call`). Call it
+        exactly once: it returns the connection."""
         m = METHODS[METHOD_IDS[name]]
         deadline = time.monotonic() + self.timeout
         try:
@@ -146,11 +150,7 @@ class PeerConnections:
             failure = self._failed_call(conn, name, exc)
             if failure is exc:
                 raise
-
-            def refused() -> Message:
-                raise failure from exc
-
-            return refused
+            raise failure from exc
 
         def wait() -> Message:
             try:

@@ -30,10 +30,9 @@ PATHS = ("socket", "grpc")
 
 
 class DaemonPeerLink:
-    """``token``: this daemon's ``peer_token``; ``timeout``: each call's deadline (seconds);
-    ``sockets``: whether to take a ticket's peer socket (False: gRPC only)."""
+    """``token``: this daemon's ``peer_token``; ``timeout``: each call's deadline (seconds)."""
 
-    def __init__(self, *, token: str | None = None, timeout: float = 1.0, sockets: bool = True) -> None:
+    def __init__(self, *, token: str | None = None, timeout: float = 1.0) -> None:
         self.timeout = timeout
         # gRPC backs off reconnecting to a peer that refused (up to 2 minutes by default), and
         # heartbeats to a dead peer keep it backing off: a peer restarted on the same address
@@ -46,7 +45,7 @@ class DaemonPeerLink:
         self._stubs: dict[str, pb_grpc.PeerStub] = {}
         self._channels: list[grpc.Channel] = []
         self._lock = threading.Lock()
-        self.sockets = PeerConnections(token=token, timeout=timeout) if sockets else None
+        self.sockets = PeerConnections(token=token, timeout=timeout)
         self._calls: dict[tuple[str, str], int] = {}  # (method, path) -> calls made
 
     def calls(self) -> dict[tuple[str, str], int]:
@@ -70,10 +69,10 @@ class DaemonPeerLink:
     def _start(self, address: str, method: str, request: Message, via: SocketRoute | None = None) -> Callable[[], Message]:
         """Send ``request`` now, over the route's socket when it is usable, else over gRPC; the
         returned function waits for the reply (kvd exceptions either way)."""
-        conn = self.sockets.checkout(via) if via is not None and self.sockets is not None else None
+        conn = self.sockets.checkout(via) if via is not None else None
         if conn is not None:
             self._count(method, "socket")
-            return self.sockets.start(conn, method, request)  # type: ignore[union-attr]
+            return self.sockets.start(conn, method, request)
         self._count(method, "grpc")
         future = getattr(self._stub(address), method).future(request, metadata=self._md, timeout=self.timeout)
 
@@ -88,16 +87,8 @@ class DaemonPeerLink:
     def _call(self, address: str, method: str, request: Message, via: SocketRoute | None = None) -> Message:
         return self._start(address, method, request, via)()
 
-    def check_ticket(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> None:
-        self.start_check(address, ticket, sender, via)()
-
-    def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], None]:
-        wait = self._start(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender), via)
-
-        def checked() -> None:
-            wait()
-
-        return checked
+    def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], object]:
+        return self._start(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender), via)
 
     def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None:
         self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes), via)
@@ -113,8 +104,7 @@ class DaemonPeerLink:
         return list(r.dead_lease_ids)
 
     def close(self) -> None:
-        if self.sockets is not None:
-            self.sockets.close()
+        self.sockets.close()
         with self._lock:
             for ch in self._channels:
                 ch.close()

@@ -15,7 +15,8 @@ import torch
 
 from kvd.client import AsyncClient, SendResult, SendSpec, TransferState
 from kvd.errors import InvalidArgument, NotFound
-from kvd.outbox import MAX_SEND_ITEMS, SEND_PHASES
+from kvd.handoff import SEND_PHASES
+from kvd.outbox import MAX_SEND_ITEMS
 
 READY, WAITING = TransferState.READY, TransferState.WAITING
 
