@@ -26,7 +26,7 @@ class Runs(NamedTuple):
         return self.src.numel()
 
 
-def coalesce_np(src: np.ndarray, dst: np.ndarray, max_run: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def coalesce_np(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`coalesce` on numpy int arrays, returning ``(src, dst, length)`` int64 arrays.
 
     The planner's hot path: a Send plans its blocks with a handful of numpy calls (~1 us each)
@@ -46,22 +46,16 @@ def coalesce_np(src: np.ndarray, dst: np.ndarray, max_run: int | None = None) ->
     length = np.empty_like(starts)
     length[:-1] = starts[1:] - starts[:-1]
     length[-1] = n - starts[-1]
-    if max_run is not None and 0 < max_run < int(length.max()):
-        # Cut every run into pieces of at most max_run pages: piece k of a run starts k * max_run in.
-        pieces = -(-length // max_run)
-        first = np.repeat(starts, pieces)
-        k = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-        starts = first + k * max_run
-        length = np.minimum(np.repeat(length, pieces) - k * max_run, max_run)
     return s[starts], d[starts], length
 
 
-def coalesce(src: torch.Tensor, dst: torch.Tensor, max_run: int | None = None) -> Runs:
+def coalesce(src: torch.Tensor, dst: torch.Tensor) -> Runs:
     """Split paired ids into maximal runs where both ``src`` and ``dst`` step by +1.
 
-    ``max_run`` caps a run's length (bounded block sizes for a backend). Vectorised: no Python
-    loop over pages. ``src`` and ``dst`` must have equal length (CPU tensors)."""
-    s, d, n = coalesce_np(src.numpy(force=True), dst.numpy(force=True), max_run)
+    Vectorised: no Python loop over pages. Runs are not cut to a size: a backend splits what
+    its transport needs split (Mooncake's ``max_block``). ``src`` and ``dst`` must have equal
+    length."""
+    s, d, n = coalesce_np(src.numpy(force=True), dst.numpy(force=True))
     return Runs(torch.from_numpy(s), torch.from_numpy(d), torch.from_numpy(n))
 
 

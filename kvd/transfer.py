@@ -102,15 +102,12 @@ def plan_chunk(
     t0: int,
     t1: int,
     last: bool,
-    *,
-    max_block_bytes: int | None = None,
 ) -> Plan:
     """Blocks that move tokens ``[t0, t1)`` of one request (see the module docstring).
 
-    Blocks are maximal runs unless ``max_block_bytes`` caps them: a backend splits what its
-    transport needs split (Mooncake's ``max_block``), and the local copies move a run of any
-    length in one memcpy -- splitting a 1.7 GB request into 64 MiB blocks cost the copy engines
-    ~4% against one copy.
+    Blocks are maximal runs: a backend splits what its transport needs split (Mooncake's
+    ``max_block``), and the local copies move a run of any length in one memcpy -- splitting a
+    1.7 GB request into 64 MiB blocks cost the copy engines ~4% against one copy.
 
     Refuses (InvalidArgument) a range outside the request, vectors of different lengths, or
     envelopes whose page bytes differ (LayoutMismatch) -- before anything is written."""
@@ -156,7 +153,7 @@ def plan_chunk(
         for ids, env, side in ((s_ids, s_env, "source"), (d_ids, d_env, "destination")):
             if int(ids.min()) < env.first_page or int(ids.max()) > env.last_page:
                 raise InvalidArgument(f"group {name}: a {side} page lies outside its envelope [{env.first_page}, {env.last_page}]")
-        r_src, r_dst, r_len = coalesce_np(s_ids, d_ids, max_run=max(1, max_block_bytes // pb) if max_block_bytes else None)
+        r_src, r_dst, r_len = coalesce_np(s_ids, d_ids)
         plan.src.extend((r_src * pb + s_env.base).tolist())
         plan.dst.extend((r_dst * pb + d_env.base).tolist())
         plan.length.extend((r_len * pb).tolist())

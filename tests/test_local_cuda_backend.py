@@ -9,6 +9,7 @@ GPU tier (tests/gpu/test_gpu_daemon.py) runs the same path on a GPU."""
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -190,16 +191,40 @@ def test_a_peer_that_dies_during_the_copy_aborts_the_write(writer, peer, monkeyp
     assert peer.path not in b._peers
 
 
-def test_mapping_a_new_peer_drops_dead_ones(writer, peer, tmp_path):
+def test_a_peer_that_hangs_while_mapped_stalls_no_writer_to_another_peer(writer, peer, tmp_path, monkeypatch):
+    """Mapping talks to the peer (fetch, import, watch) outside the mappings lock: while one
+    peer's handle fetch hangs, a write that maps another peer, and the drop of a dead peer's
+    mapping (its watch closed at once), go through."""
     b, arena = writer
     b.write(peer.region, [arena.base], [peer.region.base], [4096])
-    other = Peer(str(tmp_path / "q.handles"), token="tok")
+    dead_watch = b._peers[peer.path].watch
+    slow, fast = Peer(str(tmp_path / "s.handles"), token="tok"), Peer(str(tmp_path / "f.handles"), token="tok")
+    entered, release = threading.Event(), threading.Event()
+    real_fetch = local_cuda.fdpass.fetch
+
+    def fetch(path, **kw):
+        if path == slow.path:
+            entered.set()
+            release.wait(10)
+        return real_fetch(path, **kw)
+
+    monkeypatch.setattr(local_cuda.fdpass, "fetch", fetch)
+    hung = threading.Thread(target=b.write, args=(slow.region, [arena.base], [slow.region.base], [4096]))
     try:
+        hung.start()
+        assert entered.wait(5), "the slow peer's fetch never started"
         peer.stop()
-        b.write(other.region, [arena.base], [other.region.base], [4096])
-        assert set(b._peers) == {other.path}
+        b.write(fast.region, [arena.base], [fast.region.base], [4096])  # maps a peer, prunes the dead one
+        assert hung.is_alive() and fast.path in b._peers and peer.path not in b._peers
+        assert dead_watch._sock is None  # closed with its mapping, not left to the collector
+        release.set()
+        hung.join(10)
+        assert slow.path in b._peers
     finally:
-        other.close()
+        release.set()
+        hung.join(10)
+        slow.close()
+        fast.close()
 
 
 def test_a_wrong_token_is_refused_by_the_peer(tmp_path, imports):

@@ -37,18 +37,6 @@ def test_coalesce_breaks_where_either_side_jumps() -> None:
     assert _runs(coalesce(src, dst)) == [(0, 10, 3), (5, 20, 1), (6, 22, 3), (3, 25, 1)]
 
 
-def test_coalesce_max_run_caps_lengths() -> None:
-    src, dst = _t(list(range(7))), _t(list(range(100, 107)))
-    assert _runs(coalesce(src, dst)) == [(0, 100, 7)]
-    assert _runs(coalesce(src, dst, max_run=3)) == [(0, 100, 3), (3, 103, 3), (6, 106, 1)]
-    assert _runs(coalesce(src, dst, max_run=1)) == [(i, 100 + i, 1) for i in range(7)]
-    # The cap restarts at every natural break.
-    src2, dst2 = _t([0, 1, 2, 10, 11, 12, 13]), _t([0, 1, 2, 3, 4, 5, 6])
-    assert _runs(coalesce(src2, dst2, max_run=2)) == [(0, 0, 2), (2, 2, 1), (10, 3, 2), (12, 5, 2)]
-    # max_run None or <= 0: no cap.
-    assert _runs(coalesce(src, dst, max_run=0)) == [(0, 100, 7)]
-
-
 def test_coalesce_empty_and_mismatched() -> None:
     r = coalesce(_t([]), _t([]))
     assert len(r) == 0 and r.src.dtype == torch.int64
@@ -63,22 +51,16 @@ def test_coalesce_accepts_int32_and_returns_int64() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(
-    pairs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60),
-    max_run=st.one_of(st.none(), st.integers(1, 6)),
-)
-def test_coalesce_expand_round_trip(pairs: list[tuple[int, int]], max_run: int | None) -> None:
+@given(pairs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60))
+def test_coalesce_expand_round_trip(pairs: list[tuple[int, int]]) -> None:
     src, dst = _t([p[0] for p in pairs]), _t([p[1] for p in pairs])
-    r = coalesce(src, dst, max_run)
+    r = coalesce(src, dst)
     s, d = expand(r)
     assert torch.equal(s, src) and torch.equal(d, dst)
     assert bool((r.length >= 1).all())
-    if max_run is not None:
-        assert bool((r.length <= max_run).all())
-    else:
-        # Maximal: two neighbouring runs could not have been one.
-        for (s0, d0, n0), (s1, d1, _) in zip(_runs(r), _runs(r)[1:]):
-            assert not (s1 == s0 + n0 and d1 == d0 + n0)
+    # Maximal: two neighbouring runs could not have been one.
+    for (s0, d0, n0), (s1, d1, _) in zip(_runs(r), _runs(r)[1:]):
+        assert not (s1 == s0 + n0 and d1 == d0 + n0)
 
 
 @pytest.mark.parametrize("page_bytes", [16, 64 * 1024], ids=["gather-path", "loop-path"])

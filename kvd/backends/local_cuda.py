@@ -251,24 +251,45 @@ class CudaLocalBackend(Backend):
             cur = self._peers.get(endpoint)
             if cur is not None and (m is None or cur is m):
                 del self._peers[endpoint]
-        # Not closed here: a write in another thread may still copy through it; the last
+                _close_watch(cur)
+        # Not unmapped here: a write in another thread may still copy through it; the last
         # reference unmaps it (ImportedVmm closes itself when collected).
 
     def _mapping(self, peer: PeerRegion, head: HandleHeader) -> _Import:
-        """The mapping of ``peer`` that matches the peer's ``head`` and covers the ticket."""
+        """The mapping of ``peer`` that matches the peer's ``head`` and covers the ticket.
+
+        Fetching, importing and opening a watch talk to the peer: they run outside the lock, so
+        a peer that hangs stalls only the writers to it (the lock guards the dict, no I/O)."""
+
+        def current(m: _Import | None) -> bool:
+            return m is not None and m.region_id == head.region_id and m.generation == head.generation and m.size >= peer.backed_bytes
+
         with self._peers_lock:
             m = self._peers.get(peer.endpoint)
-            if m is not None and m.region_id == head.region_id and m.generation == head.generation and m.size >= peer.backed_bytes:
-                if not m.watched():  # spent (a notify) or never opened: watch again for the next writes
-                    old, m.watch = m.watch, self._watch(peer.endpoint, m.region_id, m.generation)
-                    if old is not None:
-                        old.close()  # spent: its poll answers not quiet whatever the fd is now
-                return m
-            self._peers.pop(peer.endpoint, None)
-            self._prune()
-            m = self._map(peer)
-            self._peers[peer.endpoint] = m
+            if current(m) and m.watched():  # type: ignore[union-attr]
+                return m  # type: ignore[return-value]
+            if not current(m):
+                self._peers.pop(peer.endpoint, None)
+                self._prune()
+                m = None
+        if m is not None:  # current but its watch is spent (a notify) or never opened: watch again
+            w = self._watch(peer.endpoint, m.region_id, m.generation)
+            with self._peers_lock:
+                old, m.watch = m.watch, w
+            if old is not None:
+                old.close()  # spent: its poll answers not quiet whatever the fd is now
             return m
+        new = self._map(peer)
+        with self._peers_lock:
+            cur = self._peers.get(peer.endpoint)
+            if current(cur):  # another writer mapped it meanwhile: use that one
+                keep, spare = cur, new
+            else:
+                self._peers[peer.endpoint] = keep = new
+                spare = None
+        if spare is not None:
+            spare.close()
+        return keep  # type: ignore[return-value]
 
     def _prune(self) -> None:
         """Drop mappings whose watch fired (called with the lock, before a new import): the peer
@@ -279,6 +300,7 @@ class CudaLocalBackend(Backend):
         for ep, m in list(self._peers.items()):
             if m.watch is not None and not m.watch.quiet():
                 del self._peers[ep]
+                _close_watch(m)
 
     def _map(self, peer: PeerRegion) -> _Import:
         handles = fdpass.fetch(peer.endpoint, token=self._token, timeout=self.timeout)
@@ -407,6 +429,13 @@ class CudaLocalBackend(Backend):
                 "restarted); nothing was written"
             )
         return self._mapping(peer, head)
+
+
+def _close_watch(m: _Import) -> None:
+    """Close a dropped mapping's watch now (its fd, not left to the collector). A write still
+    polling it sees "not quiet" and re-checks the peer by a ping, which a dropped peer fails."""
+    if m.watch is not None:
+        m.watch.close()
 
 
 def copy_engine_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> int:
