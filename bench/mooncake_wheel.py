@@ -47,7 +47,6 @@ import argparse
 import base64
 import ctypes
 import hashlib
-import os
 import re
 import subprocess
 import sys

@@ -266,20 +266,19 @@ def test_paths_that_cannot_be_sockets_are_refused():
 
 
 def test_a_busy_server_says_so(tmp_path):
-    gate = threading.Event()
+    gate, inside = threading.Event(), threading.Event()
 
     def slow(want: bool) -> tuple[HandleHeader, list[int]]:
+        inside.set()
         gate.wait(5)
         return HandleHeader("r", "b", 0, (), 0), []
 
     with HandleServer(str(tmp_path / "b.sock"), slow, max_clients=1) as srv:
         t = threading.Thread(target=lambda: ping(srv.path))
         t.start()
-        time.sleep(0.2)
-        t0 = time.monotonic()
+        assert inside.wait(5), "the first ping never reached the server"  # it holds the only slot
         with pytest.raises(E.Unavailable, match="is busy; retry"):
             ping(srv.path, timeout=0.3)  # tried again until its timeout, then refused
-        assert time.monotonic() - t0 >= 0.25
         threading.Timer(0.2, gate.set).start()
         assert ping(srv.path, timeout=5).region_id == "r"  # the slot freed while it retried
         t.join()

@@ -214,7 +214,6 @@ def test_cuda_arena_refusals_name_the_device_and_the_package(tmp_path, monkeypat
     long_sock = str(tmp_path / ("x" * 110))
     with pytest.raises(InvalidArgument, match="set handle_socket \\(or listen_unix\\) to a shorter path"):
         validate(load_settings(arena="cuda", listen_unix=str(tmp_path / "k.sock"), handle_socket=long_sock))
-    assert sorted(os.listdir(tmp_path)) == []
 
 
 # ---- backend=mooncake: the installed build and the transport variables, checked at start-up -------
