@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import socket
 import struct
 import threading
@@ -44,7 +43,7 @@ from typing import NamedTuple
 
 from kvd import errors as E
 from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
-from kvd.unix_socket import MAX_PATH, UnixServer, check_path
+from kvd.unix_socket import MAX_PATH, UnixServer, check_path, stirred
 from kvd.unix_socket import recv_exact as _recv_exact
 
 __all__ = [
@@ -64,8 +63,6 @@ MAX_REPLY = 1 << 16
 MAX_WATCHES = 1024
 _LEN = struct.Struct(">I")
 _OPS = ("export", "ping", "watch")
-#: Any of these on a watch socket: the owner is gone, stopped, changed its backing, or misbehaves.
-_WATCH_EVENTS = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +215,8 @@ class HandleServer(UnixServer):
             if not self._watched:
                 return
             watched = list(self._watched)
-        p = select.poll()
-        by_fd = {}
-        for c in watched:
-            fd = c.fileno()
-            if fd >= 0:
-                by_fd[fd] = c
-                p.register(fd, _WATCH_EVENTS)
-        for fd, _ in p.poll(0):
+        by_fd = {c.fileno(): c for c in watched if c.fileno() >= 0}
+        for fd in stirred(list(by_fd)):
             self._unwatch(by_fd[fd])
 
     def _keep_watch(self, conn: socket.socket) -> bool:
@@ -455,9 +446,8 @@ class Watch:
         """Zero-timeout poll: True while the owner is alive and nothing changed (no round trip)."""
         if self._fired or self._sock is None:
             return False
-        p = select.poll()
-        p.register(self._fd, _WATCH_EVENTS)
-        if p.poll(0):
+        # The owner is gone, stopped, changed its backing, or misbehaves.
+        if stirred([self._fd]):
             self._fired = True
             return False
         return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import stat
 import threading
@@ -16,7 +17,7 @@ from typing import TypeVar
 
 from kvd.errors import InvalidArgument, Unavailable
 
-__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "recv_exact", "unlink_own"]
+__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "recv_exact", "stirred", "unlink_own"]
 
 log = logging.getLogger("kvd.unix_socket")
 _S = TypeVar("_S", bound="UnixServer")
@@ -164,3 +165,17 @@ class UnixServer:
                 log.exception("%s on %s: accept failed", self._setting.replace("_", " "), self.path)
                 continue
             self._accepted(conn)
+
+
+#: Any of these on a held connection that the other side never writes to unasked (a watch, an
+#: idle peer-socket connection): it closed, stopped, changed something, or misbehaves.
+_STIRRED = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
+
+
+def stirred(fds: list[int]) -> list[int]:
+    """The fds among ``fds`` with any of :data:`_STIRRED` pending: one zero-timeout poll, no I/O."""
+    p = select.poll()
+    for fd in fds:
+        p.register(fd, _STIRRED)
+    return [fd for fd, _ in p.poll(0)]
+

@@ -20,7 +20,6 @@ ones are kept per route.
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import threading
 import time
@@ -31,7 +30,7 @@ from google.protobuf.message import DecodeError, Message
 from kvd.errors import DeadlineExceeded, KvdError, PermissionDenied, Unavailable
 from kvd.handoff import SocketRoute
 from kvd.server.peer_socket import HELLO, MAX_FRAME, METHOD_IDS, METHODS, OK, REFUSED, frame, read_head
-from kvd.unix_socket import recv_exact
+from kvd.unix_socket import recv_exact, stirred
 from kvd.v1 import kvd_pb2 as pb
 from kvd.wire import status_from_pb
 
@@ -46,8 +45,6 @@ RETRY_S = 10.0
 #: Seconds a route whose daemon was full (at its connection limit) is left to gRPC: every call
 #: would otherwise pay a refused connect + hello before going over gRPC anyway.
 BUSY_RETRY_S = 0.5
-#: poll() events on an idle connection: the daemon never writes unasked, so any is an EOF.
-_GONE = select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR | select.POLLNVAL
 
 
 class _Unusable(Exception):
@@ -69,9 +66,7 @@ class _Conn:
 
     def quiet(self) -> bool:
         """Zero-timeout poll: False once the daemon closed its end (stopped, died)."""
-        p = select.poll()
-        p.register(self.sock, _GONE)
-        return not p.poll(0)
+        return not stirred([self.sock.fileno()])  # the daemon never writes unasked: any event is an EOF
 
     def reply(self, deadline: float) -> tuple[int, bytes]:
         """Read one reply frame by ``deadline`` (monotonic): ``(status, body)``."""
