@@ -332,6 +332,15 @@ class _Surface:
         return self._call("Restore", pb.RestoreRequest(rid=rid), lambda r: vectors_from_pb(r.vectors))
 
     # -- handoff --
+    def begin_send(self, rid: str, ticket: bytes) -> bool:
+        """Prefill side: open ``rid``'s transfer to the decode daemon that issued ``ticket`` now,
+        when the ticket arrives and the prompt has not been computed yet. The decode daemon
+        checks the ticket here instead of in the first :meth:`send`, which then starts writing
+        at once. Returns False when it was open already. Raises what the first ``send`` would
+        raise before any write (a stale or foreign ticket, a lease gone), and NotFound /
+        PermissionDenied for a request this session does not hold; nothing changes then."""
+        return self._call("BeginSend", pb.BeginSendRequest(rid=rid, ticket=ticket), lambda r: r.opened)
+
     def send(self, rid: str, ticket: bytes, *, start: int = 0, end: int | None = None, last: bool = True) -> SendResult:
         """Prefill side: move tokens ``[start, end)`` of ``rid`` (whose KV is written) to the
         decode daemon that issued ``ticket``. Call once per chunk; ``last`` moves the state and

@@ -1,7 +1,8 @@
 """The sending side of the handoff: :class:`Outbox`, owned by the prefill daemon.
 
 ``send`` validates the ticket with the receiver before the first byte (the receiver checks it
-while this daemon takes its SEND lease and plans the blocks), writes them in bounded batches
+while this daemon takes its SEND lease and plans the blocks; ``begin`` does it ahead, when the
+prefill engine gets the ticket, taking that round trip off the Send), writes them in bounded batches
 checking for an abort between batches, commits, and releases the lease only after its writes
 landed. ``send_many`` does the same for many independent requests at once, pipelined: one
 request's copies run while the daemon commits the one before and prepares the one after
@@ -194,10 +195,33 @@ class Outbox:
 
     # -- the steps of one item ---------------------------------------------------------------
 
-    def _prepare(self, session: str, f: _Flight) -> None:
-        """Everything before the first byte: the ticket's own checks, the transfer registered,
-        the receiver's check (sent first, waited for last), the SEND lease and the plan."""
-        rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
+    def begin(self, session: str, rid: str, ticket: TicketInfo, raw: bytes) -> bool:
+        """Open the transfer of ``rid`` to the ticket's receiver before its first Send: the
+        receiver checks the ticket now (CheckTicket) and the transfer is RECEIVING there, so the
+        Sends that follow -- the first included -- skip that round trip, as later chunks do. A
+        prefill engine calls it when the ticket arrives, while the prompt still computes.
+
+        Returns False when the transfer was open already (nothing asked). Refuses what the
+        first Send would refuse before its first byte (the ticket for another layout, backend or
+        request; its range of envelopes; the receiver's refusal: StaleEpoch, NotFound, ...) and a
+        request this session does not hold here; nothing changes then, on either side. Once
+        open, the transfer lives as one between two chunks does: heartbeats keep it, an abort on
+        either side ends it, and the receiver's RECV lease bounds it."""
+        self._check_ticket(rid, ticket)
+        self.node.require_owner(session, rid)
+        ob = self._enter(session, rid, ticket)
+        try:
+            if ob.began:
+                return False
+            pair_envelopes(self.node.layout, self.node.pool.envelopes(), ticket.envelopes)
+            self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
+            ob.began = True
+            return True
+        finally:
+            self._leave(ob, last=False)
+
+    def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
+        """What this daemon alone can refuse in a ticket: another layout, backend or request."""
         if ticket.layout_fingerprint != self.node.layout.fingerprint:
             raise LayoutMismatch(
                 f"ticket layout fingerprint {ticket.layout_fingerprint} differs from this daemon's "
@@ -209,6 +233,10 @@ class Outbox:
             )
         if ticket.rid != rid:
             raise InvalidArgument(f"ticket is for request {ticket.rid!r}, not {rid!r}")
+
+    def _enter(self, session: str, rid: str, ticket: TicketInfo) -> _Outbound:
+        """The ticket's transfer (registered if new), counted active; Aborted if it was aborted.
+        Each call is matched by one :meth:`_leave`."""
         key = (ticket.boot_id, ticket.lease_id)
         with self._lock:
             ob = self._open.get(key)
@@ -217,11 +245,31 @@ class Outbox:
             if ob.aborted:
                 raise Aborted(f"transfer of {rid!r} was aborted: {ob.aborted}")
             ob.active += 1
-            f.ob = ob
+            return ob
+
+    def _leave(self, ob: _Outbound, *, last: bool) -> None:
+        """Uncount one call of ``ob``; forget it when it is done (``last``), failed, or never
+        accepted by the receiver, and no other call is in it."""
+        with self._lock:
+            ob.active -= 1
+            if (last or ob.aborted or not ob.began) and ob.active == 0:
+                self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
+
+    def _prepare(self, session: str, f: _Flight) -> None:
+        """Everything before the first byte: the ticket's own checks, the transfer registered,
+        the receiver's check (sent first, waited for last; skipped once the transfer began), the
+        SEND lease and the plan."""
+        rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
+        self._check_ticket(rid, ticket)
+        ob = f.ob = self._enter(session, rid, ticket)
+        # A transfer the receiver accepted before (an earlier chunk, begin) fails there too if
+        # this Send fails, whatever step it fails in.
+        f.began = ob.began
         # Before the first byte the receiver confirms boot, epoch, lease and layout; it does so
         # while this daemon takes the lease and plans (a round trip hidden behind ~0.5 ms of
-        # work). Later chunks skip it: the RECV lease pins the receiver's pages until the
-        # transfer ends or fails, the heartbeat reports an abort, and each commit re-checks.
+        # work). Once the transfer began (an earlier chunk, or :meth:`begin`) Sends skip it: the
+        # RECV lease pins the receiver's pages until the transfer ends or fails, the heartbeat
+        # reports an abort, and each commit re-checks.
         pending = None
         own_env = self.node.pool.envelopes()
         try:
@@ -326,14 +374,8 @@ class Outbox:
                 self.node.release_lease(session, f.lease_id)
             except KvdError:
                 pass  # expired meanwhile: nothing pins the pages anyway
-        ob = f.ob
-        if ob is None:
-            return
-        with self._lock:
-            ob.active -= 1
-            # Done, failed, or never accepted by the receiver (nothing to heartbeat for).
-            if (f.item.last or ob.aborted or not ob.began) and ob.active == 0:
-                self._open.pop((f.item.ticket.boot_id, f.item.ticket.lease_id), None)
+        if f.ob is not None:
+            self._leave(f.ob, last=f.item.last)
 
     def _tell_receiver(self, ticket: TicketInfo, reason: str) -> None:
         try:

@@ -3,6 +3,7 @@
 ::
 
     allocate(r, n)                      every page of the prompt (SWA pages for every token)
+    begin_send(r, ticket)               the decode daemon checks the ticket now, not in the first send
     for each chunk [t0, t1):
         target + draft forward          reads earlier chunks from the arena, writes this one
         send(r, ticket, t0, t1, last)   the daemon moves the chunk's pages to the decode node;
@@ -50,6 +51,9 @@ class PrefillEngine:
         step = self.cfg.chunk or n
         nbytes, secs, chunks = 0, 0.0, 0
         try:
+            if ticket is not None:
+                # The decode daemon checks the ticket while the prompt computes, not in the first Send.
+                self.kv.begin_send(req.rid, ticket)  # type: ignore[attr-defined]
             for t0 in range(0, n, step):
                 t1 = min(n, t0 + step)
                 pend = Pending(t0)

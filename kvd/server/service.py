@@ -287,6 +287,14 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         return pb.EchoResponse(payload=request.payload)
 
     # ---- handoff ----------------------------------------------------------------------------
+    def BeginSend(self, request: pb.BeginSendRequest, context):
+        def go():
+            session, outbox = self._sender(context)
+            opened = outbox.begin(session, request.rid, ticket_info(parse_ticket(request.ticket)), request.ticket)
+            return pb.BeginSendResponse(opened=opened)
+
+        return self._run(context, go)
+
     def Send(self, request: pb.SendRequest, context):
         def go():
             session, outbox = self._sender(context)

@@ -1325,6 +1325,59 @@ class SendResponse(_message.Message):
 Global___SendResponse: _TypeAlias = SendResponse  # noqa: Y015
 
 @_typing.final
+class BeginSendRequest(_message.Message):
+    """Prefill engine -> its daemon: open the transfer of a request before its first Send, as soon as
+    the decode daemon's ticket arrives (while the prompt still computes). The receiver checks the
+    ticket now (boot, epoch, lease, layout) and the transfer is RECEIVING there; every Send of it
+    then skips that round trip, as later chunks do. Refused as the first Send would be before its
+    first byte (FAILED_PRECONDITION / ABORTED / INVALID_ARGUMENT / the receiver's refusal), and
+    NOT_FOUND / PERMISSION_DENIED for a request this session does not hold; nothing changes then.
+    An open transfer lives as one between two chunks: heartbeats keep it, Abort on either side ends
+    it, the receiver's RECV lease bounds it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    rid: _builtins.str
+    ticket: _builtins.bytes
+    """the decode daemon's ticket, unchanged"""
+    def __init__(
+        self,
+        *,
+        rid: _builtins.str = ...,
+        ticket: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rid", b"rid", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginSendRequest: _TypeAlias = BeginSendRequest  # noqa: Y015
+
+@_typing.final
+class BeginSendResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPENED_FIELD_NUMBER: _builtins.int
+    opened: _builtins.bool
+    """false: the transfer was open already (nothing was asked)"""
+    def __init__(
+        self,
+        *,
+        opened: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["opened", b"opened"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginSendResponse: _TypeAlias = BeginSendResponse  # noqa: Y015
+
+@_typing.final
 class SendManyRequest(_message.Message):
     """Prefill engine -> its daemon: many independent Sends in one call (e.g. every request a forward
     pass finished). The daemon pipelines them: one item's copies run while it commits the item

@@ -124,6 +124,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.BeginSend = channel.unary_unary(
+                '/kvd.v1.Kvd/BeginSend',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.BeginSendRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.BeginSendResponse.FromString,
+                _registered_method=True)
         self.Send = channel.unary_unary(
                 '/kvd.v1.Kvd/Send',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.SendRequest.SerializeToString,
@@ -262,6 +267,12 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginSend(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Send(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -385,6 +396,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.RestoreRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.RestoreResponse.SerializeToString,
+            ),
+            'BeginSend': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginSend,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.BeginSendRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.BeginSendResponse.SerializeToString,
             ),
             'Send': grpc.unary_unary_rpc_method_handler(
                     servicer.Send,
@@ -898,6 +914,33 @@ class Kvd:
             '/kvd.v1.Kvd/Restore',
             kvd_dot_v1_dot_kvd__pb2.RestoreRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginSend(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/BeginSend',
+            kvd_dot_v1_dot_kvd__pb2.BeginSendRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.BeginSendResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,7 @@ class KvdStub:
     Finalize: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.FinalizeRequest, _kvd_pb2.FinalizeResponse]
     Offload: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.OffloadRequest, _kvd_pb2.OffloadResponse]
     Restore: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.RestoreRequest, _kvd_pb2.RestoreResponse]
+    BeginSend: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.BeginSendRequest, _kvd_pb2.BeginSendResponse]
     Send: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]
     SendMany: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.SendManyRequest, _kvd_pb2.SendManyResponse]
     WaitReady: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]
@@ -90,6 +91,7 @@ class KvdAsyncStub(KvdStub):
     Finalize: _aio.UnaryUnaryMultiCallable[_kvd_pb2.FinalizeRequest, _kvd_pb2.FinalizeResponse]  # type: ignore[assignment]
     Offload: _aio.UnaryUnaryMultiCallable[_kvd_pb2.OffloadRequest, _kvd_pb2.OffloadResponse]  # type: ignore[assignment]
     Restore: _aio.UnaryUnaryMultiCallable[_kvd_pb2.RestoreRequest, _kvd_pb2.RestoreResponse]  # type: ignore[assignment]
+    BeginSend: _aio.UnaryUnaryMultiCallable[_kvd_pb2.BeginSendRequest, _kvd_pb2.BeginSendResponse]  # type: ignore[assignment]
     Send: _aio.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]  # type: ignore[assignment]
     SendMany: _aio.UnaryUnaryMultiCallable[_kvd_pb2.SendManyRequest, _kvd_pb2.SendManyResponse]  # type: ignore[assignment]
     WaitReady: _aio.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]  # type: ignore[assignment]
@@ -223,6 +225,13 @@ class KvdServicer(metaclass=_abc_1.ABCMeta):
         request: _kvd_pb2.RestoreRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvd_pb2.RestoreResponse, _abc.Awaitable[_kvd_pb2.RestoreResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def BeginSend(
+        self,
+        request: _kvd_pb2.BeginSendRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.BeginSendResponse, _abc.Awaitable[_kvd_pb2.BeginSendResponse]]: ...
 
     @_abc_1.abstractmethod
     def Send(

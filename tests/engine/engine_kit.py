@@ -75,11 +75,11 @@ def pd_pair(models: Models, *, prefill_bytes: int = 8 << 20, decode_bytes: int =
         for name, nbytes in (("prefill", prefill_bytes), ("decode", decode_bytes)):
             nodes.append(_node(workdir, name, models, nbytes, post_capture, backend))
         yield Pair(*nodes)
-        for n in nodes:
+        for role, n in zip(("prefill", "decode"), nodes):
             n.daemon.node.check()
             st = n.daemon.node.stats()
-            assert st.pool.requests_live == 0 and st.pool.requests_offloaded == 0, f"requests left: {st.pool}"
-            assert st.leases_live == 0, f"{st.leases_live} leases left"
+            assert st.pool.requests_live == 0 and st.pool.requests_offloaded == 0, f"requests left on the {role} node: {st.pool}"
+            assert st.leases_live == 0, f"{st.leases_live} leases left on the {role} node"
     finally:
         for n in nodes:
             n.att.close()
