@@ -1,0 +1,88 @@
+"""BeginSend between two real daemons (every variant of ``pair``): the prefill engine opens a
+transfer when the ticket arrives, the decode daemon checks the ticket then, and the Sends that
+follow start writing at once (no CheckTicket round trip in them). A ticket the receiver refuses
+is refused by BeginSend with the status the first Send would have raised, nothing changed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import daemon_kit as dk
+import grpc
+import handoff_kit as hk
+import torch
+
+from kvd.client import AsyncClient, TransferState
+from kvd.errors import NotFound, PermissionDenied
+
+READY, WAITING, RECEIVING = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING
+
+
+def _checks(hp) -> float:
+    """CheckTicket calls the prefill daemon made, over either path."""
+    s = hp.pair.prefill.samples()
+    return sum(v for (name, labels), v in s.items() if name == "kvd_peer_calls_total" and ("method", "CheckTicket") in labels)
+
+
+def test_begin_send_then_every_send_skips_the_check(hp):
+    rid, src, dst, lease = hp.setup_request(70, prefix="begin")
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    checks0 = _checks(hp)
+
+    assert hp.p.c.begin_send(rid, lease.ticket) is True
+    assert hp.d.c.wait_ready(rid, 0).state is RECEIVING  # the decode daemon accepted it now
+    assert hp.p.c.begin_send(rid, lease.ticket) is False  # open already: nothing asked
+    first = hp.p.c.send(rid, lease.ticket, start=0, end=40, last=False)
+    last = hp.p.c.send(rid, lease.ticket, start=40, last=True)
+
+    assert "check" not in first.phases and "check" not in last.phases, (first.phases, last.phases)
+    assert _checks(hp) == checks0 + 1  # begin's, and only begin's
+    st = hp.d.c.wait_ready(rid, 5)
+    assert st.state is READY and st.nbytes == first.nbytes + last.nbytes, st
+    exp = hk.expected_arena(before_d, before_p, hk.moved(src, dst, dst.tokens, state=True))
+    assert torch.equal(hp.d.arena, exp), hk.diff_summary(hp.d.arena, exp)
+    assert hp.p.c.stats().leases_live == 0
+    hp.check()
+
+
+def test_begin_send_with_a_dead_lease_is_refused_and_changes_nothing(hp):
+    rid, _, _, lease = hp.setup_request(20, scatter=False, prefix="begin-gone")
+    hp.d.c.release_lease(lease.lease_id)
+    before_p, before_d = hp.p.c.stats(), hp.d.c.stats()
+    with dk.expect(NotFound, grpc.StatusCode.NOT_FOUND, "is not live"):
+        hp.p.c.begin_send(rid, lease.ticket)
+    after_p, after_d = hp.p.c.stats(), hp.d.c.stats()
+    assert (after_p.pool, after_p.leases_live) == (before_p.pool, before_p.leases_live)
+    assert (after_d.pool, after_d.leases_live) == (before_d.pool, before_d.leases_live)
+    hp.check()
+
+
+def test_begin_send_for_another_sessions_request_is_refused_before_the_receiver_hears(hp):
+    rid, _, _, lease = hp.setup_request(20, scatter=False, prefix="begin-other")
+    other = hp.pair.prefill.connect("another-engine")
+    with dk.expect(PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, "another client session"):
+        other.begin_send(rid, lease.ticket)
+    assert hp.d.c.wait_ready(rid, 0).state is WAITING  # the decode daemon never heard of it
+    hp.p.c.send(rid, lease.ticket)  # the owner's Send still goes through
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    hp.check()
+
+
+def test_the_asyncio_client_begins_a_send_too(hp):
+    rid = dk.rid("async-begin")
+
+    async def go():
+        async with await AsyncClient.connect(hp.pair.prefill.t.unix, name="async-prefill") as kv:
+            await kv.allocate(rid, 24)
+            hp.d.alloc(rid, 24, receive=True)
+            ticket = hp.d.c.acquire_lease(rid, "recv").ticket
+            opened = await kv.begin_send(rid, ticket)
+            res = await kv.send(rid, ticket)
+            await kv.free(rid)
+            return opened, res
+
+    opened, res = asyncio.run(go())
+    assert opened is True and "check" not in res.phases, res
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    assert hp.d.free(rid) == 1
+    hp.check()
