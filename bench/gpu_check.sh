@@ -13,8 +13,8 @@
 # Logs and the bench's JSON land in $OUT (the device tool brings them back).
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
-#   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer demo demo-quick
-#                                            #   demo2 demo2-quick mooncake mooncake-probe
+#   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer transfer01
+#                                            #   nvlink demo demo-quick demo2 demo2-quick mooncake mooncake-probe
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU);
 # system libraries Mooncake needs and the host lacks come from its wheel (bench/mooncake_wheel.py libdir).
@@ -63,6 +63,8 @@ for what in "${STEPS[@]}"; do
     bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
     transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
+    transfer01) step transfer 150 python3 bench/gpu_transfer.py --devices 0,1 --json "$OUT/transfer.json" ;;
+    nvlink) step nvlink 60 python3 bench/nvlink_streams.py ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
     demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
