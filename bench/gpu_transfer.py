@@ -510,14 +510,18 @@ class Pair:
         s = [b.src - self.p_base for b in plan.blocks]
         d = [b.dst - self.d_base for b in plan.blocks]
         n = [b.length for b in plan.blocks]
-        stream = torch.cuda.current_stream(self.a)
+        stream = torch.cuda.Stream(self.a)  # as the daemon's backend: its own stream (batched memcpys refuse the default)
         home = None if self.a == self.b else self.b
         strategies = [copy_strategy(home, n[i : i + BATCH]) for i in range(0, len(n), BATCH)]
 
         def once() -> None:
-            for k, i in enumerate(range(0, len(n), BATCH)):
-                fn = copy_engine_blocks if strategies[k] == COPY_ENGINE else copy_blocks
-                fn(self.p_att.tensor, self.dmap, s[i : i + BATCH], d[i : i + BATCH], n[i : i + BATCH])
+            with torch.cuda.stream(stream):
+                for k, i in enumerate(range(0, len(n), BATCH)):
+                    j = i + BATCH
+                    if strategies[k] == COPY_ENGINE:
+                        copy_engine_blocks(self.p_att.tensor, self.dmap, s[i:j], d[i:j], n[i:j], home)
+                    else:
+                        copy_blocks(self.p_att.tensor, self.dmap, s[i:j], d[i:j], n[i:j])
 
         once()
         stream.synchronize()

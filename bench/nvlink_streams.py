@@ -2,8 +2,9 @@
 one ``copy_``? (The raw baseline of bench/gpu_transfer.py is one ``copy_``; kvd's local backend
 issues one copy per block on one stream.)
 
-For each stream count k, a buffer of ``--bytes`` is cut into k equal slices, each copied by
-``dst_slice.copy_(src_slice)`` on its own stream; the time runs from an event every stream waits
+For each stream count k, a buffer of ``--bytes`` is cut into k equal slices (or into
+``--blocks`` blocks, round-robin over the k streams), each copied by
+``dst_slice.copy_(src_slice)`` on its stream; the time runs from an event every stream waits
 for to the last stream's end (CUDA events, median of ``--reps``). Issued on A (push) and on B
 (pull). Prints one table; needs two GPUs with peer access::
 
@@ -19,9 +20,12 @@ import sys
 import torch
 
 
-def timed(a: int, issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, reps: int) -> float:
+def timed(a: int, issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, reps: int, blocks: int = 0) -> float:
+    """``blocks`` > 0: the buffer is cut into that many blocks instead, copied one ``copy_``
+    each, round-robin over the k streams (as a request's page runs would be)."""
     n = src.numel()
-    cuts = [n * i // k for i in range(k + 1)]
+    parts = blocks or k
+    cuts = [n * i // parts for i in range(parts + 1)]
     with torch.cuda.device(issue_on):
         streams = [torch.cuda.Stream(issue_on) for _ in range(k)]
         main = torch.cuda.current_stream(issue_on)
@@ -30,10 +34,12 @@ def timed(a: int, issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, r
             go, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             go.record(main)
             ends = []
-            for s, lo, hi in zip(streams, cuts, cuts[1:]):
+            for s in streams:
                 s.wait_event(go)
-                with torch.cuda.stream(s):
+            for j, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+                with torch.cuda.stream(streams[j % k]):
                     dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
+            for s in streams:
                 e = torch.cuda.Event()
                 e.record(s)
                 ends.append(e)
@@ -46,11 +52,45 @@ def timed(a: int, issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, r
     return statistics.median(xs)
 
 
+def timed_batch(a: int, b: int, src: torch.Tensor, dst: torch.Tensor, blocks: int, reps: int) -> float:
+    """``blocks`` blocks in one ``cuMemcpyBatchAsync`` (CUDA >= 12.8) on a stream of A (not the
+    legacy default stream: the driver refuses it for batches)."""
+    from cuda.bindings import driver as cu
+
+    n = src.numel()
+    cuts = [n * i // blocks for i in range(blocks + 1)]
+    dsts = [cu.CUdeviceptr(dst.data_ptr() + lo) for lo in cuts[:-1]]
+    srcs = [cu.CUdeviceptr(src.data_ptr() + lo) for lo in cuts[:-1]]
+    sizes = [hi - lo for lo, hi in zip(cuts, cuts[1:])]
+    attr = cu.CUmemcpyAttributes()
+    attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    attr.srcLocHint.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    attr.srcLocHint.id = a
+    attr.dstLocHint.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    attr.dstLocHint.id = b
+    with torch.cuda.device(a):
+        stream = torch.cuda.Stream(a)
+        xs = []
+        for r in range(reps + 2):
+            go, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            go.record(stream)
+            res = cu.cuMemcpyBatchAsync(dsts, srcs, sizes, blocks, [attr], [0], 1, stream.cuda_stream)
+            err = res[0] if isinstance(res, tuple) else res
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
+            stop.record(stream)
+            stop.synchronize()
+            if r >= 2:
+                xs.append(go.elapsed_time(stop) / 1e3)
+    return statistics.median(xs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bytes", type=float, default=1.76e9)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--devices", default="0,1")
+    ap.add_argument("--blocks", type=int, nargs="*", default=[17, 64], help="also cut into this many blocks (round-robin over the streams)")
     args = ap.parse_args()
     if torch.cuda.device_count() < 2:
         print("needs two GPUs", file=sys.stderr)
@@ -59,13 +99,22 @@ def main() -> int:
     n = int(args.bytes)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=f"cuda:{a}")
     dst = torch.zeros(n, dtype=torch.uint8, device=f"cuda:{b}")
-    print(f"| issued on | streams | ms | GB/s | vs one copy_ |\n|---|---:|---:|---:|---:|")
+    print("| issued on | blocks | streams | ms | GB/s | vs one copy_ |\n|---|---:|---:|---:|---:|---:|")
+    one = timed(a, a, src, dst, 1, args.reps)
     for side, dev in (("A (push)", a), ("B (pull)", b)):
-        base = None
-        for k in (1, 2, 3, 4, 8):
-            s = timed(a, dev, src, dst, k, args.reps)
-            base = base or s
-            print(f"| {side} | {k} | {s * 1e3:.3f} | {n / s / 1e9:,.0f} | {base / s:.3f} |", flush=True)
+        for blocks in (0, *args.blocks):
+            for k in (1, 2, 3, 4, 8):
+                s = timed(a, dev, src, dst, k, args.reps, blocks)
+                print(f"| {side} | {blocks or k} | {k} | {s * 1e3:.3f} | {n / s / 1e9:,.0f} | {one / s:.3f} |", flush=True)
+    for blocks in args.blocks:
+        dst.zero_()
+        try:
+            s = timed_batch(a, b, src, dst, blocks, args.reps)
+        except Exception as exc:  # noqa: BLE001 -- a probe: say why and go on
+            print(f"| cuMemcpyBatchAsync | {blocks} | - | failed: {type(exc).__name__}: {exc} | | |", flush=True)
+            continue
+        good = torch.equal(src.to(f"cuda:{b}"), dst)
+        print(f"| cuMemcpyBatchAsync{'' if good else ' (MISMATCH)'} | {blocks} | 1 | {s * 1e3:.3f} | {n / s / 1e9:,.0f} | {one / s:.3f} |", flush=True)
     ok = torch.equal(src.to(f"cuda:{b}"), dst)
     print(f"copy checked: {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1

@@ -86,3 +86,32 @@ def test_a_request_hands_off_gpu0_to_gpu1_byte_identical_to_the_cpu_path(gpu_pai
 def test_send_many_gpu0_to_gpu1_is_byte_identical_to_the_cpu_path(gpu_pair):
     with engines(gpu_pair) as (p, d):
         send_many_like_the_cpu_path(p, d, seed=19, wait_s=30)
+
+
+@pytest.mark.parametrize("dst_gpu", [0, 1])
+def test_copy_engine_blocks_go_as_one_batch_off_the_default_stream(dst_gpu):
+    """Scattered blocks from GPU 0 into memory on GPU ``dst_gpu``: on a stream of its own they go
+    as one cuMemcpyBatchAsync and land exactly; on the legacy default stream (which the driver
+    refuses for batches) block by block, landing the same."""
+    from kvd.backends import local_cuda as lc
+
+    src = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda:0")
+    n = [1 << 20, 3 << 20, 4096, 5 << 20, 512, 2 << 20]
+    s = [0, 9 << 20, 20 << 20, 30 << 20, 50 << 20, 60 << 20]
+    d = [40 << 20, 0, 2 << 20, 10 << 20, 30 << 20, 20 << 20]  # out of order, never overlapping
+    exp = torch.zeros(64 << 20, dtype=torch.uint8, device=f"cuda:{dst_gpu}")
+    for a, b, k in zip(s, d, n):
+        exp[b : b + k] = src[a : a + k].to(exp.device)
+    for on_side_stream in (True, False):
+        dst = torch.zeros(64 << 20, dtype=torch.uint8, device=f"cuda:{dst_gpu}")
+        stream = torch.cuda.Stream(0) if on_side_stream else torch.cuda.default_stream(0)
+        with torch.cuda.device(0), torch.cuda.stream(stream):
+            queued = lc._copy_batch(src, dst, s, d, n, dst_gpu, stream)  # device pointers: UVA spans both GPUs
+            if not queued:
+                for a, b, k in zip(s, d, n):
+                    dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
+        stream.synchronize()
+        torch.cuda.synchronize(dst_gpu)
+        assert queued is on_side_stream, "the batch goes off the default stream, and only there"
+        assert torch.equal(dst, exp)
+    assert lc._batch_ok, "the driver took the batch"
