@@ -477,6 +477,25 @@ def copy_engine_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: li
 #: Whether ``cuMemcpyBatchAsync`` may be used (False once the bindings or the driver lacked it).
 _batch_ok = True
 _batch_attrs: dict[tuple[int, int], Any] = {}  # (source GPU, destination GPU) -> CUmemcpyAttributes
+_primary: dict[int, Any] = {}  # GPU -> its primary context (retained once, for the process's life)
+_primary_lock = threading.Lock()
+
+
+def _bind_primary(cu: Any, dev: int) -> None:
+    """Make GPU ``dev``'s primary context (torch's) current on this thread for a driver call. A
+    thread that has made no CUDA runtime call yet has none current, and ``torch.cuda.device``
+    of the device it already reports makes none (then the batch call fails INVALID_VALUE: a
+    gRPC worker thread's first write, seen with eight concurrent senders)."""
+    with _primary_lock:
+        ctx = _primary.get(dev)
+        if ctx is None:
+            err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuDevicePrimaryCtxRetain({dev}) failed: {getattr(err, 'name', err)}")
+            _primary[dev] = ctx
+    (err,) = cu.cuCtxSetCurrent(ctx)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuCtxSetCurrent (GPU {dev}) failed: {getattr(err, 'name', err)}")
 
 
 def _copy_batch(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int], home: int | None,
@@ -505,6 +524,7 @@ def _copy_batch(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int]
         attr.srcLocHint.type = attr.dstLocHint.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         attr.srcLocHint.id, attr.dstLocHint.id = here, there
         _batch_attrs[(here, there)] = attr
+    _bind_primary(cu, here)
     a, b, ptr = src.data_ptr(), dst.data_ptr(), cu.CUdeviceptr
     try:
         res = fn([ptr(b + x) for x in d], [ptr(a + x) for x in s], n, len(n), [attr], [0], 1, stream.cuda_stream)

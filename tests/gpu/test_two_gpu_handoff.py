@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -105,11 +106,20 @@ def test_copy_engine_blocks_go_as_one_batch_off_the_default_stream(dst_gpu):
     for on_side_stream in (True, False):
         dst = torch.zeros(64 << 20, dtype=torch.uint8, device=f"cuda:{dst_gpu}")
         stream = torch.cuda.Stream(0) if on_side_stream else torch.cuda.default_stream(0)
-        with torch.cuda.device(0), torch.cuda.stream(stream):
-            queued = lc._copy_batch(src, dst, s, d, n, dst_gpu, stream)  # device pointers: UVA spans both GPUs
-            if not queued:
-                for a, b, k in zip(s, d, n):
-                    dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
+        got: list = []
+
+        def issue() -> None:  # in a fresh thread, as a gRPC worker's first write: no CUDA call made on it yet
+            with torch.cuda.device(0), torch.cuda.stream(stream):
+                got.append(lc._copy_batch(src, dst, s, d, n, dst_gpu, stream))  # device pointers: UVA spans both GPUs
+                if not got[0]:
+                    for a, b, k in zip(s, d, n):
+                        dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
+
+        t = threading.Thread(target=issue)
+        t.start()
+        t.join()
+        assert got, "the copy raised (see the thread's traceback)"
+        queued = got[0]
         stream.synchronize()
         torch.cuda.synchronize(dst_gpu)
         assert queued is on_side_stream, "the batch goes off the default stream, and only there"
