@@ -57,6 +57,7 @@ __all__ = [
     "map_imported",
     "import_arena",
     "device_for",
+    "gpu_uuid",
     "can_access_peer",
     "gpu_label",
     "gpu_direct_rdma_vmm",
@@ -491,21 +492,30 @@ def map_imported(
         return owner, view
 
 
-def device_for(gpu_uuid: str, index: int) -> int:
-    """This process's index of the CUDA device with ``gpu_uuid`` (another process may number its
+def gpu_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` as torch reports it ("" when torch cannot say: a torch
+    without ``.uuid``, no such device). Never empty otherwise: torch formats the 16 bytes."""
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # noqa: BLE001 -- callers fall back to the index
+        return ""
+
+
+def device_for(owner_uuid: str, index: int) -> int:
+    """This process's index of the CUDA device with ``owner_uuid`` (another process may number its
     devices differently: ``CUDA_VISIBLE_DEVICES``). Without a UUID, ``index`` is trusted.
     FailedPrecondition when this process cannot see that device."""
     count = torch.cuda.device_count()
-    if gpu_uuid:
+    if owner_uuid:
         for i in range(count):
-            try:
-                if str(torch.cuda.get_device_properties(i).uuid) == gpu_uuid:
-                    return i
-            except Exception:  # noqa: BLE001 -- a torch without .uuid: fall back to the index
+            mine = gpu_uuid(i)
+            if not mine:  # torch cannot say: fall back to the index
                 break
+            if mine == owner_uuid:
+                return i
         else:
             raise FailedPrecondition(
-                f"the arena lives on GPU {gpu_uuid} (cuda:{index} of its owner), which this process does not see; "
+                f"the arena lives on GPU {owner_uuid} (cuda:{index} of its owner), which this process does not see; "
                 "check CUDA_VISIBLE_DEVICES"
             )
     if not 0 <= index < count:

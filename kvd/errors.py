@@ -1,9 +1,12 @@
 """The one exception tree of kvd.
 
-Every error kvd raises on purpose is a :class:`KvdError`. The server maps each class to a
-gRPC status code in one place (``kvd.server.status``) and the client maps status codes back
-to these classes, so engine code catches the same exceptions whether it runs the pool
-in-process or talks to a daemon::
+Every error kvd raises on purpose is a :class:`KvdError`. Each class has one status code, in
+one table at the end of this module (:data:`CODES`): :func:`to_status` turns an exception into
+``(code, message, metadata)`` and :func:`from_status` turns that back into the same class with
+the same message. Every transport carries that triple: gRPC (``kvd.status``: a grpc.StatusCode
+and trailing metadata), the peer socket (a PeerStatus message) and the handle socket (a JSON
+header, ``kvd.fdpass``). So engine code catches the same exceptions whether it runs the pool
+in-process or talks to a daemon, over any of them::
 
     KvdError
     ├── InvalidArgument        caller mistake: a value is out of range or malformed
@@ -26,6 +29,12 @@ Messages always say what was wrong and what to change; tests assert on them.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
+from typing import NamedTuple
+
+# The exception tree, which ``kvd`` re-exports. The status table (Code, CODES, Status, to_status,
+# from_status) is for the transports and stays out of the package namespace.
 __all__ = [
     "KvdError",
     "InvalidArgument",
@@ -111,3 +120,100 @@ class DeadlineExceeded(KvdError, TimeoutError):
 
 class InternalError(KvdError, RuntimeError):
     """An invariant of the pool is broken. This is a bug in kvd; please report it."""
+
+
+# ---- the status of each class: the one table every transport uses ------------------------------
+
+
+class Code(enum.IntEnum):
+    """The canonical RPC status codes (google.rpc.Code): the numbers ``grpc.StatusCode`` carries."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+#: Most specific first; every class of the tree is listed (a test keeps this honest).
+CODES: dict[type[KvdError], Code] = {
+    LayoutMismatch: Code.INVALID_ARGUMENT,
+    InvalidArgument: Code.INVALID_ARGUMENT,
+    NotFound: Code.NOT_FOUND,
+    AlreadyExists: Code.ALREADY_EXISTS,
+    PermissionDenied: Code.PERMISSION_DENIED,
+    CapacityError: Code.RESOURCE_EXHAUSTED,
+    StaleEpoch: Code.FAILED_PRECONDITION,
+    Pinned: Code.FAILED_PRECONDITION,
+    NotFinalized: Code.FAILED_PRECONDITION,
+    FailedPrecondition: Code.FAILED_PRECONDITION,
+    Aborted: Code.ABORTED,
+    Unavailable: Code.UNAVAILABLE,
+    DeadlineExceeded: Code.DEADLINE_EXCEEDED,
+    InternalError: Code.INTERNAL,
+    KvdError: Code.UNKNOWN,
+}
+
+#: Metadata keys: the class (two classes share a code: StaleEpoch and Pinned are both
+#: FAILED_PRECONDITION), a CapacityError's shortfall, a Pinned error's lease labels.
+ERROR_KEY, SHORTFALL_KEY, HOLDERS_KEY = "kvd-error", "kvd-shortfall-bytes", "kvd-holders"
+
+_BY_NAME: dict[str, type[KvdError]] = {cls.__name__: cls for cls in CODES}
+# A code with no class named (e.g. a status gRPC itself raised) maps to the most general class
+# with that code: CODES lists subclasses before their bases, so the last one listed wins.
+_BY_CODE: dict[int, type[KvdError]] = {code: cls for cls, code in CODES.items()} | {Code.CANCELLED: Aborted}
+
+
+class Status(NamedTuple):
+    """What a transport carries for an exception: :func:`to_status` makes it, :func:`from_status`
+    raises it again."""
+
+    code: Code
+    message: str
+    metadata: tuple[tuple[str, str], ...]  # ERROR_KEY always; SHORTFALL_KEY / HOLDERS_KEY where they apply
+
+
+def to_status(exc: BaseException) -> Status:
+    """The status of an exception raised below a transport's edge. Anything but a KvdError was
+    not raised on purpose: INTERNAL, saying it is a bug (never a traceback as INVALID_ARGUMENT)."""
+    if not isinstance(exc, KvdError):
+        return Status(Code.INTERNAL, f"internal error (a bug in kvd): {type(exc).__name__}: {exc}", ((ERROR_KEY, "InternalError"),))
+    cls = next(c for c in type(exc).__mro__ if c in CODES)
+    md: list[tuple[str, str]] = [(ERROR_KEY, cls.__name__)]
+    if isinstance(exc, CapacityError):
+        md.append((SHORTFALL_KEY, str(exc.shortfall_bytes)))
+    if isinstance(exc, Pinned):
+        md.append((HOLDERS_KEY, ";".join(exc.holders)))
+    return Status(CODES[cls], str(exc), tuple(md))
+
+
+def from_status(code: int, message: str, metadata: Mapping[str, str]) -> KvdError:
+    """The exception a status stands for (the inverse of :func:`to_status`): the class the
+    metadata names, with the same message and extras; without a class it knows, the most general
+    class of ``code``, its message prefixed with the code's name where the class alone would not
+    say what happened (UNAVAILABLE, or a code kvd never sends)."""
+    named = _BY_NAME.get(metadata.get(ERROR_KEY, ""))
+    cls = named or _BY_CODE.get(code, KvdError)
+    if cls is CapacityError:
+        return CapacityError(message, int(metadata.get(SHORTFALL_KEY, "0") or 0))
+    if cls is Pinned:
+        return Pinned(message, tuple(h for h in metadata.get(HOLDERS_KEY, "").split(";") if h))
+    if named is None and cls in (KvdError, Unavailable):
+        try:
+            name = Code(code).name
+        except ValueError:
+            name = f"status {code}"
+        return cls(f"{name}: {message}")
+    return cls(message)

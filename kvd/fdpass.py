@@ -23,9 +23,12 @@ serves it (the server keeps watched sockets in a set, not counted against ``max_
 watcher learns of the owner's death by EOF/HUP on it (the kernel closes a dead process's fds),
 of :meth:`HandleServer.stop` the same way, and of a change of the owner's backing by one byte
 the server sends (:meth:`HandleServer.notify`). Whatever arrives, the watcher stops trusting the
-watch and asks again (ping, fetch): :meth:`Watch.quiet` is a zero-timeout poll, no round trip. A refusal is a header
-``{"ok": false, "error": <kvd error class>, "message": ...}`` that :func:`fetch` raises as that
-class, so an importer sees the same exceptions as over gRPC.
+watch and asks again (ping, fetch): :meth:`Watch.quiet` is a zero-timeout poll, no round trip.
+
+A refusal is a header ``{"ok": false, "code": <status code>, "message": ..., "metadata": {...}}``:
+the status :func:`kvd.errors.to_status` gives the exception (the triple gRPC and the peer socket
+carry), which :func:`fetch` raises again through :func:`kvd.errors.from_status`, so an importer
+sees the same class, message and extras (shortfall, holders) as over gRPC.
 """
 
 from __future__ import annotations
@@ -304,10 +307,10 @@ class HandleServer(UnixServer):
     def _answer_error(self, conn: socket.socket, exc: KvdError, *, busy: bool = False) -> None:
         with self._lock:
             self.refused += 1
-        cls = next(c for c in type(exc).__mro__ if c.__module__ == E.__name__)
+        code, message, metadata = E.to_status(exc)
         try:
             conn.settimeout(self.timeout)
-            self._send(conn, {"ok": False, "error": cls.__name__, "message": str(exc), "busy": busy}, [])
+            self._send(conn, {"ok": False, "code": code, "message": message, "metadata": dict(metadata), "busy": busy}, [])
         except OSError:
             pass  # the client is gone; nothing else to do
 
@@ -315,11 +318,12 @@ class HandleServer(UnixServer):
 # ---- the importer's side -----------------------------------------------------------------------
 
 
-def _error(name: str, message: str) -> KvdError:
-    cls = getattr(E, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, KvdError)):
-        cls = KvdError
-    return cls(message)
+def _refusal(path: str, d: dict) -> KvdError:
+    """The exception a refusal header stands for (:func:`kvd.errors.from_status`)."""
+    code, message, metadata = d.get("code"), d.get("message"), d.get("metadata", {})
+    if not (isinstance(code, int) and isinstance(message, str) and isinstance(metadata, dict)):
+        return Unavailable(f"handle server at {path} sent a malformed refusal: {json.dumps(d)[:200]}")
+    return E.from_status(code, message, {str(k): str(v) for k, v in metadata.items()})
 
 
 class _Busy(Unavailable):
@@ -383,7 +387,7 @@ def _exchange(path: str, req: HandleRequest, timeout: float, keep: list[socket.s
         if not d.get("ok"):
             if d.get("busy"):
                 raise _Busy(str(d.get("message", "busy")))
-            raise _error(str(d.get("error", "KvdError")), str(d.get("message", "refused without a reason")))
+            raise _refusal(path, d)
         header = HandleHeader.from_json(d)
         if req.op == "export" and len(fds) != len(header.sizes):
             raise Unavailable(f"handle server at {path} sent {len(fds)} fds for {len(header.sizes)} chunks")

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
+from kvd import errors as E
 from kvd.errors import InvalidArgument, KvdError
 from kvd.handoff import SEND_PHASES, SendResult, TicketInfo, TransferRef, TransferState
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
 from kvd.pool import Envelope, IndexVectors
 from kvd.stats import GroupStats, PoolStats
-from kvd.status import code_from_int, from_status, to_status
 from kvd.v1 import kvd_pb2 as pb
 
 __all__ = [
@@ -210,12 +210,12 @@ def send_result_from_pb(m: pb.SendResponse) -> SendResult:
 
 
 def status_to_pb(exc: BaseException) -> pb.PeerStatus:
-    """An exception as a status message (:func:`kvd.status.to_status`: code, message, metadata):
+    """An exception as a status message (:func:`kvd.errors.to_status`: code, message, metadata):
     a peer socket refusal, a SendMany item's failure."""
-    code, msg, md = to_status(exc)
-    return pb.PeerStatus(code=code.value[0], message=msg, metadata=dict(md))
+    code, msg, md = E.to_status(exc)
+    return pb.PeerStatus(code=code, message=msg, metadata=dict(md))
 
 
 def status_from_pb(m: pb.PeerStatus) -> KvdError:
     """The kvd exception a status message stands for (the inverse of :func:`status_to_pb`)."""
-    return from_status(code_from_int(m.code), m.message, dict(m.metadata))
+    return E.from_status(m.code, m.message, dict(m.metadata))

@@ -1,5 +1,6 @@
 """Pure-core tests of the handoff state machines (:mod:`kvd.handoff`): two in-process nodes, a
-peer link that calls the receiver's Inbox directly, no gRPC. The loopback tier in
+peer link into the receiving node that checks tickets as its daemon would
+(``link_kit.CheckingLink``), no gRPC. The loopback tier in
 ``tests/handoff`` runs the same protocol between daemons; these pin down orderings that the
 loopback tier can only hit by chance (a heartbeat landing inside a Send)."""
 
@@ -10,6 +11,7 @@ import dataclasses
 import pytest
 
 import pool_testkit as pk
+from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied
 from kvd.handoff import TicketInfo, TransferRef, TransferState
@@ -19,41 +21,6 @@ from kvd.node import Node
 from kvd.pool import AllocSpec, Pool
 
 TOKENS = 20
-
-
-class DirectLink:
-    """A PeerLink that calls the receiving node in-process and records every call.
-
-    ``on_check`` runs inside ``check_ticket`` before the receiver sees the ticket: the window in
-    which a Send has registered its transfer but the receiver has not accepted it."""
-
-    def __init__(self, receiver: Node) -> None:
-        self.receiver = receiver
-        self.calls: list[tuple[str, tuple]] = []
-        self.on_check = lambda: None
-
-    def check_ticket(self, address, ticket, sender, via=None):
-        self.calls.append(("check_ticket", (address, sender)))
-        self.on_check()
-        raise LayoutMismatch("group swa: page bytes differ (refused by the receiver)")
-
-    def start_check(self, address, ticket, sender, via=None):
-        return lambda: self.check_ticket(address, ticket, sender, via)
-
-    def commit(self, address, ref, last, nbytes, via=None):
-        self.calls.append(("commit", (ref, last, nbytes)))
-        self.receiver.inbox.commit(ref, last, nbytes)
-
-    def abort_receive(self, address, ref, reason, drained, via=None):
-        self.calls.append(("abort_receive", (ref, reason, drained)))
-        self.receiver.inbox.abort(ref, reason, drained)
-
-    def abort_send(self, address, ref, reason):
-        self.calls.append(("abort_send", (ref, reason)))
-
-    def heartbeat(self, address, sender, refs, via=None):
-        self.calls.append(("heartbeat", tuple(refs)))
-        return self.receiver.inbox.heartbeat(sender, refs)
 
 
 def _node() -> tuple[Node, str]:
@@ -81,14 +48,19 @@ def pair():
 
 def test_heartbeat_inside_a_refused_send_leaves_the_receiver_waiting(pair):
     p, ps, d, _, rid, ticket = pair
-    link = DirectLink(d)
+    link = CheckingLink(d)
     ob = Outbox(p, LocalBackend(), link, address="prefill")
-    link.on_check = ob.heartbeat_once  # the heartbeat thread fires while the ticket is checked
+
+    def heartbeat_then_refuse():  # the heartbeat thread fires while the ticket is checked
+        ob.heartbeat_once()
+        raise LayoutMismatch("group swa: page bytes differ (refused by the receiver)")
+
+    link.before_check[rid] = heartbeat_then_refuse
     with pytest.raises(LayoutMismatch):
-        ob.send(ps, rid, ticket, b"raw", 0, None, last=True)
+        ob.send(ps, rid, ticket, link.register(ticket), 0, None, last=True)
     # The receiver never accepted the ticket: no heartbeat named it, it still waits, and the
     # sender holds nothing open and no lease.
-    assert [c for c, _ in link.calls] == ["check_ticket"]
+    assert link.events == [("check", rid)]
     assert d.inbox.status(rid).state is TransferState.WAITING
     assert ob.open_count() == 0 and len(p.leases) == 0
 
@@ -102,33 +74,20 @@ def test_a_receiver_heartbeat_never_begins_a_waiting_transfer(pair):
     assert d.inbox.status(rid).state is TransferState.WAITING
 
 
-class AcceptingLink(DirectLink):
-    """A DirectLink whose receiver accepts the ticket (as a real CheckTicket of a valid one does)."""
-
-    def __init__(self, receiver: Node, ref: TransferRef) -> None:
-        super().__init__(receiver)
-        self.ref = ref
-
-    def check_ticket(self, address, ticket, sender, via=None):
-        self.calls.append(("check_ticket", (address, sender)))
-        self.on_check()
-        self.receiver.inbox.begin(self.ref, sender)
-
-
 def test_a_send_refused_after_the_receiver_accepted_tells_the_receiver_at_once(pair):
     """The receiver checks the ticket while the sender leases and plans. When the plan then
     refuses (here: the prefill request is shorter than the receiver's), nothing was written and
     the receiver, which accepted the ticket, is told at once with drained=True: its transfer
     fails now, and freeing the request is not deferred behind a fence."""
     p, ps, d, ds, rid, ticket = pair
-    link = AcceptingLink(d, ticket.ref)
+    link = CheckingLink(d)
     ob = Outbox(p, LocalBackend(), link, address="prefill")
     p.free(ps, [rid])
     p.allocate(ps, [AllocSpec(rid, TOKENS - 5)])
     with pytest.raises(InvalidArgument, match="allocate the same length"):
-        ob.send(ps, rid, ticket, b"raw", 0, None, last=True)
-    assert [c for c, _ in link.calls] == ["check_ticket", "abort_receive"]
-    assert link.calls[1][1][2] is True  # drained: nothing was written
+        ob.send(ps, rid, ticket, link.register(ticket), 0, None, last=True)
+    assert link.events == [("check", rid), ("abort", rid)]
+    assert link.aborts[0][2] is True  # drained: nothing was written
     st = d.inbox.status(rid)
     assert st.state is TransferState.FAILED and "allocate the same length" in st.reason
     assert ob.open_count() == 0 and len(p.leases) == 0
@@ -138,11 +97,11 @@ def test_a_send_refused_after_the_receiver_accepted_tells_the_receiver_at_once(p
 
 def test_a_range_the_ticket_shows_is_wrong_is_refused_before_the_receiver_hears(pair):
     p, ps, d, _, rid, ticket = pair
-    link = AcceptingLink(d, ticket.ref)
+    link = CheckingLink(d)
     ob = Outbox(p, LocalBackend(), link, address="prefill")
     with pytest.raises(InvalidArgument, match="not inside the request"):
-        ob.send(ps, rid, ticket, b"raw", 5, TOKENS + 1, last=True)
-    assert link.calls == [] and d.inbox.status(rid).state is TransferState.WAITING
+        ob.send(ps, rid, ticket, link.register(ticket), 5, TOKENS + 1, last=True)
+    assert link.events == [] and d.inbox.status(rid).state is TransferState.WAITING
     assert ob.open_count() == 0 and len(p.leases) == 0
 
 
@@ -153,20 +112,21 @@ def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_liste
     reason replaces the heartbeat's once it arrives."""
     p, ps, d, _, rid, ticket = pair
     ticket = dataclasses.replace(ticket, transfer_endpoint=d.pool.arena.path)
-    link = AcceptingLink(d, ticket.ref)
+    link = CheckingLink(d)
+    raw = link.register(ticket)
     backend = LocalBackend()
     backend.register(p.pool.arena)
     ob = Outbox(p, backend, link, address="prefill")
-    ob.send(ps, rid, ticket, b"raw", 0, TOKENS // 2, last=False)
+    ob.send(ps, rid, ticket, raw, 0, TOKENS // 2, last=False)
     d.inbox.abort_local(rid, "engine preempted it")
     ob.heartbeat_once()
     assert ob.open_count() == 0  # aborted while idle: still listed, no longer in progress
     with pytest.raises(Aborted, match="no longer accepts"):
-        ob.send(ps, rid, ticket, b"raw", TOKENS // 2, None, last=True)
+        ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
     ob.abort_remote(ticket.ref, "aborted by the decode engine: engine preempted it")
     with pytest.raises(Aborted, match="receiver aborted: aborted by the decode engine: engine preempted it"):
-        ob.send(ps, rid, ticket, b"raw", TOKENS // 2, None, last=True)
-    assert [c for c, _ in link.calls] == ["check_ticket", "commit", "heartbeat"]
+        ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
+    assert link.events == [("check", rid), ("commit", rid), ("heartbeat", rid)]
     assert len(p.leases) == 0
     backend.close()
 

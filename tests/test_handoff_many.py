@@ -1,6 +1,7 @@
 """Pure-core tests of :meth:`kvd.outbox.Outbox.send_many`: two in-process nodes whose shm arenas
 the ``local`` backend really copies between, and a peer link that runs the receiver's own ticket
-check (``Node.check_ticket`` + ``Inbox.begin``, what ``PeerCalls.check_ticket`` does) in-process.
+check (``Node.check_ticket`` + ``Inbox.begin``, what ``PeerCalls.check_ticket`` does) in-process
+(``link_kit.CheckingLink``).
 
 What is pinned down here: a batch lands exactly the bytes the same Sends one by one land; the
 pipeline order (item i's copies issued before item i-1 is waited for and committed); each item's
@@ -15,58 +16,19 @@ import pytest
 import torch
 
 import pool_testkit as pk
+from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, KvdError, NotFound, StaleEpoch
 from kvd.handoff import SEND_PHASES, SendResult, TicketInfo, TransferState
 from kvd.outbox import MAX_SEND_ITEMS, Outbox, SendItem
 from kvd.leases import LeaseKind
-from kvd.node import Node, TicketClaim
+from kvd.node import Node
 from kvd.pool import AllocSpec, Pool
 from kvd.transfer import plan_chunk
 
 READY, WAITING, FAILED = TransferState.READY, TransferState.WAITING, TransferState.FAILED
 #: Token counts of the batch's requests (two-group layout: 4 tokens a page, an 8-token window).
 LENGTHS = (20, 37, 9, 28)
-
-
-class CheckingLink:
-    """A PeerLink into the receiving node, in-process. ``raw`` tickets are keys of ``tickets``;
-    the check is the receiver's own (``Node.check_ticket``, then ``Inbox.begin``). ``events``
-    records the check, commit and abort calls in order; ``after_check[rid]`` runs once the
-    receiver accepted ``rid``'s ticket."""
-
-    def __init__(self, receiver: Node, events: list[tuple[str, str]]) -> None:
-        self.receiver = receiver
-        self.tickets: dict[bytes, TicketInfo] = {}
-        self.events = events
-        self.after_check: dict[str, object] = {}
-        self.aborts: list[tuple[str, str, bool]] = []
-
-    def check_ticket(self, address, ticket, sender, via=None):
-        t = self.tickets[ticket]
-        self.events.append(("check", t.rid))
-        self.receiver.check_ticket(TicketClaim(t.boot_id, t.epoch, t.lease_id, t.rid, t.layout_fingerprint))
-        self.receiver.inbox.begin(t.ref, sender)
-        hook = self.after_check.pop(t.rid, None)
-        if hook is not None:
-            hook()
-
-    def start_check(self, address, ticket, sender, via=None):
-        return lambda: self.check_ticket(address, ticket, sender, via)
-
-    def commit(self, address, ref, last, nbytes, via=None):
-        self.events.append(("commit", ref.rid))
-        self.receiver.inbox.commit(ref, last, nbytes)
-
-    def abort_receive(self, address, ref, reason, drained, via=None):
-        self.aborts.append((ref.rid, reason, drained))
-        self.receiver.inbox.abort(ref, reason, drained)
-
-    def abort_send(self, address, ref, reason):
-        pass
-
-    def heartbeat(self, address, sender, refs, via=None):
-        return self.receiver.inbox.heartbeat(sender, refs)
 
 
 class RecordingBackend(LocalBackend):
@@ -133,7 +95,7 @@ class Batch:
         ))
 
     def register(self, t: TicketInfo) -> TicketInfo:
-        self.link.tickets[f"{t.rid}/{t.boot_id}/{t.lease_id}/{t.epoch}".encode()] = t
+        self.link.register(t)
         return t
 
     def item(self, rid: str, t: TicketInfo | None = None, start: int = 0, end: int | None = None) -> SendItem:

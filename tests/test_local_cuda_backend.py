@@ -371,6 +371,34 @@ def test_the_same_gpu_needs_no_peer_access(writer, peer, imports, monkeypatch):
     assert torch.equal(peer.arena.tensor()[:4096], arena.tensor()[:4096])
 
 
+def test_the_owners_gpu_is_found_by_uuid_however_this_process_numbers_it(monkeypatch):
+    """``arena_cuda.device_for`` (what ``_locate`` asks) with torch's device list stubbed: by
+    UUID (``arena_cuda.gpu_uuid``, which the daemon's handle header carries too), the owner's
+    index only where there is no UUID or torch cannot say one."""
+    from types import SimpleNamespace
+
+    from kvd import arena_cuda
+
+    uuids = ["GPU-a", "GPU-b"]
+
+    def props(i):
+        if uuids is None:
+            raise AttributeError("this torch reports no uuid")
+        return SimpleNamespace(uuid=uuids[i], name="stub")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    assert [arena_cuda.gpu_uuid(i) for i in range(2)] == uuids
+    assert arena_cuda.device_for("GPU-b", 0) == 1  # the owner's cuda:0 is this process's cuda:1
+    with pytest.raises(FailedPrecondition, match=r"GPU GPU-c \(cuda:1 of its owner\), which this process does not see"):
+        arena_cuda.device_for("GPU-c", 1)
+    assert arena_cuda.device_for("", 1) == 1
+    with pytest.raises(FailedPrecondition, match=r"cuda:2 of its owner; this process has 2 CUDA device\(s\)"):
+        arena_cuda.device_for("", 2)
+    uuids = None  # torch cannot say: the owner's index is trusted
+    assert arena_cuda.gpu_uuid(0) == "" and arena_cuda.device_for("GPU-b", 1) == 1
+
+
 # ---- liveness by watch; the copy strategy ----------------------------------------------------
 
 

@@ -26,10 +26,9 @@ from kvd.server.peer_calls import PeerCalls
 from kvd.server import peer_conns
 from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
-from kvd.status import code_from_int, from_status
 from kvd.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import TICKET_VERSION, ref_to_pb, vectors_to_pb
+from kvd.wire import TICKET_VERSION, ref_to_pb, status_from_pb, vectors_to_pb
 
 TOKEN = "tok"
 CHECK, COMMIT = METHOD_IDS["CheckTicket"], METHOD_IDS["Commit"]
@@ -89,8 +88,7 @@ def _reply(s: socket.socket) -> tuple[int, bytes]:
 
 
 def _refusal(body: bytes) -> E.KvdError:
-    st = pb.PeerStatus.FromString(body)
-    return from_status(code_from_int(st.code), st.message, dict(st.metadata))
+    return status_from_pb(pb.PeerStatus.FromString(body))
 
 
 def _closed(s: socket.socket) -> bool:

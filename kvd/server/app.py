@@ -1,18 +1,21 @@
 """Assemble and run a daemon: node + gRPC server + peer socket + health + reflection + metrics + sweeper.
 
-``Daemon.start(settings)`` builds everything and binds (port 0 picks a port: tests use that);
+``Daemon.start(settings)`` builds everything and binds (port 0 picks a port: tests use that), and a
+failure at any step undoes every step before it, in reverse order;
 ``serve(settings)`` runs until SIGTERM/SIGINT, then stops accepting, reports NOT_SERVING, drains
 in-flight calls for ``grace_s`` and releases the arena.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -138,6 +141,45 @@ def _make_arena(settings: Settings) -> Arena:
     return ShmArena(settings.reserved, backed, directory=settings.arena_dir)
 
 
+def _undo(stack: contextlib.ExitStack, what: str, fn: Callable[..., object], *args: object) -> None:
+    """Push the undo of a start-up step. An undo that fails is logged and the others still run:
+    the error that stopped the start-up is the one raised."""
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 -- undoing the rest matters more
+            log.exception("start-up failed; undoing %s failed too", what)
+
+    stack.callback(run)
+
+
+def _bind(server: grpc.Server, address: str, setting: str) -> int:
+    """Bind ``address`` on ``server`` (its port: the one picked for port 0); Unavailable naming
+    the setting when it cannot be bound (gRPC raises RuntimeError, or returns port 0 in older
+    releases)."""
+    cause: RuntimeError | None = None
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        port, cause = 0, exc
+    if port == 0:
+        raise Unavailable(f"could not bind {setting}={address}: address in use or not permitted; set {setting} to a free address") from cause
+    return port
+
+
+def _serve_metrics(metrics: Metrics, settings: Settings) -> None:
+    """Start the /metrics endpoint; Unavailable naming the port and the setting to change when
+    it cannot bind."""
+    try:
+        metrics.serve(settings.metrics_host, settings.metrics_port)
+    except OSError as exc:
+        raise Unavailable(
+            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc.strerror or exc}; "
+            "set metrics_port to a free port (0 picks one) or stop the process that holds it"
+        ) from exc
+
+
 @dataclass
 class Daemon:
     settings: Settings
@@ -156,18 +198,35 @@ class Daemon:
 
     @classmethod
     def start(cls, settings: Settings) -> Daemon:
+        """Build and start everything; the daemon serves once this returns.
+
+        Transactional: every step that started something (arena, handle socket, gRPC listeners,
+        backend, peer link, peer socket, metrics endpoint, threads) registers its undo as it
+        succeeds, and a failure at any later step undoes them all in reverse order, then raises
+        the failure: a start that fails leaves no socket file, listener, thread or arena behind,
+        and the same settings can start again at once."""
         # Computed once: without a Unix listener the name is fresh each time it is derived.
         handle_path = handle_socket_path(settings) if settings.arena == "cuda" else None
         peer_path = peer_socket_path(settings)
         layout = validate(settings, handle_path, peer_path)
+        with contextlib.ExitStack() as undo:
+            d = cls._start(settings, layout, handle_path, peer_path, undo)
+            undo.pop_all()  # it serves: from here on Daemon.stop undoes it
+        arena = d.node.pool.arena
+        log.info("kvd serving %s on %s (pool %s)", layout.name, ", ".join(d.addresses), f"{arena.reserved:,d} B reserved")
+        return d
+
+    @classmethod
+    def _start(
+        cls, settings: Settings, layout: Layout, handle_path: str | None, peer_path: str | None, undo: contextlib.ExitStack
+    ) -> Daemon:
+        """The steps of :meth:`start`, each followed by its undo pushed on ``undo``."""
         if settings.torch_threads:
+            _undo(undo, "the torch thread count", torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(settings.torch_threads)
         arena = _make_arena(settings)
-        try:
-            pool = Pool(layout, arena, post_capture=settings.post_capture)
-        except BaseException:
-            arena.close()
-            raise
+        _undo(undo, "the arena", arena.close)
+        pool = Pool(layout, arena, post_capture=settings.post_capture)
         node = Node(
             pool,
             session_ttl=settings.session_ttl_s,
@@ -176,85 +235,71 @@ class Daemon:
             fence_s=settings.fence_s,
         )
         metrics = Metrics(node)
+        handle_server: HandleServer | None = None
+        peer_server: PeerSocketServer | None = None
+        if arena.handle().kind == "cuda-vmm":
+            exporter = ArenaHandles(node, settings.peer_token)
+            node.on_backing_change.append(exporter.backing_changed)
+            handle_server = HandleServer(
+                handle_path, exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS
+            ).start()
+            _undo(undo, "the handle socket", handle_server.stop)
+            # After the generation moved: watchers (peers' backends) ask again before the next write.
+            node.on_backing_change.append(handle_server.notify)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-rpc"),
             interceptors=[metrics.interceptor()],
             options=[("grpc.max_receive_message_length", MAX_FRAME), ("grpc.max_send_message_length", MAX_FRAME)],
         )
         addresses: list[str] = []
-        handle_server: HandleServer | None = None
-        peer_server: PeerSocketServer | None = None
+        serving = False
 
-        def undo() -> None:  # a start-up failure leaves nothing behind: no socket, no arena
-            if peer_server is not None:
-                peer_server.stop()
-            if handle_server is not None:
-                handle_server.stop()
-            arena.close()
+        def close_grpc() -> None:
+            # gRPC binds in add_insecure_port but releases its listeners (and unlinks its Unix
+            # socket) only when a started server stops: start one that bound and never started.
+            if addresses and not serving:
+                server.start()
+            server.stop(None).wait()
+            if settings.listen_unix and f"unix:{settings.listen_unix}" in addresses and os.path.exists(settings.listen_unix):
+                os.unlink(settings.listen_unix)
 
-        if arena.handle().kind == "cuda-vmm":
-            try:
-                exporter = ArenaHandles(node, settings.peer_token)
-                node.on_backing_change.append(exporter.backing_changed)
-                handle_server = HandleServer(
-                    handle_path, exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS
-                ).start()
-                # After the generation moved: watchers (peers' backends) ask again before the next write.
-                node.on_backing_change.append(handle_server.notify)
-            except BaseException:
-                arena.close()
-                raise
-        try:
-            if settings.listen_unix:
-                if os.path.exists(settings.listen_unix):
-                    os.unlink(settings.listen_unix)  # a stale socket from a dead daemon
-                server.add_insecure_port(f"unix:{settings.listen_unix}")
-                addresses.append(f"unix:{settings.listen_unix}")
-            if settings.listen_tcp:
-                port = server.add_insecure_port(settings.listen_tcp)
-                if port == 0:
-                    raise Unavailable(f"could not bind {settings.listen_tcp}: address in use or not permitted")
-                host = settings.listen_tcp.rsplit(":", 1)[0]
-                addresses.append(f"{host}:{port}")
-        except BaseException:
-            undo()
-            raise
+        _undo(undo, "the gRPC server", close_grpc)
+        if settings.listen_unix:
+            if os.path.exists(settings.listen_unix):
+                os.unlink(settings.listen_unix)  # a stale socket from a dead daemon
+            _bind(server, f"unix:{settings.listen_unix}", "listen_unix")
+            addresses.append(f"unix:{settings.listen_unix}")
+        if settings.listen_tcp:
+            port = _bind(server, settings.listen_tcp, "listen_tcp")
+            host = settings.listen_tcp.rsplit(":", 1)[0]
+            addresses.append(f"{host}:{port}")
         peer = settings.advertise or (addresses[-1] if settings.listen_tcp else addresses[0])
         caps = ["post-capture", "offload", "compaction-around-pins", "draft-vectors"]
         if handle_server is not None:
             caps.append("cuda-arena")
         backend = outbox = link = None
         if settings.backend != "none":
-            try:
-                backend = make_backend(
-                    settings.backend,
-                    host=settings.transfer_host,
-                    arena_kind=arena.handle().kind,
-                    handle_endpoint=handle_server.path if handle_server else "",
-                    peer_token=settings.peer_token,
-                )
-                backend.register(arena)
-            except BaseException:
-                if backend is not None:
-                    backend.close()
-                undo()
-                raise
+            backend = make_backend(
+                settings.backend,
+                host=settings.transfer_host,
+                arena_kind=arena.handle().kind,
+                handle_endpoint=handle_server.path if handle_server else "",
+                peer_token=settings.peer_token,
+            )
+            _undo(undo, "the backend", backend.close)
+            backend.register(arena)
             # Register the whole arena again whenever its backing changes (post-capture sizing).
             node.on_backing_change.append(lambda: backend.register(arena))
             link = DaemonPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
+            _undo(undo, "the peer link", link.close)
             outbox = Outbox(node, backend, link, address=peer)
             metrics.collector.outbox = outbox
             metrics.collector.link = link
             caps.append("handoff")
         calls = PeerCalls(node, settings.peer_token, outbox)
-        if peer_path:
-            try:  # before any ticket can name it
-                peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s).start()
-            except BaseException:
-                if backend is not None:
-                    backend.close()
-                undo()
-                raise
+        if peer_path:  # before any ticket can name it
+            peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s).start()
+            _undo(undo, "the peer socket", peer_server.stop)
             metrics.collector.peer_socket = peer_server
             caps.append("peer-socket")
         endpoint = Endpoint(
@@ -277,20 +322,22 @@ class Daemon:
         )
         reflection.enable_server_reflection(names, server)
         server.start()
+        serving = True
         for name in ("", *names[:2]):
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         if settings.metrics_port is not None:
-            metrics.serve(settings.metrics_host, settings.metrics_port)
+            _serve_metrics(metrics, settings)
+            _undo(undo, "the metrics endpoint", metrics.close)
         d = cls(
             settings, node, server, hs, addresses, metrics,
             backend=backend, outbox=outbox, link=link, handles=handle_server, peer_socket=peer_server,
         )
+        _undo(undo, "the sweeper and heartbeat threads", d._stop.set)  # both leave at their next wait
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
         d._sweeper.start()
         if outbox is not None:
             # Receivers fail a transfer after peer_timeout_s without news: beat well inside it.
             run_every(settings.peer_timeout_s / 4, d._stop, outbox.heartbeat_once, "kvd-heartbeat")
-        log.info("kvd serving %s on %s (pool %s)", layout.name, ", ".join(addresses), f"{arena.reserved:,d} B reserved")
         return d
 
     @property

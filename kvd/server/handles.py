@@ -20,21 +20,12 @@ from __future__ import annotations
 import hmac
 import os
 
+from kvd.arena_cuda import gpu_uuid
 from kvd.errors import FailedPrecondition, PermissionDenied
 from kvd.fdpass import MAX_FDS, HandleHeader, HandleRequest
 from kvd.node import Node
 
-__all__ = ["ArenaHandles", "gpu_uuid"]
-
-
-def gpu_uuid(index: int) -> str:
-    """The UUID of CUDA device ``index`` as torch reports it ("" when torch cannot say)."""
-    try:
-        import torch
-
-        return str(torch.cuda.get_device_properties(index).uuid)
-    except Exception:
-        return ""
+__all__ = ["ArenaHandles"]
 
 
 class ArenaHandles:

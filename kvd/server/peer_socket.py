@@ -28,9 +28,9 @@ their own::
 
 A request's kind is its method id (:data:`METHODS`: the Peer rpc of that name and its request
 and response types, read from the service descriptor); a reply's kind is its status, 0 (the
-rpc's response) or 1 (a :class:`PeerStatus`: the gRPC code, message and metadata
-:func:`kvd.status.to_status` gives the exception, raised again by the caller through
-:func:`kvd.status.from_status`). The handlers are :class:`~kvd.server.peer_calls.PeerCalls`, the
+rpc's response) or 1 (a :class:`PeerStatus`: the status code, message and metadata
+:func:`kvd.errors.to_status` gives the exception, raised again by the caller through
+:func:`kvd.errors.from_status`: the one table gRPC and the handle socket use too). The handlers are :class:`~kvd.server.peer_calls.PeerCalls`, the
 same ones the gRPC servicer runs.
 
 Identity: the same path names another daemon on another host, in another container, or this

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import threading
 
 import pytest
 from daemon_kit import rid
@@ -329,3 +331,111 @@ def test_a_daemon_serves_its_peer_socket_until_it_stops(tmp_path):
     finally:
         d.stop(0)
     assert not os.path.exists(path)
+
+
+# ---- a start-up that fails late undoes every step before it --------------------------------------
+
+
+@pytest.fixture
+def busy_port():
+    """A loopback port that a listening socket of this test holds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _refused(family: socket.AddressFamily, address) -> bool:
+    with socket.socket(family) as s:
+        try:
+            s.connect(address)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return True
+    return False
+
+
+class _Made:
+    """The arenas and backends Daemon.start made (``arena=cuda``: a memfd arena stands in for the
+    CUDA one, so the daemon serves its handle socket on the CPU too)."""
+
+    def __init__(self, monkeypatch, arena: str) -> None:
+        from memfd_kit import MemfdArena
+
+        from kvd.server import app
+
+        self.arenas: list = []
+        self.backends: list = []
+        make_arena, make_backend = app._make_arena, app.make_backend
+
+        def arena_of(settings):
+            a = MemfdArena(settings.reserved, settings.arena_bytes) if arena == "cuda" else make_arena(settings)
+            self.arenas.append(a)
+            return a
+
+        def backend_of(*args, **kw):
+            self.backends.append(make_backend(*args, **kw))
+            return self.backends[-1]
+
+        monkeypatch.setattr(app, "_make_arena", arena_of)
+        monkeypatch.setattr(app, "make_backend", backend_of)
+        if arena == "cuda":
+            monkeypatch.setattr(app, "_check_cuda", lambda settings, handle_path: None)
+
+    def arena_closed(self, a) -> bool:
+        return a._fd < 0 if hasattr(a, "_fd") else not os.path.exists(a.path)
+
+
+@pytest.mark.parametrize("busy", ["metrics_port", "listen_tcp"])
+@pytest.mark.parametrize("arena", ["shm", "cuda"])
+def test_a_start_that_fails_late_undoes_every_step_and_the_same_paths_start_again(tmp_path, monkeypatch, busy_port, arena, busy):
+    """The metrics port in use fails the last step that can fail (after the arena, the handle
+    socket, the gRPC listeners, the backend, the peer socket and the gRPC server started); the
+    TCP port in use fails early. Either way the error names the port and the setting to change,
+    nothing started stays (no socket file, nothing to connect to, the backend and the arena
+    closed, no server thread), and the same paths start a daemon once the port is free."""
+    from kvd.errors import FailedPrecondition, Unavailable
+
+    made = _Made(monkeypatch, arena)
+    unix = str(tmp_path / "k.sock")
+    paths = [unix, unix + ".peer", *([unix + ".handles"] if arena == "cuda" else [])]
+    tcp = _free_port()
+    opts = dict(listen_unix=unix, listen_tcp=f"127.0.0.1:{tcp}", metrics_port=0, arena=arena, arena_bytes=MiB, backend="local")
+    if busy == "metrics_port":
+        opts["metrics_port"] = busy_port
+        phrase = f"cannot serve metrics on 127.0.0.1:{busy_port}: Address already in use; set metrics_port to a free port"
+    else:
+        opts["listen_tcp"] = f"127.0.0.1:{busy_port}"
+        phrase = f"could not bind listen_tcp=127.0.0.1:{busy_port}: address in use or not permitted; set listen_tcp to a free address"
+    threads = set(threading.enumerate())
+    with pytest.raises(Unavailable, match=re.escape(phrase)):
+        Daemon.start(load_settings(**opts))
+
+    left = [p for p in paths if os.path.exists(p) or not _refused(socket.AF_UNIX, p)]
+    assert left == [], f"still there after the failed start: {left}"
+    if busy == "metrics_port":  # the gRPC TCP listener was bound, then released
+        assert _refused(socket.AF_INET, ("127.0.0.1", tcp))
+        assert len(made.backends) == 1  # started, so closed again
+    else:
+        assert made.backends == []  # the TCP port is bound before the backend is made
+    for b in made.backends:
+        with pytest.raises(FailedPrecondition, match="backend is closed"):
+            b.register(made.arenas[0])
+    assert len(made.arenas) == 1 and made.arena_closed(made.arenas[0])
+    servers = {"kvd-peer", "kvd-handle", "kvd-sweeper", "kvd-heartbeat"}
+    assert [t.name for t in set(threading.enumerate()) - threads if t.name in servers] == []
+
+    opts[busy] = 0 if busy == "metrics_port" else "127.0.0.1:0"
+    d = Daemon.start(load_settings(**opts))
+    try:
+        assert all(os.path.exists(p) for p in paths) and d.metrics.port
+        assert [(p, _refused(socket.AF_UNIX, p)) for p in paths] == [(p, False) for p in paths]
+    finally:
+        d.stop(0)
+    assert not any(os.path.exists(p) for p in paths)
+    assert all(made.arena_closed(a) for a in made.arenas)

@@ -1,12 +1,19 @@
-"""The one exception <-> status-code mapping (kvd.status) is complete and round-trips."""
+"""The one exception <-> status-code table (kvd.errors.CODES) is complete and round-trips, over
+gRPC (kvd.status) and over both Unix sockets (the peer socket and the handle socket)."""
 
 from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
 from kvd import errors as E
-from kvd.status import CODES, from_rpc_error, to_status
+from kvd.errors import CODES
+from kvd.status import code_from_int, from_rpc_error, to_status
 
 ALL = [getattr(E, name) for name in E.__all__]
 
@@ -36,7 +43,7 @@ def make(cls: type[E.KvdError]) -> E.KvdError:
 
 
 def test_every_public_exception_is_mapped():
-    assert set(ALL) == set(CODES), "kvd.errors.__all__ and kvd.status.CODES disagree"
+    assert set(ALL) == set(CODES), "kvd.errors.__all__ and kvd.errors.CODES disagree"
     assert all(issubclass(c, E.KvdError) for c in ALL)
     # Subclasses come before their bases, so the most specific class wins.
     order = list(CODES)
@@ -48,11 +55,11 @@ def test_every_public_exception_is_mapped():
 def test_round_trip(cls):
     exc = make(cls)
     code, msg, md = to_status(exc)
-    assert code == CODES[cls] and msg == str(exc)
+    assert code == code_from_int(CODES[cls]) and code.name == CODES[cls].name and msg == str(exc)
     assert dict(md)["kvd-error"] == cls.__name__
     back = from_rpc_error(FakeRpcError(code, msg, md))
     assert type(back) is cls
-    assert msg in str(back)
+    assert str(back) == msg
     if cls is E.CapacityError:
         assert back.shortfall_bytes == 4096
     if cls is E.Pinned:
@@ -97,8 +104,16 @@ def test_unknown_class_name_in_metadata_falls_back_to_the_code():
     assert type(back) is E.NotFound
 
 
+RAISED = [*ALL, ZeroDivisionError]
+
+
+def raised(cls: type[BaseException]) -> BaseException:
+    return ZeroDivisionError("boom") if cls is ZeroDivisionError else make(cls)
+
+
 class _Refusing:
-    """Peer calls whose Commit raises ``exc`` (anything goes at the hello)."""
+    """Handlers that raise ``exc``: the peer socket's Commit, the handle socket's exporter
+    (anything goes at the peer socket's hello)."""
 
     exc: BaseException = E.KvdError("unset")
 
@@ -108,31 +123,53 @@ class _Refusing:
     def commit(self, request):
         raise self.exc
 
+    def export(self, want_fds: bool):
+        raise self.exc
 
-def test_the_peer_socket_raises_what_grpc_raises():
-    """Each class crosses the peer socket (kvd.server.peer_socket) as it crosses gRPC: the same
-    class, message and extras (shortfall, holders), through the same mapping."""
-    import shutil
-    import tempfile
 
+@contextlib.contextmanager
+def _socket(kind: str, handlers: _Refusing) -> Iterator[Callable[[], object]]:
+    """A real server of ``kind`` in this process whose handler raises ``handlers.exc``, and a
+    call to it from a client; after the calls, the server answered each with a refusal."""
+    from kvd.fdpass import HandleServer, fetch
     from kvd.handoff import SocketRoute
     from kvd.server.peer_conns import PeerConnections
     from kvd.server.peer_socket import PeerSocketServer
     from kvd.v1 import kvd_pb2 as pb
 
-    calls = _Refusing()
     where = tempfile.mkdtemp(prefix="kvd-sm-")  # short: tmp_path can outgrow a socket path
-    with PeerSocketServer(f"{where}/p.sock", calls, "boot") as srv:  # type: ignore[arg-type]
-        pc = PeerConnections(token=None, timeout=5.0)
-        for cls in [*ALL, ZeroDivisionError]:
-            calls.exc = make(cls) if cls is not ZeroDivisionError else ZeroDivisionError("boom")
-            over_grpc = from_rpc_error(FakeRpcError(*to_status(calls.exc)))
+    try:
+        if kind == "peer socket":
+            with PeerSocketServer(f"{where}/p.sock", handlers, "boot") as srv:  # type: ignore[arg-type]
+                pc = PeerConnections(token=None, timeout=5.0)
+                yield lambda: pc.call(pc.checkout(SocketRoute(srv.path, "boot")), "Commit", pb.CommitRequest())
+                assert pc.idle == 1, "every refusal left the connection in step"
+                pc.close()
+        else:
+            with HandleServer(f"{where}/h.sock", handlers.export) as srv:
+                yield lambda: fetch(srv.path)
+                assert srv.refused == len(RAISED) and srv.served == 0
+    finally:
+        shutil.rmtree(where)
+
+
+@pytest.mark.parametrize("kind", ["peer socket", "handle socket"])
+def test_each_unix_socket_raises_what_grpc_raises(kind):
+    """Each class a server handler raises crosses the peer socket (kvd.server.peer_socket) and the
+    handle socket (kvd.fdpass) as it crosses gRPC: the same class, the same message, the same
+    extras (shortfall, holders), through the same table (kvd.errors)."""
+    handlers = _Refusing()
+    with _socket(kind, handlers) as call:
+        for cls in RAISED:
+            handlers.exc = raised(cls)
+            over_grpc = from_rpc_error(FakeRpcError(*to_status(handlers.exc)))
             with pytest.raises(E.KvdError) as info:
-                pc.call(pc.checkout(SocketRoute(srv.path, "boot")), "Commit", pb.CommitRequest())
+                call()
             got = info.value
-            assert type(got) is type(over_grpc) and str(got) == str(over_grpc), (cls, got, over_grpc)
-            assert getattr(got, "shortfall_bytes", None) == getattr(over_grpc, "shortfall_bytes", None)
-            assert getattr(got, "holders", None) == getattr(over_grpc, "holders", None)
-        assert pc.idle == 1, "every refusal left the connection in step"
-        pc.close()
-    shutil.rmtree(where)
+            if cls is ZeroDivisionError:  # not raised on purpose: a bug, INTERNAL on every transport
+                assert type(got) is type(over_grpc) is E.InternalError, got
+                assert "a bug in kvd" in str(got) and "ZeroDivisionError: boom" in str(got), got
+                continue
+            assert (type(got), str(got)) == (type(over_grpc), str(over_grpc)) == (cls, str(handlers.exc)), (cls, got, over_grpc)
+            assert getattr(got, "shortfall_bytes", None) == getattr(over_grpc, "shortfall_bytes", None) == getattr(handlers.exc, "shortfall_bytes", None)
+            assert getattr(got, "holders", None) == getattr(over_grpc, "holders", None) == getattr(handlers.exc, "holders", None)

@@ -147,19 +147,16 @@ def cuda_pair(root: Path, devices: tuple[int, int] = (0, 0), backend: str = "loc
     """A prefill and a decode daemon (subprocesses, arena=cuda on ``devices``, ``backend``: local
     or mooncake); a generator for module fixtures: both must exit 0 and leave no handle socket
     behind."""
-    sides = []
-    for role, dev in zip(("prefill", "decode"), devices):
-        opts = {**hk.DAEMON_OPTS, "arena_bytes": "4MiB", "backend": backend, "layout": "tiny-hybrid", "arena": "cuda",
-                "cuda_device": dev, "listen_tcp": f"127.0.0.1:{hk.free_port()}", **extra}
-        sides.append(hk.Side(role, "subproc", root / role, opts))
+    pair = hk.make_pair(
+        root, backend, "subproc", arena="cuda", prefill={"cuda_device": devices[0]}, decode={"cuda_device": devices[1]},
+        **{"arena_bytes": "4MiB", **extra},
+    )
     try:
-        for s in sides:
-            s.start()
-        yield hk.Pair(backend, "subproc", *sides)
+        yield pair
     finally:
-        rcs = {s.role: s.stop() for s in sides}
+        rcs = {s.role: s.stop() for s in pair.sides}
         assert all(rc == 0 for rc in rcs.values()), f"daemons exited with {rcs}"
-        for s in sides:
+        for s in pair.sides:
             assert not os.path.exists(s.workdir / "kvd.sock.handles"), f"{s.role}: handle socket left behind"
 
 

@@ -197,10 +197,28 @@ class Pair:
         return self.prefill, self.decode
 
 
-def make_pair(root: Path, backend: str, mode: str) -> Pair:
+def make_pair(
+    root: Path,
+    backend: str = "local",
+    mode: str = "inproc",
+    *,
+    arena: str = "shm",
+    prefill: dict[str, Any] | None = None,
+    decode: dict[str, Any] | None = None,
+    **overrides: Any,
+) -> Pair:
+    """A prefill and a decode daemon, both started (``mode``: "subproc" or "inproc"; workdirs
+    ``root/prefill`` and ``root/decode``). Each runs :data:`DAEMON_OPTS` with ``backend``,
+    ``arena`` ("shm", or "cuda" on a GPU host), layout tiny-hybrid and a TCP port of its own (kept
+    across restarts), then ``overrides`` (settings of both) and ``prefill`` / ``decode`` (settings
+    of that side alone: a peer token, a cuda_device, peer_socket ''). If one cannot start, the
+    other is stopped before the error propagates."""
     sides = []
-    for role in ("prefill", "decode"):
-        opts = {**DAEMON_OPTS, "backend": backend, "layout": "tiny-hybrid", "listen_tcp": f"127.0.0.1:{free_port()}"}
+    for role, own in (("prefill", prefill), ("decode", decode)):
+        opts = {
+            **DAEMON_OPTS, "backend": backend, "arena": arena, "layout": "tiny-hybrid",
+            "listen_tcp": f"127.0.0.1:{free_port()}", **overrides, **(own or {}),
+        }
         sides.append(Side(role, mode, root / role, opts))
     pair = Pair(backend, mode, *sides)
     try:

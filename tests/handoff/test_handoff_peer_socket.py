@@ -165,12 +165,9 @@ def test_a_socket_of_another_daemon_or_none_leaves_the_send_on_grpc(hp, where):
 
 
 def _pair(root: Path, prefill: dict, decode: dict) -> tuple[hk.Side, hk.Side, hk.Engine, hk.Engine]:
-    sides = []
-    for role, extra in (("prefill", prefill), ("decode", decode)):
-        side = hk.Side(role, "inproc", root / role[0], {**hk.DAEMON_OPTS, "backend": "local", **extra})
-        side.start()
-        sides.append(side)
-    return sides[0], sides[1], hk.Engine(sides[0], "prefill-engine"), hk.Engine(sides[1], "decode-engine")
+    """Two in-process daemons set apart by ``prefill`` / ``decode``, and an engine session on each."""
+    pair = hk.make_pair(root, "local", "inproc", prefill=prefill, decode=decode)
+    return pair.prefill, pair.decode, hk.Engine(pair.prefill, "prefill-engine"), hk.Engine(pair.decode, "decode-engine")
 
 
 def _request(p: hk.Engine, d: hk.Engine, rid: str, tokens: int = 40):
