@@ -13,7 +13,7 @@ import pytest
 import pool_testkit as pk
 from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
-from kvd.errors import Aborted, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied
+from kvd.errors import Aborted, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
 from kvd.handoff import TicketInfo, TransferRef, TransferState
 from kvd.outbox import Outbox
 from kvd.leases import LeaseKind
@@ -134,26 +134,23 @@ def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_liste
 # ---- BeginSend: the receiver's check ahead of the first Send ----------------------------------
 
 
-def _local_outbox(p: Node, link: DirectLink) -> tuple[Outbox, LocalBackend]:
-    backend = LocalBackend()
-    backend.register(p.pool.arena)
-    return Outbox(p, backend, link, address="prefill"), backend
-
-
 def test_begin_checks_the_ticket_once_and_every_send_then_skips_the_check(pair):
     p, ps, d, _, rid, ticket = pair
     ticket = dataclasses.replace(ticket, transfer_endpoint=d.pool.arena.path)
-    link = AcceptingLink(d, ticket.ref)
-    ob, backend = _local_outbox(p, link)
-    assert ob.begin(ps, rid, ticket, b"raw") is True
+    link = CheckingLink(d)
+    raw = link.register(ticket)
+    backend = LocalBackend()
+    backend.register(p.pool.arena)
+    ob = Outbox(p, backend, link, address="prefill")
+    assert ob.begin(ps, rid, ticket, raw) is True
     assert d.inbox.status(rid).state is TransferState.RECEIVING  # accepted: the transfer began there
-    assert ob.begin(ps, rid, ticket, b"raw") is False  # open already: nothing asked
+    assert ob.begin(ps, rid, ticket, raw) is False  # open already: nothing asked
     assert len(p.leases) == 0  # begin pins nothing on the sender
     ob.heartbeat_once()  # an open transfer is kept alive like one between chunks
-    first = ob.send(ps, rid, ticket, b"raw", 0, TOKENS // 2, last=False)
-    last = ob.send(ps, rid, ticket, b"raw", TOKENS // 2, None, last=True)
+    first = ob.send(ps, rid, ticket, raw, 0, TOKENS // 2, last=False)
+    last = ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
     assert "check" not in first.phases and "check" not in last.phases
-    assert [c for c, _ in link.calls] == ["check_ticket", "heartbeat", "commit", "commit"]
+    assert link.events == [("check", rid), ("heartbeat", rid), ("commit", rid), ("commit", rid)]
     assert d.inbox.status(rid).state is TransferState.READY
     assert ob.open_count() == 0 and len(p.leases) == 0
     backend.close()
@@ -161,30 +158,33 @@ def test_begin_checks_the_ticket_once_and_every_send_then_skips_the_check(pair):
 
 def test_a_begin_the_receiver_refuses_leaves_both_sides_as_they_were(pair):
     p, ps, d, _, rid, ticket = pair
-    link = DirectLink(d)  # its receiver refuses every ticket
+    link = CheckingLink(d)
+    raw = link.register(dataclasses.replace(ticket, epoch=ticket.epoch + 1))  # an epoch the receiver never issued
     ob = Outbox(p, LocalBackend(), link, address="prefill")
-    with pytest.raises(LayoutMismatch, match="refused by the receiver"):
-        ob.begin(ps, rid, ticket, b"raw")
+    stale = link.tickets[raw]
+    with pytest.raises(StaleEpoch):
+        ob.begin(ps, rid, stale, raw)
     assert d.inbox.status(rid).state is TransferState.WAITING
     assert ob.open_count() == 0 and len(p.leases) == 0
-    with pytest.raises(LayoutMismatch):  # the next Send asks again: nothing was remembered
-        ob.send(ps, rid, ticket, b"raw", 0, None, last=True)
-    assert [c for c, _ in link.calls] == ["check_ticket", "check_ticket"]
+    with pytest.raises(StaleEpoch):  # the next Send asks again: nothing was remembered
+        ob.send(ps, rid, stale, raw, 0, None, last=True)
+    assert link.events == [("check", rid), ("check", rid)]
 
 
 def test_begin_refuses_a_request_the_session_does_not_hold_before_the_receiver_hears(pair):
     p, ps, d, _, rid, ticket = pair
-    link = AcceptingLink(d, ticket.ref)
+    link = CheckingLink(d)
+    raw = link.register(ticket)
     ob = Outbox(p, LocalBackend(), link, address="prefill")
     other = p.open_session("another engine").session_id
     with pytest.raises(PermissionDenied, match="another client session"):
-        ob.begin(other, rid, ticket, b"raw")
+        ob.begin(other, rid, ticket, raw)
     p.free(ps, [rid])
     with pytest.raises(NotFound, match="not allocated on this node"):
-        ob.begin(ps, rid, ticket, b"raw")
+        ob.begin(ps, rid, ticket, raw)
     with pytest.raises(InvalidArgument, match="not 'req-2'"):
-        ob.begin(ps, "req-2", ticket, b"raw")
-    assert link.calls == [] and d.inbox.status(rid).state is TransferState.WAITING
+        ob.begin(ps, "req-2", ticket, raw)
+    assert link.events == [] and d.inbox.status(rid).state is TransferState.WAITING
     assert ob.open_count() == 0
 
 
@@ -192,15 +192,16 @@ def test_a_send_failing_after_begin_tells_the_receiver_though_it_checked_nothing
     """The receiver accepted the ticket at begin; the Send then fails in planning (the prefill
     request is shorter than the receiver's) before any byte: the receiver learns at once."""
     p, ps, d, ds, rid, ticket = pair
-    link = AcceptingLink(d, ticket.ref)
+    link = CheckingLink(d)
+    raw = link.register(ticket)
     ob = Outbox(p, LocalBackend(), link, address="prefill")
     p.free(ps, [rid])
     p.allocate(ps, [AllocSpec(rid, TOKENS - 5)])
-    ob.begin(ps, rid, ticket, b"raw")
+    ob.begin(ps, rid, ticket, raw)
     with pytest.raises(InvalidArgument, match="allocate the same length"):
-        ob.send(ps, rid, ticket, b"raw", 0, None, last=True)
-    assert [c for c, _ in link.calls] == ["check_ticket", "abort_receive"]
-    assert link.calls[1][1][2] is True  # drained: nothing was written
+        ob.send(ps, rid, ticket, raw, 0, None, last=True)
+    assert link.events == [("check", rid), ("abort", rid)]
+    assert link.aborts[0][2] is True  # drained: nothing was written
     assert d.inbox.status(rid).state is TransferState.FAILED
     assert ob.open_count() == 0 and len(p.leases) == 0
     d.free(ds, [rid])
@@ -208,12 +209,13 @@ def test_a_send_failing_after_begin_tells_the_receiver_though_it_checked_nothing
 
 def test_an_engine_abort_after_begin_reaches_the_receiver(pair):
     p, ps, d, _, rid, ticket = pair
-    link = AcceptingLink(d, ticket.ref)
+    link = CheckingLink(d)
+    raw = link.register(ticket)
     ob = Outbox(p, LocalBackend(), link, address="prefill")
-    ob.begin(ps, rid, ticket, b"raw")
+    ob.begin(ps, rid, ticket, raw)
     assert ob.abort_local(ps, rid, "the client went away") is True
     st = d.inbox.status(rid)
     assert st.state is TransferState.FAILED and "the client went away" in st.reason
     assert ob.open_count() == 0
-    with pytest.raises(Aborted, match="the client went away"):
-        ob.begin(ps, rid, ticket, b"raw")
+    with pytest.raises(NotFound, match="is not live"):  # the abort ended the receiver's lease too
+        ob.begin(ps, rid, ticket, raw)
