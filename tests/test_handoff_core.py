@@ -46,6 +46,16 @@ def pair():
     d.check()
 
 
+def _writing_outbox(p: Node, d: Node, ticket: TicketInfo) -> tuple[Outbox, CheckingLink, TicketInfo, bytes]:
+    """An Outbox of ``p`` whose shm backend really writes into ``d``'s arena, its link, and the
+    ticket (pointed at that arena) with the raw bytes that stand for it."""
+    ticket = dataclasses.replace(ticket, transfer_endpoint=d.pool.arena.path)
+    link = CheckingLink(d)
+    backend = LocalBackend()
+    backend.register(p.pool.arena)
+    return Outbox(p, backend, link, address="prefill"), link, ticket, link.register(ticket)
+
+
 def test_heartbeat_inside_a_refused_send_leaves_the_receiver_waiting(pair):
     p, ps, d, _, rid, ticket = pair
     link = CheckingLink(d)
@@ -111,12 +121,7 @@ def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_liste
     hears why instead of starting over with a ticket whose lease is gone; the receiver's own
     reason replaces the heartbeat's once it arrives."""
     p, ps, d, _, rid, ticket = pair
-    ticket = dataclasses.replace(ticket, transfer_endpoint=d.pool.arena.path)
-    link = CheckingLink(d)
-    raw = link.register(ticket)
-    backend = LocalBackend()
-    backend.register(p.pool.arena)
-    ob = Outbox(p, backend, link, address="prefill")
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
     ob.send(ps, rid, ticket, raw, 0, TOKENS // 2, last=False)
     d.inbox.abort_local(rid, "engine preempted it")
     ob.heartbeat_once()
@@ -128,7 +133,7 @@ def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_liste
         ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
     assert link.events == [("check", rid), ("commit", rid), ("heartbeat", rid)]
     assert len(p.leases) == 0
-    backend.close()
+    ob.backend.close()
 
 
 # ---- BeginSend: the receiver's check ahead of the first Send ----------------------------------
@@ -136,12 +141,7 @@ def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_liste
 
 def test_begin_checks_the_ticket_once_and_every_send_then_skips_the_check(pair):
     p, ps, d, _, rid, ticket = pair
-    ticket = dataclasses.replace(ticket, transfer_endpoint=d.pool.arena.path)
-    link = CheckingLink(d)
-    raw = link.register(ticket)
-    backend = LocalBackend()
-    backend.register(p.pool.arena)
-    ob = Outbox(p, backend, link, address="prefill")
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
     assert ob.begin(ps, rid, ticket, raw) is True
     assert d.inbox.status(rid).state is TransferState.RECEIVING  # accepted: the transfer began there
     assert ob.begin(ps, rid, ticket, raw) is False  # open already: nothing asked
@@ -153,7 +153,7 @@ def test_begin_checks_the_ticket_once_and_every_send_then_skips_the_check(pair):
     assert link.events == [("check", rid), ("heartbeat", rid), ("commit", rid), ("commit", rid)]
     assert d.inbox.status(rid).state is TransferState.READY
     assert ob.open_count() == 0 and len(p.leases) == 0
-    backend.close()
+    ob.backend.close()
 
 
 def test_a_begin_the_receiver_refuses_leaves_both_sides_as_they_were(pair):
