@@ -63,7 +63,7 @@ class Bench:
         # One workload at a time lives on the prefill daemon (every page of every request).
         need = max(sum(self.held(t) for t in token_counts(kind, args)) for kind in ("small", "mixed"))
         self.arena = -(-int(need * 1.25 + self.layout.max_page_bytes + 64 * MIB) // (64 * MIB)) * (64 * MIB)
-        opts = ("--backend", "local", "--layout", args.layout, "--arena-bytes", str(self.arena), "--lease-ttl-s", "120",
+        opts = ("--backend", args.backend, "--layout", args.layout, "--arena-bytes", str(self.arena), "--lease-ttl-s", "120",
                 "--session-ttl-s", "60", "--peer-timeout-s", "30")
         self.P, self.D = BenchDaemon.spawn(*opts), BenchDaemon.spawn(*opts)
         self.P.wait_ready()
@@ -167,6 +167,8 @@ def main() -> int:
     ap.add_argument("--hi", type=int, default=4096, help="mixed workload: most tokens (default 4096)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--layout", default="gpt-oss-20b", help="the daemons' layout preset (default gpt-oss-20b)")
+    ap.add_argument("--backend", default="local", choices=("local", "mooncake"),
+                    help="the daemons' backend (default local: shm copies; mooncake: Transfer Engine over TCP on loopback)")
     ap.add_argument("--passes", type=int, help="timed passes per way and workload (default 11; --quick 3)")
     args = ap.parse_args()
     args.passes = args.passes or (3 if args.quick else 11)
@@ -174,7 +176,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     cpu0, own0 = cpu_snap(), own_cpu()
-    print(f"SendMany vs Send, CPU, two shm daemons (local backend, {args.layout}) -- {cpu_model()}")
+    print(f"SendMany vs Send, CPU, two shm daemons ({args.backend} backend, {args.layout}) -- {cpu_model()}")
     b = Bench(args)
     bad = False
     try:

@@ -3,7 +3,9 @@
 Each backend owns one ``TransferEngine`` initialised with ``P2PHANDSHAKE``; the endpoint is
 ``"<host>:<rpc port>"`` and goes into tickets as ``transfer_endpoint``. A write is
 ``batch_transfer_sync_write`` in batches of at most ``max_batch`` blocks, blocks longer than
-``max_block`` split into pieces.
+``max_block`` split into pieces: a write submits its batches at once
+(``batch_transfer_async_write``) and its waiter waits for them (``get_batch_transfer_status``),
+so the engine moves one request's bytes while the daemon prepares the next (SendMany).
 
 Things to know about the engine (0.3.13, measured on loopback):
 
@@ -66,7 +68,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.arena import Arena
-from kvd.backends.base import INSTALL_HINT, Backend, PeerRegion
+from kvd.backends.base import INSTALL_HINT, Backend, Landed, PeerRegion
 from kvd.errors import Aborted, InvalidArgument, KvdError, Unavailable
 
 __all__ = ["MooncakeBackend", "BuildInfo", "build_info", "check_installed", "CUDA_INSTALL_HINT"]
@@ -176,7 +178,7 @@ class MooncakeBackend(Backend):
         host: address peers use to reach this node (advertised, not bound; see module docstring).
         protocol: "tcp" or "rdma".
         device_names: RDMA devices, comma-separated (e.g. "mlx5_0,mlx5_1"); "" for tcp.
-        max_batch: blocks per ``batch_transfer_sync_write`` call (<= the engine's queue limit).
+        max_batch: blocks per submitted batch (<= the engine's queue limit).
         max_block: bytes per transfer item; longer blocks are split.
 
     Raises Unavailable when the package is missing or the engine does not start, and what
@@ -245,26 +247,48 @@ class MooncakeBackend(Backend):
         # Dropping the engine stops its threads and closes its ports (~0.4 s).
         self._engine = None
 
-    def _write(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
+    def _issue(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> Landed:
+        """Submit every batch now (``batch_transfer_async_write``); the waiter waits for all of
+        them (``get_batch_transfer_status``). The engine's threads move the bytes in between, so
+        a SendMany prepares and commits neighbouring requests while this one moves."""
         s, d, n = _split(srcs, dsts, lens, self.max_block)
-        written = 0
+        total = sum(n)
+        ids: list[int] = []
         for i in range(0, len(s), self.max_batch):
             j = i + self.max_batch
-            rc = self._engine.batch_transfer_sync_write(peer.endpoint, s[i:j], d[i:j], n[i:j])
+            bid = self._engine.batch_transfer_async_write(peer.endpoint, s[i:j], d[i:j], n[i:j])
+            if bid in _NO_BATCH:
+                # Refused at submission (the peer's segment did not open, or the queue refused it):
+                # nothing of this batch moves; the ones before it must land or fail first.
+                before = bool(ids) and self._engine.get_batch_transfer_status(ids) != 0
+                raise self._failure(peer, -1, 0 if not ids else -1 if before else sum(n[:i]), total)
+            ids.append(bid)
+
+        def landed() -> None:
+            rc = self._engine.get_batch_transfer_status(ids)
             if rc != 0:
-                raise self._failure(peer, rc, written, sum(n))
-            nbytes = sum(n[i:j])
-            written += nbytes
-            self._account(nbytes)
+                # One failed batch: which others landed is not reported. With one batch, nothing
+                # confirmed landed (as a synchronous write's first batch).
+                raise self._failure(peer, rc, 0 if len(ids) == 1 else -1, total)
+            self._account(total, len(ids))
+
+        return landed
 
     def _failure(self, peer: PeerRegion, rc: int, written: int, total: int) -> Exception:
-        """Unavailable when nothing moved and the peer does not answer a probe, else Aborted."""
+        """Unavailable when nothing was confirmed written (``written`` 0) and the peer does not
+        answer a probe, else Aborted (``written`` -1: how much landed is unknown)."""
         if written == 0 and self._engine.send_probe(peer.endpoint) != 0:
             return Unavailable(f"mooncake peer {peer.endpoint} ({peer.region_id!r}) cannot be reached; nothing was written")
+        landed = "an unknown part" if written < 0 else f"{written:,d}"
         return Aborted(
-            f"mooncake write to {peer.endpoint} ({peer.region_id!r}) failed (rc={rc}) after {written:,d} of "
+            f"mooncake write to {peer.endpoint} ({peer.region_id!r}) failed (rc={rc}) after {landed} of "
             f"{total:,d} bytes; the engine's log on stderr says why"
         )
+
+
+#: What ``batch_transfer_async_write`` returns for a batch it did not submit: 0, or -1 as the
+#: engine's unsigned batch id type (the peer's segment did not open).
+_NO_BATCH = (0, (1 << 64) - 1, -1)
 
 
 def _split(srcs: list[int], dsts: list[int], lens: list[int], max_block: int) -> tuple[list[int], list[int], list[int]]:
