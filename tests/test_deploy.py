@@ -243,6 +243,7 @@ def test_compose_daemons_load_and_do_not_collide(tmp_path):
         assert K.not_settings(set(env)) == set(), f"{name} sets KVD_* variables kvd does not read"
         s = K.settings_from(image_config, tmp_path, {k: v for k, v in env.items() if k.startswith("KVD_")})
         assert s.backend == "mooncake" and s.arena == "shm"
+        assert s.peer_socket == "", f"{name}: the containers share no socket directory (peer socket off)"
         assert s.listen_tcp.startswith("127.0.0.1:") and s.metrics_host == "127.0.0.1", f"{name}: host network, loopback only"
         ports = [K.tcp_port(s.listen_tcp), s.metrics_port, *range(int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"]) + 1)]
         for port in ports:

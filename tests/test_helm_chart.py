@@ -66,6 +66,7 @@ def test_default_settings_load_for_each_role(tmp_path, role):
     load_layout(s.layout)  # the preset exists
     assert s.listen_tcp == "0.0.0.0:50051" and s.metrics_host == "0.0.0.0" and s.metrics_port
     assert s.backend == "mooncake", "between pods only mooncake moves KV"
+    assert s.peer_socket == "", "pods share no socket directory: peers call over gRPC"
     assert quantity(values["shm"]["sizeLimit"]) > s.reserved, "the tmpfs must hold the arena file"
     assert values["kvd"]["securityContext"]["runAsUser"] == 10001, "the image's user: the arena file is 0600"
 
