@@ -1,0 +1,123 @@
+"""Helpers of the deployment tests (``test_deploy.py``, ``test_helm_chart.py``): where the files
+are, kvd settings as kvd itself loads them, ``KVD_*`` names, PromQL names and matchers.
+
+Not a test module; the tests import it as ``deploy_kit`` (pytest puts ``tests/`` on the path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import typing
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvd.config import Settings, load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKERFILE = REPO / "Dockerfile"
+IMAGE_CONFIG = REPO / "deploy" / "docker" / "kvd.yaml"
+COMPOSE = REPO / "deploy" / "compose.yaml"
+PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
+RULES = REPO / "deploy" / "prometheus" / "kvd-rules.yaml"
+RULES_TESTS = REPO / "deploy" / "prometheus" / "kvd-rules.test.yaml"
+DASHBOARD = REPO / "deploy" / "grafana" / "kvd-dashboard.json"
+CHART = REPO / "helm" / "kvd"
+
+#: The one KVD_* variable that is not a Settings field: the loader's config file (kvd.config.load_settings).
+CONFIG_FILE_VAR = "KVD_CONFIG_FILE"
+_KVD_VAR = re.compile(r"\bKVD_[A-Z0-9_]+\b")
+
+
+def read_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def kvd_vars(text: str) -> set[str]:
+    """Every ``KVD_*`` name written in ``text``."""
+    return set(_KVD_VAR.findall(text))
+
+
+def not_settings(names: set[str]) -> set[str]:
+    """The ``KVD_*`` names among ``names`` that kvd would not read (pydantic-settings ignores them
+    silently); other names are not kvd's business."""
+    fields = {f"KVD_{f.upper()}" for f in Settings.model_fields}
+    return {n for n in names if n.startswith("KVD_") and n not in fields and n != CONFIG_FILE_VAR}
+
+
+def settings_from(config: Mapping[str, Any] | None, tmp: Path, env: Mapping[str, str] | None = None) -> Settings:
+    """Settings as ``kvd serve --config <file>`` builds them from ``config`` (written as YAML, the
+    way the chart's ConfigMap and the image's file reach kvd) and ``env`` (``KVD_*`` variables).
+    Other ``KVD_*`` variables of this process are hidden meanwhile."""
+    path = None
+    if config is not None:
+        path = tmp / f"kvd-{len(list(tmp.iterdir()))}.yaml"
+        path.write_text(yaml.safe_dump(dict(config)))
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("KVD_")}
+    try:
+        os.environ.update(env or {})
+        return load_settings(str(path) if path else None)
+    finally:
+        for k in list(os.environ):
+            if k.startswith("KVD_"):
+                del os.environ[k]
+        os.environ.update(saved)
+
+
+def literal_choices(field: str) -> set[Any]:
+    """The values a ``Literal`` field of Settings accepts."""
+    return set(typing.get_args(Settings.model_fields[field].annotation))
+
+
+def tcp_port(listen_tcp: str) -> int:
+    return int(listen_tcp.rsplit(":", 1)[1])
+
+
+# ---- PromQL ---------------------------------------------------------------------------------
+
+#: Labels Prometheus adds at scrape time (targets, relabelling), not kvd.
+TARGET_LABELS = {"job", "instance", "role", "pod", "namespace"}
+_SELECTOR = re.compile(r"\b(kvd_[a-z0-9_]+)\b(\s*\{[^}]*\})?")
+_MATCHER = re.compile(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
+_RECORDED = re.compile(r"\bkvd:[a-z0-9_:]+")
+
+
+def rule_exprs() -> Iterator[tuple[str, str]]:
+    """``(rule name, expr)`` of every rule in kvd-rules.yaml."""
+    for group in read_yaml(RULES)["groups"]:
+        for rule in group["rules"]:
+            yield rule.get("record") or rule["alert"], rule["expr"]
+
+
+def dashboard_exprs() -> Iterator[tuple[str, str]]:
+    """``(panel title, expr)`` of every query of the dashboard, template variables included."""
+    dash = read_json(DASHBOARD)
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            yield f"${var['name']}", var["definition"]
+    for panel in dash["panels"]:
+        for target in panel.get("targets", ()):
+            yield panel["title"], target["expr"]
+
+
+def selectors(expr: str) -> Iterator[tuple[str, list[tuple[str, str, str]]]]:
+    """``(metric name, [(label, op, value), ...])`` of each kvd_* selector in ``expr``."""
+    for m in _SELECTOR.finditer(expr):
+        yield m.group(1), _MATCHER.findall(m.group(2) or "")
+
+
+def grouping_labels(expr: str) -> set[str]:
+    return {label.strip() for m in _GROUPING.finditer(expr) for label in m.group(1).split(",") if label.strip()}
+
+
+def recorded_names(expr: str) -> set[str]:
+    return set(_RECORDED.findall(expr))
