@@ -10,6 +10,7 @@ Byte sizes accept ints or strings with binary units: ``"4GiB"``, ``"512MiB"``, `
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -154,6 +155,31 @@ class Settings(BaseSettings):
 _CONFIG_FILE: dict[str, Path] = {}
 
 
+#: ``KVD_*`` variables that are not settings but are read here.
+_ENV_EXTRA = frozenset({"KVD_CONFIG_FILE"})
+
+
+def _refuse_unknown_env(environ: Mapping[str, str]) -> None:
+    """InvalidArgument naming every ``KVD_*`` variable that is no setting (pydantic-settings
+    ignores them: a typo such as ``KVD_LISTEN_TPC`` would leave the default in force unseen)."""
+    import difflib
+
+    from kvd.errors import InvalidArgument
+
+    known = {f"KVD_{name.upper()}" for name in Settings.model_fields} | _ENV_EXTRA
+    unknown = sorted(k for k in environ if k.upper().startswith("KVD_") and k.upper() not in known)
+    if not unknown:
+        return
+    hints = []
+    for k in unknown:
+        close = difflib.get_close_matches(k.upper(), sorted(known), n=1)
+        hints.append(f"{k} (did you mean {close[0]}?)" if close else k)
+    raise InvalidArgument(
+        f"unknown setting(s) in the environment: {', '.join(hints)}; every KVD_* variable must name a setting "
+        "(`kvd serve --help` lists them) -- rename or unset it"
+    )
+
+
 def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
     """Settings from ``config_file`` (YAML or TOML), ``KVD_*`` env and ``overrides`` (highest).
     ``KVD_CONFIG_FILE`` names a file when ``config_file`` is None."""
@@ -161,6 +187,7 @@ def load_settings(config_file: str | None = None, **overrides: Any) -> Settings:
 
     from kvd.errors import InvalidArgument
 
+    _refuse_unknown_env(os.environ)
     config_file = config_file or os.environ.get("KVD_CONFIG_FILE")
     if config_file:
         p = Path(config_file)

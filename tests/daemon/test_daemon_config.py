@@ -49,6 +49,23 @@ def test_env_value_that_does_not_parse_is_refused(monkeypatch):
         load_settings()
 
 
+def test_a_kvd_variable_that_is_no_setting_is_refused_naming_the_closest(monkeypatch, capsys):
+    """pydantic-settings ignores unknown prefixed variables: a typo would leave the default in
+    force unseen. kvd refuses them, at load and at `kvd serve` (exit 2), before anything starts."""
+    monkeypatch.setenv("KVD_LISTEN_TPC", "127.0.0.1:0")
+    monkeypatch.setenv("kvd_arena_byte", "2MiB")  # names are case-insensitive, as pydantic reads them
+    with pytest.raises(InvalidArgument) as exc:
+        load_settings()
+    msg = str(exc.value)
+    assert "KVD_LISTEN_TPC (did you mean KVD_LISTEN_TCP?)" in msg and "kvd_arena_byte (did you mean KVD_ARENA_BYTES?)" in msg
+    assert cli_main(["serve"]) == 2
+    assert "KVD_LISTEN_TPC" in capsys.readouterr().err
+    monkeypatch.delenv("KVD_LISTEN_TPC")
+    monkeypatch.delenv("kvd_arena_byte")
+    monkeypatch.setenv("KVD_CONFIG_FILE", "")  # the one KVD_* variable that is not a setting
+    assert load_settings().arena_bytes == 64 * MiB
+
+
 @pytest.mark.parametrize("suffix", ["yaml", "toml"])
 def test_config_file(tmp_path, monkeypatch, suffix):
     f = tmp_path / f"kvd.{suffix}"
