@@ -1,11 +1,11 @@
 """Cross-node backend: Mooncake Transfer Engine, peer-to-peer handshake, no metadata server.
 
 Each backend owns one ``TransferEngine`` initialised with ``P2PHANDSHAKE``; the endpoint is
-``"<host>:<rpc port>"`` and goes into tickets as ``transfer_endpoint``. A write is
-``batch_transfer_sync_write`` in batches of at most ``max_batch`` blocks, blocks longer than
-``max_block`` split into pieces: a write submits its batches at once
-(``batch_transfer_async_write``) and its waiter waits for them (``get_batch_transfer_status``),
-so the engine moves one request's bytes while the daemon prepares the next (SendMany).
+``"<host>:<rpc port>"`` and goes into tickets as ``transfer_endpoint``. A write is batches of
+at most ``max_batch`` blocks, blocks longer than ``max_block`` split into pieces, all submitted
+at once (``batch_transfer_async_write``); its waiter waits for them
+(``get_batch_transfer_status``), so the engine moves one request's bytes while the daemon
+commits the one before and prepares the next (SendMany).
 
 Things to know about the engine (0.3.13, measured on loopback):
 
