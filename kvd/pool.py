@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvd.allocator import IDX, Direction, GroupAllocator, IdRing
@@ -84,6 +85,11 @@ class Envelope(NamedTuple):
     page_bytes: int
     first_page: int
     last_page: int
+
+
+def _take(table: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
+    """``table[ids]`` as a new tensor (a copy), gathered in numpy."""
+    return torch.from_numpy(table.numpy()[ids])
 
 
 class CompactionResult(NamedTuple):
@@ -558,11 +564,14 @@ class Pool:
         return self._vectors(self._live(rid))
 
     def _vectors(self, r: _Request) -> IndexVectors:
+        # Gathers through numpy views of the (CPU) tables: a SEND lease takes these on every
+        # Send's critical path, and a small torch index op costs several times a numpy one.
         g = self.groups
-        swa = g[SWA].v2p[r.full[r.swa_first :]] if SWA in g else torch.empty(0, dtype=IDX)
-        draft = g[DRAFT].v2p[r.draft] if DRAFT in g else torch.empty(0, dtype=IDX)
+        full = r.full.numpy()
+        swa = _take(g[SWA].v2p, full[r.swa_first :]) if SWA in g else torch.empty(0, dtype=IDX)
+        draft = _take(g[DRAFT].v2p, r.draft.numpy()) if DRAFT in g else torch.empty(0, dtype=IDX)
         state = int(g[STATE].v2p[r.state]) if r.state >= 0 else None
-        return IndexVectors(r.rid, self.boot_id, self.epoch, r.tokens, g[FULL].v2p[r.full], r.swa_first, swa, state, draft)
+        return IndexVectors(r.rid, self.boot_id, self.epoch, r.tokens, _take(g[FULL].v2p, full), r.swa_first, swa, state, draft)
 
     def translate(self, kind: GroupKind | str, vids: torch.Tensor) -> torch.Tensor:
         """Vectorised virtual -> physical lookup for any number of ids of one group (-1 unbound)."""
