@@ -73,13 +73,17 @@ def test_default_settings_load_for_each_role(tmp_path, role):
 
 def test_schema_knows_exactly_kvds_settings():
     schema = K.read_json(K.CHART / "values.schema.json")
-    cfg = schema["properties"]["kvd"]["properties"]["config"]
+    defs = schema["definitions"]
+    cfg = defs["kvdSettings"]  # written once; kvd.config and each role's kvdConfig refer to it
     assert cfg["additionalProperties"] is False
     assert set(cfg["properties"]) == set(Settings.model_fields)
     for field in ("arena", "backend", "log_level"):
         assert set(cfg["properties"][field]["enum"]) == K.literal_choices(field), field
-    role_cfg = schema["properties"]["roles"]["properties"]["prefill"]["properties"]["kvdConfig"]
-    assert role_cfg["properties"] == cfg["properties"]
+    ref = {"$ref": "#/definitions/kvdSettings"}
+    assert ref in schema["properties"]["kvd"]["properties"]["config"]["allOf"]
+    roles = schema["properties"]["roles"]["properties"]
+    assert roles == {"prefill": {"$ref": "#/definitions/role"}, "decode": {"$ref": "#/definitions/role"}}
+    assert ref in defs["role"]["properties"]["kvdConfig"]["allOf"]
 
 
 # ---- with helm ----------------------------------------------------------------------------------
