@@ -812,7 +812,7 @@ def report(env: dict, pairs: list[dict]) -> None:
     if bd_rows:  # the local backend's copy only (Mooncake's cannot be replayed here)
         log("\n## Where the kvd time goes (server side, per workload pass; copy = copy_blocks of the same blocks timed in "
             "this process on the decode arena mapped for the prefill GPU, with the stream sync, as the daemon's write; "
-            f"liveness = 2 checks per write batch (watch polls, or pings where no watch opened); strategy = the daemon's copy "
+            "liveness = 2 checks per write batch (watch polls, or pings where no watch opened); strategy = the daemon's copy "
             "(kernel: Triton move_pages; copy-engine: the blocks as one cuMemcpyBatchAsync per write batch); one copy = the same byte "
             "count as one copy between the same two arenas, GPU time; peer RPCs = CheckTicket + Commit ~ 2 Echo RPCs; "
             "rest = Send.seconds minus those: lease, plan, Python; client extra = wall - Send.seconds: the Send and WaitReady RPCs)\n")

@@ -20,7 +20,7 @@ import sys
 import torch
 
 
-def timed(a: int, issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, reps: int, blocks: int = 0) -> float:
+def timed(issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, reps: int, blocks: int = 0) -> float:
     """``blocks`` > 0: the buffer is cut into that many blocks instead, copied one ``copy_``
     each, round-robin over the k streams (as a request's page runs would be)."""
     n = src.numel()
@@ -100,11 +100,11 @@ def main() -> int:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=f"cuda:{a}")
     dst = torch.zeros(n, dtype=torch.uint8, device=f"cuda:{b}")
     print("| issued on | blocks | streams | ms | GB/s | vs one copy_ |\n|---|---:|---:|---:|---:|---:|")
-    one = timed(a, a, src, dst, 1, args.reps)
+    one = timed(a, src, dst, 1, args.reps)
     for side, dev in (("A (push)", a), ("B (pull)", b)):
         for blocks in (0, *args.blocks):
             for k in (1, 2, 3, 4, 8):
-                s = timed(a, dev, src, dst, k, args.reps, blocks)
+                s = timed(dev, src, dst, k, args.reps, blocks)
                 print(f"| {side} | {blocks or k} | {k} | {s * 1e3:.3f} | {n / s / 1e9:,.0f} | {one / s:.3f} |", flush=True)
     for blocks in args.blocks:
         dst.zero_()

@@ -180,7 +180,7 @@ def main() -> int:
     b = Bench(args)
     bad = False
     try:
-        print(f"| workload | reqs | MB | way | wall ms | daemon ms | per request ms (wall) | Send / SendMany wall |")
+        print("| workload | reqs | MB | way | wall ms | daemon ms | per request ms (wall) | Send / SendMany wall |")
         print("|---|---|---|---|---|---|---|---|")
         for kind in ("small", "mixed"):
             reqs = b.build(kind)
