@@ -99,7 +99,7 @@ class TicketInfo:
 
 
 #: The steps of a Send, in the order they run (SendResult.phases keeps this order).
-SEND_PHASES = ("lease", "plan", "check", "write", "commit")
+SEND_PHASES = ("lease", "plan", "check", "issue", "write", "commit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +109,10 @@ class SendResult:
     seconds: float
     pages: dict[str, int] = field(default_factory=dict)
     #: seconds per step of the Send, in order: lease, plan, check (first chunk only: the wait for the
-    #: CheckTicket answer left after lease and plan, which run while the receiver checks), write
-    #: (copies issued until they all landed: in a send_many, the next item's lease, plan and check
-    #: and the previous item's commit run meanwhile), commit
+    #: CheckTicket answer left after lease and plan, which run while the receiver checks), issue
+    #: (the writes handed to the backend: on a GPU, the copies queued), write (from then until
+    #: they all landed: in a send_many, the next item's lease, plan and check and the previous
+    #: item's commit run meanwhile), commit
     phases: dict[str, float] = field(default_factory=dict)
 
 

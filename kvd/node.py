@@ -281,16 +281,26 @@ class Node:
 
     # ---- leases -----------------------------------------------------------------------------
     def acquire_lease(
-        self, session_id: str, rid: str, kind: LeaseKind, *, ttl: float | None = None, boot_id: str = "", epoch: int = 0
+        self,
+        session_id: str,
+        rid: str,
+        kind: LeaseKind,
+        *,
+        ttl: float | None = None,
+        boot_id: str = "",
+        epoch: int = 0,
+        known: IndexVectors | None = None,
     ) -> tuple[Lease, IndexVectors]:
         """Pin ``rid``. If ``boot_id`` is given, the caller's vectors (``epoch``) must be fresh.
-        Returns the lease and the request's current vectors (what the lease pins)."""
+        Returns the lease and the request's current vectors (what the lease pins): ``known``
+        itself when those still are the request's vectors (:meth:`Pool.unchanged`; the gather is
+        skipped), so ``vec is known`` tells the caller nothing moved since it read them."""
         with self._lock:
             self.touch(session_id)
             self._own(session_id, rid)
             if boot_id:
                 self._fresh(rid, epoch, boot_id)
-            vec = self.pool.vectors(rid)
+            vec = known if known is not None and self.pool.unchanged(known) else self.pool.vectors(rid)
             if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
                 raise FailedPrecondition(f"request {rid!r} already has a live RECV lease: one sender per request")
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)

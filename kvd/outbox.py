@@ -29,6 +29,7 @@ from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
 if TYPE_CHECKING:
     from kvd.backends.base import Backend, Landed
     from kvd.node import Node
+    from kvd.pool import Envelope, IndexVectors
 
 __all__ = ["Outbox", "SendItem", "MAX_SEND_ITEMS", "check_batch_size"]
 
@@ -45,6 +46,20 @@ class _Outbound:
     presumed: bool = False  # ``aborted`` is the heartbeat's inference; the receiver's own reason may follow
     active: int = 0  # Send calls in progress
     began: bool = False  # the receiver accepted the ticket at least once
+    ahead: _Ahead | None = None  # the whole request's Send, planned by begin
+
+
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A Send planned by :meth:`Outbox.begin` while the prompt computes: tokens ``[0, end)``
+    with ``last``, from the request's vectors ``src`` and this pool's envelopes ``env``. A Send
+    of that range uses ``plan`` only while both are unchanged (:meth:`kvd.pool.Pool.unchanged`,
+    checked under the Send's lease, and envelope equality); any other Send plans itself."""
+
+    src: IndexVectors
+    env: list[Envelope]
+    end: int
+    plan: Plan
 
 
 #: The most items one :meth:`Outbox.send_many` call (one SendMany) takes.
@@ -125,6 +140,7 @@ class Outbox:
         self.failed_total = 0
         self.calls_total = 0  # send / send_many calls (each item also counts as a Send above)
         self.items_total = 0  # items those calls carried
+        self.planned_ahead_total = 0  # items whose plan begin made (still valid at the Send)
 
     def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
         """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver: :meth:`send_many` of one
@@ -176,6 +192,7 @@ class Outbox:
                     try:
                         self._prepare(session, f)
                         self._issue(f)
+                        f.step("issue")
                     except Exception as exc:  # noqa: BLE001 -- the item's outcome; the others go on
                         out[i], f = self._fail(session, f, exc), None
                 # Item i's copies are queued behind item i-1's: now wait for those and commit it.
@@ -201,6 +218,11 @@ class Outbox:
         Sends that follow -- the first included -- skip that round trip, as later chunks do. A
         prefill engine calls it when the ticket arrives, while the prompt still computes.
 
+        It also plans the Send of the whole request (every token, ``last``) from the request's
+        vectors now, without a lease: a Send of that range finds the plan made when the request
+        still has the same pages (none bound, released or moved since: compaction, extend, free)
+        and skips planning; any other range, or a request that changed, plans at the Send.
+
         Returns False when the transfer was open already (nothing asked). Refuses what the
         first Send would refuse before its first byte (the ticket for another layout, backend or
         request; its range of envelopes; the receiver's refusal: StaleEpoch, NotFound, ...) and a
@@ -213,12 +235,24 @@ class Outbox:
         try:
             if ob.began:
                 return False
-            pair_envelopes(self.node.layout, self.node.pool.envelopes(), ticket.envelopes)
+            env = self.node.pool.envelopes()
+            pair_envelopes(self.node.layout, env, ticket.envelopes)
             self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
             ob.began = True
+            ob.ahead = self._plan_ahead(session, rid, ticket, env)
             return True
         finally:
             self._leave(ob, last=False)
+
+    def _plan_ahead(self, session: str, rid: str, ticket: TicketInfo, env: list[Envelope]) -> _Ahead | None:
+        """The whole request's Send planned now, or None where planning refuses (the Send that
+        tries it reports why, as it would without begin)."""
+        try:
+            (src,) = self.node.vectors(session, [rid])
+            plan = plan_chunk(self.node.layout, src, ticket.vectors, env, ticket.envelopes, 0, src.tokens, True)
+        except KvdError:
+            return None
+        return _Ahead(src, env, src.tokens, plan)
 
     def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
         """What this daemon alone can refuse in a ticket: another layout, backend or request."""
@@ -278,11 +312,20 @@ class Outbox:
                 check_range(t0, t1 or ticket.vectors.tokens, ticket.vectors.tokens)
                 pair_envelopes(self.node.layout, own_env, ticket.envelopes)
                 pending = self.link.start_check(ticket.peer_address, f.item.raw, self.address, ticket.via)
-            lease, src = self.node.acquire_lease(session, rid, LeaseKind.SEND, ttl=self.lease_ttl)
+            ahead = ob.ahead
+            lease, src = self.node.acquire_lease(
+                session, rid, LeaseKind.SEND, ttl=self.lease_ttl, known=ahead.src if ahead is not None else None
+            )
             f.lease_id = lease.lease_id
             f.step("lease")
             end = src.tokens if not t1 else t1
-            f.plan = plan_chunk(self.node.layout, src, ticket.vectors, own_env, ticket.envelopes, t0, end, f.item.last)
+            if ahead is not None and src is ahead.src and t0 == 0 and end == ahead.end and f.item.last and own_env == ahead.env:
+                # Planned by begin from these very vectors, which the lease now pins.
+                f.plan = ahead.plan
+                with self._lock:
+                    self.planned_ahead_total += 1
+            else:
+                f.plan = plan_chunk(self.node.layout, src, ticket.vectors, own_env, ticket.envelopes, t0, end, f.item.last)
             f.step("plan")
         except BaseException:
             if pending is not None:

@@ -26,6 +26,7 @@ Epochs
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,9 @@ class IndexVectors(NamedTuple):
     swa: torch.Tensor
     state: int | None
     draft: torch.Tensor
+    #: The request's page-mapping version in this pool (0: unknown, e.g. vectors read off the
+    #: wire): two vectors of one boot and request with the same nonzero version are equal.
+    version: int = 0
 
 
 class Envelope(NamedTuple):
@@ -122,6 +126,7 @@ class _Request:
     state: int  # state slot virtual id, -1 when the layout has no state group
     draft: torch.Tensor  # draft virtual ids (int32)
     moved_epoch: int  # epoch at which this request's physical pages last changed
+    version: int = 0  # bumped (pool-wide sequence) whenever any of its pages is bound, released or moved
 
 
 @dataclass(slots=True)
@@ -187,6 +192,7 @@ class Pool:
         self._requests: dict[str, _Request] = {}
         self._by_handle: dict[int, _Request] = {}
         self._next_handle = 0
+        self._versions = itertools.count(1)  # request mapping versions: never reused within a boot
         self._offloaded: dict[str, _Offloaded] = {}
         self.compactions_done = 0
         self.compactions_refused = 0
@@ -461,6 +467,7 @@ class Pool:
     def _bind_step(self, r: _Request, step: _Step, plan: dict) -> None:
         """Bind the pages of one planned step. Each group's plan is consumed by the first
         bindings that need new pages; holes are used before growth."""
+        r.version = next(self._versions)  # every step changes the request's vectors (tokens at least)
         n_full = step.need.get(FULL, 0)
         if n_full:
             vids = self._rings[FULL].take(n_full)
@@ -571,7 +578,16 @@ class Pool:
         swa = _take(g[SWA].v2p, full[r.swa_first :]) if SWA in g else torch.empty(0, dtype=IDX)
         draft = _take(g[DRAFT].v2p, r.draft.numpy()) if DRAFT in g else torch.empty(0, dtype=IDX)
         state = int(g[STATE].v2p[r.state]) if r.state >= 0 else None
-        return IndexVectors(r.rid, self.boot_id, self.epoch, r.tokens, _take(g[FULL].v2p, full), r.swa_first, swa, state, draft)
+        return IndexVectors(
+            r.rid, self.boot_id, self.epoch, r.tokens, _take(g[FULL].v2p, full), r.swa_first, swa, state, draft, r.version
+        )
+
+    def unchanged(self, vec: IndexVectors) -> bool:
+        """Whether ``vec`` still is ``vec.rid``'s vectors here: same boot, the request live and
+        none of its pages bound, released or moved since ``vec`` was made. Costs a lookup, not a
+        gather: a Send planned ahead (BeginSend) checks its plan's vectors with it."""
+        r = self._requests.get(vec.rid)
+        return bool(vec.version) and vec.boot_id == self.boot_id and r is not None and r.version == vec.version
 
     def translate(self, kind: GroupKind | str, vids: torch.Tensor) -> torch.Tensor:
         """Vectorised virtual -> physical lookup for any number of ids of one group (-1 unbound)."""
@@ -677,6 +693,7 @@ class Pool:
             self.epoch += 1
             for h in moved_handles:
                 self._by_handle[h].moved_epoch = self.epoch
+                self._by_handle[h].version = next(self._versions)
         self.compactions_done += 1
         self.pages_moved += moved_pages
         self.bytes_moved += moved_bytes

@@ -219,3 +219,94 @@ def test_an_engine_abort_after_begin_reaches_the_receiver(pair):
     assert ob.open_count() == 0
     with pytest.raises(NotFound, match="is not live"):  # the abort ended the receiver's lease too
         ob.begin(ps, rid, ticket, raw)
+
+
+def _keyed(p: Node, d: Node, rid: str) -> pk.Patterns:
+    """Key every page of ``rid`` on the prefill node; returns the patterns to verify the
+    receiver's copy of it with."""
+    src = pk.Patterns(p.pool)
+    src.write_new(p.pool.vectors(rid))
+    return pk.Patterns(d.pool, uids=dict(src.uids))
+
+
+def test_the_whole_request_send_uses_the_plan_begin_made(pair):
+    p, ps, d, _, rid, ticket = pair
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    keys = _keyed(p, d, rid)
+    ob.begin(ps, rid, ticket, raw)
+    r = ob.send(ps, rid, ticket, raw, 0, None, last=True)
+    assert ob.planned_ahead_total == 1
+    assert r.blocks >= 1 and r.nbytes > 0
+    keys.verify(d.pool.vectors(rid))
+    assert d.inbox.status(rid).state is TransferState.READY
+    assert ob.open_count() == 0 and len(p.leases) == 0
+    ob.backend.close()
+
+
+def test_a_request_compacted_after_begin_is_planned_again_at_the_send(pair):
+    """Compaction on the prefill node moves the request between BeginSend and Send: the plan
+    begin made points at the old pages; the Send must notice and write from the new ones."""
+    p, ps, d, _, rid, ticket = pair
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    p.free(ps, [rid])
+    p.allocate(ps, [AllocSpec("filler", TOKENS), AllocSpec(rid, TOKENS)])
+    keys = _keyed(p, d, rid)
+    ob.begin(ps, rid, ticket, raw)
+    before = pk.phys_key(p.pool.vectors(rid))
+    p.free(ps, ["filler"])
+    p.compact(ps)
+    assert pk.phys_key(p.pool.vectors(rid)) != before  # it moved: the plan made ahead is stale
+    ob.send(ps, rid, ticket, raw, 0, None, last=True)
+    assert ob.planned_ahead_total == 0
+    keys.verify(d.pool.vectors(rid))
+    assert d.inbox.status(rid).state is TransferState.READY
+    ob.backend.close()
+
+
+def test_a_request_freed_and_allocated_again_after_begin_is_planned_again(pair):
+    """Same rid, same length, other pages: the versions differ though tokens and epoch may not."""
+    p, ps, d, _, rid, ticket = pair
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    ob.begin(ps, rid, ticket, raw)
+    before = pk.phys_key(p.pool.vectors(rid))
+    p.free(ps, [rid])
+    p.allocate(ps, [AllocSpec("filler", TOKENS)])  # takes the freed pages
+    p.allocate(ps, [AllocSpec(rid, TOKENS)])
+    assert pk.phys_key(p.pool.vectors(rid)) != before
+    keys = _keyed(p, d, rid)
+    ob.send(ps, rid, ticket, raw, 0, None, last=True)
+    assert ob.planned_ahead_total == 0
+    keys.verify(d.pool.vectors(rid))
+    ob.backend.close()
+
+
+def test_chunks_after_begin_plan_themselves(pair):
+    p, ps, d, _, rid, ticket = pair
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    keys = _keyed(p, d, rid)
+    ob.begin(ps, rid, ticket, raw)
+    ob.send(ps, rid, ticket, raw, 0, TOKENS // 2, last=False)
+    ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
+    assert ob.planned_ahead_total == 0  # begin planned the whole request, not these ranges
+    keys.verify(d.pool.vectors(rid))
+    ob.backend.close()
+
+
+def test_pool_unchanged_follows_every_change_of_a_requests_pages():
+    p, ps = _node()
+    p.allocate(ps, [AllocSpec("a", TOKENS), AllocSpec("b", TOKENS)])
+    va = p.pool.vectors("a")
+    assert p.pool.unchanged(va) and va.version > 0
+    p.allocate(ps, [AllocSpec("c", TOKENS)])
+    p.extend(ps, [("b", 4)])
+    assert p.pool.unchanged(va)  # other requests' changes leave a's vectors standing
+    vb = p.pool.vectors("b")
+    p.extend(ps, [("b", 4)])
+    assert not p.pool.unchanged(vb)
+    p.free(ps, ["a"])
+    assert not p.pool.unchanged(va)
+    vc = p.pool.vectors("c")
+    p.compact(ps)
+    assert not p.pool.unchanged(vc) and pk.phys_key(p.pool.vectors("c")) != pk.phys_key(vc)
+    assert not p.pool.unchanged(vc._replace(version=0))  # vectors off the wire are never vouched for
+    p.check()

@@ -91,6 +91,8 @@ class _NodeCollector(Collector):
             yield counter("kvd_send_calls", "Send and SendMany calls this daemon ran (a Send carries one item)", self.outbox.calls_total)
             yield counter("kvd_send_items", "Items those calls carried (each one transfer chunk, counted in kvd_transfers "
                           "like a Send)", self.outbox.items_total)
+            yield counter("kvd_send_planned_ahead", "Send items that used the plan BeginSend made (the request's pages "
+                          "unchanged since): they skipped planning", self.outbox.planned_ahead_total)
         yield tr
         yield by
         if self.link is not None:

@@ -45,6 +45,24 @@ def test_begin_send_then_every_send_skips_the_check(hp):
     hp.check()
 
 
+def _planned_ahead(hp) -> float:
+    return hp.pair.prefill.samples().get(("kvd_send_planned_ahead_total", ()), 0.0)
+
+
+def test_a_whole_request_send_after_begin_uses_the_plan_begin_made(hp):
+    rid, src, dst, lease = hp.setup_request(70, prefix="ahead")
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    ahead0 = _planned_ahead(hp)
+    assert hp.p.c.begin_send(rid, lease.ticket) is True
+    res = hp.p.c.send(rid, lease.ticket)
+    assert _planned_ahead(hp) == ahead0 + 1
+    assert list(res.phases) == ["lease", "plan", "issue", "write", "commit"], res.phases
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    exp = hk.expected_arena(before_d, before_p, hk.moved(src, dst, dst.tokens, state=True))
+    assert torch.equal(hp.d.arena, exp), hk.diff_summary(hp.d.arena, exp)
+    hp.check()
+
+
 def test_begin_send_with_a_dead_lease_is_refused_and_changes_nothing(hp):
     rid, _, _, lease = hp.setup_request(20, scatter=False, prefix="begin-gone")
     hp.d.c.release_lease(lease.lease_id)

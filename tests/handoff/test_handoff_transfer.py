@@ -79,7 +79,7 @@ def test_chunked_send_lands_progressively_and_state_moves_last(hp):
         r = hp.p.c.send(rid, lease.ticket, start=t0, end=t1, last=False)
         total += r.nbytes
         # Where the Send's time went, step by step; only the first chunk checks the ticket.
-        steps = ["lease", "plan", "check", "write", "commit"] if t0 == 0 else ["lease", "plan", "write", "commit"]
+        steps = ["lease", "plan", "check", "issue", "write", "commit"] if t0 == 0 else ["lease", "plan", "issue", "write", "commit"]
         assert list(r.phases) == steps and all(v >= 0 for v in r.phases.values()), r.phases
         assert sum(r.phases.values()) == pytest.approx(r.seconds, rel=1e-6, abs=1e-9)
         t = time.monotonic()
