@@ -14,7 +14,7 @@
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
 #   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer transfer01
-#                                            #   nvlink demo demo-quick demo2 demo2-quick mooncake mooncake-probe
+#                                            #   nvlink wake demo demo-quick demo2 demo2-quick mooncake mooncake-probe
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU);
 # system libraries Mooncake needs and the host lacks come from its wheel (bench/mooncake_wheel.py libdir).
@@ -65,6 +65,7 @@ for what in "${STEPS[@]}"; do
     transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
     transfer01) step transfer 150 python3 bench/gpu_transfer.py --devices 0,1 --json "$OUT/transfer.json" ;;
     nvlink) step nvlink 60 python3 bench/nvlink_streams.py ;;
+    wake) step wake 60 python3 bench/wake_probe.py ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
     demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
     demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
@@ -75,7 +76,7 @@ for what in "${STEPS[@]}"; do
         tests/gpu/test_vmm_arena.py tests/gpu/test_gpu_daemon.py tests/gpu/test_two_gpu_handoff.py
       step transfer-mooncake 180 python3 bench/gpu_transfer.py --backend mooncake --both --json "$OUT/transfer-mooncake.json" ;;
     mooncake-probe) step mooncake-probe 180 python3 bench/mooncake_cuda_probe.py ;;
-    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe)"; rc=2 ;;
+    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, transfer01, nvlink, wake, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -115,6 +115,9 @@ class PeerConnections:
                 if c.quiet():
                     return c
                 c.close()  # its daemon closed it meanwhile; a new hello says whether it is still there
+            # Opening is rare (a new daemon, a failed route, more Sends at once): tidy up then, not
+            # on every call (it polls every idle connection: a syscall each, on a Send's path).
+            self._prune()
         try:
             return self._open(via)
         except _Unusable as exc:
@@ -123,9 +126,6 @@ class PeerConnections:
             with self._lock:
                 self._failed[via] = time.monotonic() + (min(self.retry_s, BUSY_RETRY_S) if exc.busy else self.retry_s)
             return None
-        finally:
-            with self._lock:
-                self._prune()  # opening is rare (a new daemon, a failed route): tidy up then
 
     def call(self, conn: _Conn, name: str, request: Message) -> Message:
         """Call Peer rpc ``name`` on a checked-out connection, which this returns to the pool (or
