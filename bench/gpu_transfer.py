@@ -848,7 +848,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, help="timed passes of the 32k request (default 8; 3 with --backend mooncake)")
     ap.add_argument("--mixed", action=argparse.BooleanOptionalAction,
                     help="run the mixed workloads too (default: yes for local, no for mooncake)")
-    ap.add_argument("--mixed-passes", type=int, default=3, help="timed passes of each mixed workload (default 3; 1 with --backend mooncake)")
+    ap.add_argument("--mixed-passes", type=int, default=5, help="timed passes of each mixed workload (default 5; 1 with --backend mooncake)")
     ap.add_argument("--raw-reps", type=int, default=10, help="timed raw copies per byte count (default 10)")
     ap.add_argument("--batch", type=int, default=8, help="requests per SendMany call in the mixed batched workload (default 8)")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens when building the requests (default 2048)")

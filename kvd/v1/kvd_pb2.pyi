@@ -1304,7 +1304,8 @@ class SendResponse(_message.Message):
     def phase_seconds(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Seconds spent in each step of this Send inside the daemon, in order: "lease" (SEND lease
         acquired), "plan" (blocks planned), "check" (CheckTicket round trip; absent after the first
-        chunk), "write" (the backend's copies, liveness checks included), "commit" (Commit round trip).
+        chunk), "issue" (the writes handed to the backend), "write" (from then until they all landed,
+        liveness checks included), "commit" (Commit round trip).
         """
 
     def __init__(
@@ -1329,7 +1330,9 @@ class BeginSendRequest(_message.Message):
     """Prefill engine -> its daemon: open the transfer of a request before its first Send, as soon as
     the decode daemon's ticket arrives (while the prompt still computes). The receiver checks the
     ticket now (boot, epoch, lease, layout) and the transfer is RECEIVING there; every Send of it
-    then skips that round trip, as later chunks do. Refused as the first Send would be before its
+    then skips that round trip, as later chunks do. The daemon also plans the Send of the whole
+    request now: a Send of every token with last=true uses that plan while the request keeps its
+    pages (nothing compacted, extended or freed since), else it plans itself. Refused as the first Send would be before its
     first byte (FAILED_PRECONDITION / ABORTED / INVALID_ARGUMENT / the receiver's refusal), and
     NOT_FOUND / PERMISSION_DENIED for a request this session does not hold; nothing changes then.
     An open transfer lives as one between two chunks: heartbeats keep it, Abort on either side ends
