@@ -448,8 +448,11 @@ def test_copy_strategy_is_a_pure_choice():
     from kvd.backends.local_cuda import CE_MAX_BLOCKS, CE_MIN_AVG_BLOCK, COPY_ENGINE, KERNEL, copy_strategy
 
     big = [CE_MIN_AVG_BLOCK] * 8
-    assert copy_strategy(None, big) == KERNEL  # the same GPU: the kernel is faster there
+    assert copy_strategy(None, big) == COPY_ENGINE  # the same GPU: one batch beats the kernel
+    assert copy_strategy(None, big, batch=False) == KERNEL  # ... a memcpy per block does not
     assert copy_strategy(1, big) == COPY_ENGINE
+    assert copy_strategy(1, big, batch=False) == COPY_ENGINE  # across GPUs even a memcpy per block wins
+    assert copy_strategy(None, [CE_MIN_AVG_BLOCK - 1] * 8) == KERNEL
     assert copy_strategy(1, [CE_MIN_AVG_BLOCK - 1] * 8) == KERNEL  # small blocks: one launch wins
     assert copy_strategy(1, [CE_MIN_AVG_BLOCK] * (CE_MAX_BLOCKS + 1)) == KERNEL  # too many memcpys
     assert copy_strategy(1, [4096, 2 * CE_MIN_AVG_BLOCK]) == COPY_ENGINE  # the average decides

@@ -109,9 +109,10 @@ def test_copy_engine_blocks_go_as_one_batch_off_the_default_stream(dst_gpu):
         got: list = []
 
         def issue() -> None:  # in a fresh thread, as a gRPC worker's first write: no CUDA call made on it yet
-            with torch.cuda.device(0), torch.cuda.stream(stream):
-                got.append(lc._copy_batch(src, dst, s, d, n, dst_gpu, stream))  # device pointers: UVA spans both GPUs
-                if not got[0]:
+            # As the backend issues it: no torch device or stream context around the batch.
+            got.append(lc._copy_batch(src, dst, s, d, n, dst_gpu, stream))  # device pointers: UVA spans both GPUs
+            if not got[0]:
+                with torch.cuda.device(0), torch.cuda.stream(stream):
                     for a, b, k in zip(s, d, n):
                         dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
 
