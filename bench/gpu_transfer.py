@@ -58,7 +58,7 @@ status 1 when any check fails.
 Where the time goes (per request, same blocks): the copy as the daemon does it (staged run
 table + Triton launch + stream sync; this process maps the decode arena for GPU A the way the
 daemon does and times the copy with the strategy the daemon picks, ``copy_strategy``: the Triton
-kernel or, across GPUs for few large blocks, one copy-engine memcpy per block), its GPU time (CUDA
+kernel, or for few large blocks the copy engines, one cuMemcpyBatchAsync per write batch), its GPU time (CUDA
 events), liveness (two zero-timeout polls of a watch of the decode handle socket per write batch;
 a ping each where no watch opens), the two peer RPCs (CheckTicket and Commit, each about one Echo
 round trip), and the rest (lease, plan, Python).

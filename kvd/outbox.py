@@ -2,7 +2,8 @@
 
 ``send`` validates the ticket with the receiver before the first byte (the receiver checks it
 while this daemon takes its SEND lease and plans the blocks; ``begin`` does it ahead, when the
-prefill engine gets the ticket, taking that round trip off the Send), writes them in bounded batches
+prefill engine gets the ticket, taking that round trip off the Send, and plans the whole request's
+Send then too), writes them in bounded batches
 checking for an abort between batches, commits, and releases the lease only after its writes
 landed. ``send_many`` does the same for many independent requests at once, pipelined: one
 request's copies run while the daemon commits the one before and prepares the one after
