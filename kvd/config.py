@@ -9,6 +9,7 @@ Byte sizes accept ints or strings with binary units: ``"4GiB"``, ``"512MiB"``, `
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -102,6 +103,22 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, v: str | None) -> str | None:
         return v or None
+
+    @field_validator("advertise", mode="after")
+    @classmethod
+    def _bracket_ipv6(cls, v: str | None) -> str | None:
+        """A bare IPv6 address before the port gets its brackets: the Helm chart advertises
+        ``$(POD_IP):<port>``, which on an IPv6 pod reads ``fd00::5:50051`` (the last colon is
+        the port's); gRPC needs ``[fd00::5]:50051``. Anything else (a host name, IPv4, a
+        bracketed address, ``unix:``/``dns:`` targets) is left as given."""
+        if not v or v.startswith("[") or v.count(":") < 2:
+            return v
+        host, _, port = v.rpartition(":")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return v
+        return f"[{host}]:{port}" if port.isdigit() else v
 
     @model_validator(mode="after")
     def _combinations(self) -> Settings:

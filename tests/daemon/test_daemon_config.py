@@ -66,6 +66,23 @@ def test_a_kvd_variable_that_is_no_setting_is_refused_naming_the_closest(monkeyp
     assert load_settings().arena_bytes == 64 * MiB
 
 
+@pytest.mark.parametrize(
+    ("given", "advertised"),
+    [
+        ("fd00::5:50051", "[fd00::5]:50051"),  # the chart's $(POD_IP):<port> on an IPv6 pod
+        ("2001:db8::1:1:9000", "[2001:db8::1:1]:9000"),  # the last colon is the port's
+        ("[fd00::5]:50051", "[fd00::5]:50051"),
+        ("10.1.2.3:50051", "10.1.2.3:50051"),
+        ("kvd-0.kvd.ns.svc:50051", "kvd-0.kvd.ns.svc:50051"),
+        ("dns:///kvd.ns.svc:50051", "dns:///kvd.ns.svc:50051"),  # a gRPC target, not an address
+        ("unix:/run/kvd/kvd.sock", "unix:/run/kvd/kvd.sock"),
+    ],
+)
+def test_an_ipv6_pod_ip_is_advertised_in_brackets(monkeypatch, given, advertised):
+    monkeypatch.setenv("KVD_ADVERTISE", given)
+    assert load_settings().advertise == advertised
+
+
 @pytest.mark.parametrize("suffix", ["yaml", "toml"])
 def test_config_file(tmp_path, monkeypatch, suffix):
     f = tmp_path / f"kvd.{suffix}"
