@@ -13,7 +13,9 @@
 #     the same tmpfs (Kubernetes: one emptyDir of medium Memory mounted at /dev/shm in both
 #     containers; docker: --ipc shareable here and --ipc container:<kvd> on the engine, or one
 #     tmpfs volume mounted in both as arena_dir). The file is mode 0600 and sockets follow the
-#     umask: run the engine as this image's user (uid 10001) or as root.
+#     umask: run the engine as this image's user (uid 10001) or as root, or set group_access
+#     (KVD_GROUP_ACCESS=true: the file 0660, the sockets group-writable) and give the engine
+#     group 10001 (docker run --group-add 10001; Kubernetes: the pod's fsGroup).
 #   * arena=cuda: both containers must see the same GPU (the engine imports the exported chunks on
 #     that device) and share an IPC namespace, as CUDA IPC wants (a Kubernetes pod does).
 #

@@ -110,10 +110,12 @@ class ShmArena(Arena):
     The file lives in ``directory`` (a tmpfs: ``/dev/shm`` by default) and is unlinked by
     :meth:`close`. Reserving is free: the mapping covers ``reserved`` bytes of address space,
     but memory is consumed only for the backed prefix that is touched. Access past
-    ``backed`` raises SIGBUS, like unmapped device memory would fault.
+    ``backed`` raises SIGBUS, like unmapped device memory would fault. The file's mode is
+    ``mode`` whatever the umask: 0600 (this user only) by default, 0660 to let an engine of
+    another user in this process's group map it.
     """
 
-    def __init__(self, reserved: int, backed: int = 0, *, directory: str = "/dev/shm", name: str | None = None):
+    def __init__(self, reserved: int, backed: int = 0, *, directory: str = "/dev/shm", name: str | None = None, mode: int = 0o600):
         if not isinstance(reserved, int) or reserved <= 0:
             raise InvalidArgument(f"arena reservation must be a positive byte count, got {reserved!r}")
         if not os.path.isdir(directory):
@@ -123,6 +125,8 @@ class ShmArena(Arena):
         self.path = os.path.join(directory, self.region_id)
         self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            if mode != 0o600:
+                os.fchmod(self._fd, mode)  # not through open's mode: the umask would take the group's write bit
             # Python's mmap refuses a length beyond the file size, so size the (sparse) file to the
             # reservation for the mmap call, then cut it back to the backed prefix.
             os.ftruncate(self._fd, reserved)

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
         "cuda_device, shared with engines as fds over handle_socket; needs a GPU and cuda-python)",
     )
     arena_dir: str = Field("/dev/shm", description="tmpfs directory holding the shared arena file (engines map it from here; arena=shm only)")
+    group_access: bool = Field(
+        False,
+        description="let an engine running as another user of this daemon's group in: the arena file mode 0660 and "
+        "the engine's Unix sockets (listen_unix, handle_socket) group-writable; else the arena file is 0600 and the "
+        "sockets follow the umask (the engine runs as kvd's user or root)",
+    )
     cuda_device: int = Field(0, ge=0, description="CUDA device index of the arena (arena=cuda; as this process numbers devices)")
     handle_socket: str | None = Field(
         None,

@@ -149,8 +149,9 @@ class HandleServer(UnixServer):
         authorize: Authorizer | None = None,
         timeout: float = 2.0,
         max_clients: int = 8,
+        group: bool = False,
     ) -> None:
-        super().__init__(path, "handle_socket", "handles")
+        super().__init__(path, "handle_socket", "handles", group=group)
         if timeout <= 0 or max_clients <= 0:
             raise InvalidArgument(f"handle server: timeout ({timeout}) and max_clients ({max_clients}) must be positive")
         self.timeout = timeout

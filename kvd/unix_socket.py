@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from kvd.errors import InvalidArgument, Unavailable
 
-__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "recv_exact", "stirred", "unlink_own"]
+__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "recv_exact", "stirred", "unlink_own"]
 
 log = logging.getLogger("kvd.unix_socket")
 _S = TypeVar("_S", bound="UnixServer")
@@ -59,16 +59,19 @@ def _clear_stale(path: str, setting: str, serves: str) -> None:
     raise Unavailable(f"another process serves {serves} on {path}; stop it or set {setting} to another path")
 
 
-def listen(path: str, setting: str, serves: str, *, backlog: int = 64) -> tuple[socket.socket, int]:
+def listen(path: str, setting: str, serves: str, *, backlog: int = 64, group: bool = False) -> tuple[socket.socket, int]:
     """Bind and listen on ``path`` (after :func:`check_path`), replacing a stale socket file and
     refusing a live one. Returns the socket, whose ``accept`` wakes every 0.1 s (closing a socket
     does not wake a blocked accept: the loop checks for a stop that often), and the inode of the
-    file bound, for :func:`unlink_own`. ``serves`` says what in messages ("handles")."""
+    file bound, for :func:`unlink_own`. ``serves`` says what in messages ("handles"). ``group``:
+    the file is made group-writable (connecting needs write access) before anyone may connect."""
     check_path(path, setting)
     _clear_stale(path, setting, serves)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.bind(path)
+        if group:
+            open_to_group(path)
         s.listen(backlog)
         s.settimeout(0.1)
         ino = os.stat(path).st_ino
@@ -76,6 +79,13 @@ def listen(path: str, setting: str, serves: str, *, backlog: int = 64) -> tuple[
         s.close()
         raise Unavailable(f"cannot serve {serves} on {path}: {exc}; set {setting} to a writable path") from exc
     return s, ino
+
+
+def open_to_group(path: str) -> None:
+    """Give the owner's group read and write on ``path`` (a socket file, to connect; an arena
+    file, to map), keeping the owner's bits and never others'."""
+    mode = os.stat(path).st_mode & 0o700
+    os.chmod(path, mode | ((mode >> 3) & 0o060))
 
 
 def unlink_own(path: str, ino: int) -> None:
@@ -108,9 +118,10 @@ class UnixServer:
     connection to a thread, never block) and may do housekeeping in :meth:`_tick`, called
     at least every 0.1 s."""
 
-    def __init__(self, path: str, setting: str, serves: str) -> None:
+    def __init__(self, path: str, setting: str, serves: str, *, group: bool = False) -> None:
         check_path(path, setting)
         self.path = path
+        self._group = group  # the socket file group-writable (an engine of another user connects)
         self._setting = setting  # the configuration field named in refusals
         self._serves = serves  # what it serves, in messages ("handles", "peer calls")
         self._sock: socket.socket | None = None
@@ -119,7 +130,7 @@ class UnixServer:
         self._thread: threading.Thread | None = None
 
     def start(self: _S) -> _S:
-        self._sock, self._ino = listen(self.path, self._setting, self._serves)
+        self._sock, self._ino = listen(self.path, self._setting, self._serves, group=self._group)
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvd-{self._setting.removesuffix('_socket')}", daemon=True)
         self._thread.start()
         return self

@@ -41,7 +41,7 @@ from kvd.server.peer_calls import PeerCalls
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
 from kvd.server.service import Endpoint, KvdService, PeerService
-from kvd.unix_socket import check_path
+from kvd.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -138,7 +138,7 @@ def _make_arena(settings: Settings) -> Arena:
         return CudaVmmArena(settings.reserved, backed, device=settings.cuda_device)
     for path in reap_stale(settings.arena_dir):
         log.warning("removed %s: an arena file left by a daemon that died without cleaning up", path)
-    return ShmArena(settings.reserved, backed, directory=settings.arena_dir)
+    return ShmArena(settings.reserved, backed, directory=settings.arena_dir, mode=0o660 if settings.group_access else 0o600)
 
 
 def _undo(stack: contextlib.ExitStack, what: str, fn: Callable[..., object], *args: object) -> None:
@@ -241,7 +241,8 @@ class Daemon:
             exporter = ArenaHandles(node, settings.peer_token)
             node.on_backing_change.append(exporter.backing_changed)
             handle_server = HandleServer(
-                handle_path, exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS
+                handle_path, exporter.export, authorize=exporter.authorize, max_clients=_HANDLE_CLIENTS,
+                group=settings.group_access,
             ).start()
             _undo(undo, "the handle socket", handle_server.stop)
             # After the generation moved: watchers (peers' backends) ask again before the next write.
@@ -269,6 +270,9 @@ class Daemon:
                 os.unlink(settings.listen_unix)  # a stale socket from a dead daemon
             _bind(server, f"unix:{settings.listen_unix}", "listen_unix")
             addresses.append(f"unix:{settings.listen_unix}")
+            if settings.group_access:
+                # gRPC created the file with the umask's mode; nothing is served before start().
+                open_to_group(settings.listen_unix)
         if settings.listen_tcp:
             port = _bind(server, settings.listen_tcp, "listen_tcp")
             host = settings.listen_tcp.rsplit(":", 1)[0]
