@@ -453,3 +453,24 @@ def test_an_unknown_op_still_names_watch(served):
     body = json.dumps({"op": "nope"}).encode()
     reply = _raw(srv.path, struct.pack(">I", len(body)) + body)
     assert _refused_as(reply) == "InvalidArgument" and "watch" in reply["message"]
+
+
+@pytest.mark.parametrize("group", [False, True])
+def test_the_handle_socket_is_group_writable_only_when_asked(tmp_path, group):
+    """``group_access``: an engine of another user in the daemon's group must be able to connect
+    (connecting needs write access to the socket file); never anyone else."""
+    import stat
+
+    exp = Exporter()
+    old = os.umask(0o022)
+    try:
+        srv = HandleServer(str(tmp_path / "g.sock"), exp, group=group).start()
+    finally:
+        os.umask(old)
+    try:
+        mode = stat.S_IMODE(os.stat(srv.path).st_mode)
+        assert (mode & 0o060 == 0o060) if group else (mode & 0o020 == 0), oct(mode)
+        assert mode & 0o002 == 0, oct(mode)  # others never write
+    finally:
+        srv.stop()
+        exp.close()
