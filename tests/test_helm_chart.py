@@ -98,6 +98,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                   "decode": {"kvdConfig": {"arena_bytes": "1536MiB", "grace_s": 30, "layout": "qwen3.5-0.8b"}}},
         "kvd": {"peerToken": {"secretName": "kvd-token"}},
         "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+        "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+                          "extraIngress": [{"ports": [{"port": 9999}]}]},
     },
     "decode-only-local-plain-container": {
         "engine": {"image": {"repository": "registry.example/engine", "tag": "1.0"}, "gpus": 0},
@@ -221,6 +223,8 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
         assert {p["port"] for p in svc["spec"]["ports"]} == set(ports.values())
 
+    _check_network_policies(values, objs)
+
     monitoring = values["metrics"]
     assert len(objs.get("ServiceMonitor", [])) == monitoring["serviceMonitor"]["enabled"]
     for sm in objs.get("ServiceMonitor", []):
@@ -236,6 +240,38 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
     for cm in dashboards:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert json.loads(cm["data"]["kvd-dashboard.json"]) == K.read_json(K.DASHBOARD)
+
+
+def _check_network_policies(values: dict, objs: dict[str, list[dict]]) -> None:
+    """With networkPolicy.enabled, each role's pods admit kvd's ports from the release's pods, the
+    metrics port from metricsFrom, the engine's ports, and extraIngress; nothing without it."""
+    np = values["networkPolicy"]
+    policies = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in objs.get("NetworkPolicy", [])}
+    sets = {s["metadata"]["labels"]["app.kubernetes.io/component"]: s for s in objs["StatefulSet"]}
+    assert set(policies) == (set(sets) if np["enabled"] else set())
+    for role, pol in policies.items():
+        sts = sets[role]
+        spec = pol["spec"]
+        assert spec["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"] and spec["policyTypes"] == ["Ingress"]
+        s = K.settings_from(yaml.safe_load(next(cm for cm in objs["ConfigMap"] if cm["metadata"]["name"] == f"t1-kvd-{role}-config")
+                                           ["data"]["kvd.yaml"]), Path("/tmp"), {})
+        peers, *rest = spec["ingress"]
+        # Every daemon pod of the release (either role) is a peer; nothing else is, by default.
+        for other in sets.values():
+            assert other["spec"]["template"]["metadata"]["labels"].items() >= peers["from"][0]["podSelector"]["matchLabels"].items()
+        assert len(peers["from"]) == 1 + len(np["peersFrom"])
+        want = [{"protocol": "TCP", "port": K.tcp_port(s.listen_tcp)}]
+        if s.backend == "mooncake":
+            mc = values["kvd"]["mooncakePorts"]
+            want.append({"protocol": "TCP", "port": mc["min"], "endPort": mc["max"]})
+        assert peers["ports"] == want
+        metrics, *rest = rest
+        assert metrics["ports"] == [{"protocol": "TCP", "port": s.metrics_port}] and metrics.get("from", []) == np["metricsFrom"]
+        engine = {**values["engine"], **values["roles"][role].get("engine", {})}
+        if engine["image"]["repository"] and engine["ports"]:
+            rule, *rest = rest
+            assert rule["ports"] == [{"protocol": "TCP", "port": p["containerPort"]} for p in engine["ports"]]
+        assert rest == np["extraIngress"]
 
 
 @helm_only
