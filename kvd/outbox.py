@@ -247,11 +247,15 @@ class Outbox:
 
     def _plan_ahead(self, session: str, rid: str, ticket: TicketInfo, env: list[Envelope]) -> _Ahead | None:
         """The whole request's Send planned now, or None where planning refuses (the Send that
-        tries it reports why, as it would without begin)."""
+        tries it reports why, as it would without begin). Never raises: planning ahead only
+        saves the Send time, and the transfer is open at the receiver already."""
         try:
             (src,) = self.node.vectors(session, [rid])
             plan = plan_chunk(self.node.layout, src, ticket.vectors, env, ticket.envelopes, 0, src.tokens, True)
         except KvdError:
+            return None
+        except Exception:  # a bug: the Send plans for itself (and meets it there, reported)
+            log.exception("planning the send of %s ahead failed", rid)
             return None
         return _Ahead(src, env, src.tokens, plan)
 
