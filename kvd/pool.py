@@ -55,6 +55,8 @@ from kvd.stats import GroupStats, PoolStats
 __all__ = ["Pool", "IndexVectors", "Envelope", "CompactionResult", "AllocSpec"]
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
+#: The longest request length the planner assumes when it shares free bytes with the state group.
+TYPICAL_TOKENS = 4096
 
 
 class IndexVectors(NamedTuple):
@@ -143,6 +145,7 @@ class _Step:
 
     need: dict[GroupKind, int]
     swa_release: int = 0
+    tokens: int = 0  # the request's length after the step
 
 
 class Pool:
@@ -171,9 +174,10 @@ class Pool:
         order = layout.arena_order()
         self._specs: dict[GroupKind, GroupSpec] = {g.kind: g for g in order}
         self._ps = {g.kind: layout.page_size_of(g) for g in order}
-        # Bytes per token each group tends to consume (a state slot spread over a typical 4k-token
-        # request): how the planner shares a gap between neighbouring groups.
-        self._weight = {g.kind: layout.entry_bytes(g) / (4096 if g.kind is STATE else 1) for g in order}
+        # Bytes per token each group tends to consume: how the planner shares a gap between
+        # neighbouring groups. A state slot is spread over a typical request's tokens, which
+        # :meth:`_weights` takes from the requests at hand (at most TYPICAL_TOKENS).
+        self._weight = {g.kind: layout.entry_bytes(g) / (TYPICAL_TOKENS if g.kind is STATE else 1) for g in order}
         self.groups: dict[GroupKind, GroupAllocator] = {}
         full_ids = arena.reserved // layout.page_bytes(layout.group(FULL))
         for i, g in enumerate(order):
@@ -190,6 +194,7 @@ class Pool:
             k: torch.full((r.size,), -1, dtype=IDX) for k, r in self._rings.items()
         }
         self._requests: dict[str, _Request] = {}
+        self._live_tokens = 0  # sum of the live requests' tokens (their mean weighs the state group)
         self._by_handle: dict[int, _Request] = {}
         self._next_handle = 0
         self._versions = itertools.count(1)  # request mapping versions: never reused within a boot
@@ -293,7 +298,7 @@ class Pool:
             need[STATE] = 1
         if DRAFT in self.groups:
             need[DRAFT] = self._pages(DRAFT, tokens)
-        return _Step(need)
+        return _Step(need, tokens=tokens)
 
     def _extend_step(self, r: _Request, add: int) -> _Step:
         new = r.tokens + add
@@ -305,19 +310,22 @@ class Pool:
             release = self._swa_first(r.tokens) - r.swa_first
         if DRAFT in self.groups:
             need[DRAFT] = self._pages(DRAFT, new) - r.draft.numel()
-        return _Step(need, release)
+        return _Step(need, release, new)
 
     # =========================================================================================
     # planning: does a set of steps fit the shared arena, and where does each group grow?
     # =========================================================================================
-    def _plan(self, steps: Sequence[_Step], trimmed: bool) -> tuple[dict, int]:
+    def _plan(self, steps: Sequence[_Step], trimmed: bool, balanced: bool = False) -> tuple[dict, int]:
         """Greedy placement along the arena, low address to high.
 
         Each group first uses its holes (plus SWA pages released by the same steps), then grows
         into the gap below it (down/float groups), then the gap above it (up/float groups), up
-        to the next non-empty group. Using the lower gap first is optimal: no group further up
-        can reach it. Returns ``(plan, shortfall_bytes)``; plan maps kind ->
-        ``(grow_lo, grow_hi, new_lo)``."""
+        to the next non-empty group. Using the lower gap first fits the most into this one plan:
+        no group further up can reach that gap. ``balanced``: a float grows first into whichever
+        of its two gaps has more room for the neighbour it shares it with (room per byte weight
+        of that neighbour), so it does not eat the only gap of the group below (the state group
+        grows up alone) while the gap above stays empty. Returns ``(plan, shortfall_bytes)``;
+        plan maps kind -> ``(grow_lo, grow_hi, new_lo)``."""
         total: dict[GroupKind, int] = {}
         credit: dict[GroupKind, int] = {}
         for s in steps:
@@ -327,6 +335,7 @@ class Pool:
                 credit[SWA] = credit.get(SWA, 0) + s.swa_release
         bounds = {k: (a.trimmed_bounds() if trimmed else (a.lo, a.hi)) for k, a in self.groups.items()}
         kinds = list(self.groups)
+        weight = None  # computed when a float re-anchors (rare: only an empty float does)
         plan: dict[GroupKind, tuple[int, int, int | None]] = {}
         short = 0
         prev_hi_bytes = self.sink_bytes
@@ -343,14 +352,19 @@ class Pool:
                 # An empty float re-anchors inside the gap it sits in, leaving the group below it
                 # room in proportion to their byte weights, so neighbours do not box each other in.
                 first, last = -(-prev_hi_bytes // a.pb), min(upper // a.pb, a.p_max) - extra
-                below = self._weight[kinds[i - 1]]
-                above = sum(self._weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
-                target = first + int((last + extra - first) * below / (below + self._weight[k] + above))
+                weight = weight or self._weights(steps)
+                below = weight[kinds[i - 1]]
+                above = sum(weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
+                target = first + int((last + extra - first) * below / (below + weight[k] + above))
                 new_lo = lo = hi = max(first, min(target, last))
             down_room = lo - -(-prev_hi_bytes // a.pb) if a.direction is not Direction.UP else 0
             up_room = min(upper // a.pb, a.p_max) - hi if a.direction is not Direction.DOWN else 0
-            g_lo = min(extra, max(0, down_room))
-            g_hi = min(extra - g_lo, max(0, up_room))
+            if balanced and a.direction is Direction.FLOAT and extra and self._up_first(kinds, i, nxt, down_room, up_room, steps):
+                g_hi = min(extra, max(0, up_room))
+                g_lo = min(extra - g_hi, max(0, down_room))
+            else:
+                g_lo = min(extra, max(0, down_room))
+                g_hi = min(extra - g_lo, max(0, up_room))
             missing = extra - g_lo - g_hi
             ring = self._rings.get(k)
             if ring is not None and need > ring.count:
@@ -361,20 +375,70 @@ class Pool:
             prev_hi_bytes = max(prev_hi_bytes, (hi + g_hi) * a.pb) if (hi + g_hi) > lo - g_lo else prev_hi_bytes
         return plan, short
 
+    def _up_first(self, kinds: list[GroupKind], i: int, nxt: GroupKind | None, down_room: int, up_room: int,
+                  steps: Sequence[_Step]) -> bool:
+        """Whether float ``kinds[i]`` should grow into the gap above it first: that gap leaves
+        more room per byte weight of the neighbour it shares it with than the gap below does.
+        A neighbour that cannot grow into the gap (the top group's gap below the float is the
+        float's alone, and so on) weighs nothing there."""
+        a = self.groups[kinds[i]]
+        w = self._weights(steps)
+        below = self.groups[kinds[i - 1]] if i > 0 else None
+        w_below = w[kinds[i - 1]] if below is not None and below.direction is not Direction.DOWN else 0.0
+        w_above = w[nxt] if nxt is not None and self.groups[nxt].direction is not Direction.UP else 0.0
+        if w_above == 0.0:
+            return up_room > 0 and w_below > 0.0
+        if w_below == 0.0:
+            return False
+        return max(0, up_room) * a.pb / w_above > max(0, down_room) * a.pb / w_below
+
+    def _weights(self, steps: Sequence[_Step]) -> dict[GroupKind, float]:
+        """Per-token byte weights of the groups, a state slot spread over the mean length of the
+        live requests and those being placed (at least a page, at most TYPICAL_TOKENS): short
+        requests need a slot per few tokens, and a state group weighed as if every request were
+        4k tokens long got only page-alignment room below a float (tiny-hybrid's short
+        requests were refused with 94% of the arena free until compaction)."""
+        if STATE not in self.groups:
+            return self._weight
+        new = [s.tokens for s in steps if s.need.get(STATE)]
+        count = len(self._requests) + len(new)
+        if not count:
+            return self._weight
+        typical = min(TYPICAL_TOKENS, max(self._ps[FULL], (self._live_tokens + sum(new)) // count))
+        return {**self._weight, STATE: self.layout.entry_bytes(self._specs[STATE]) / typical}
+
+    def _attempt(self, steps: Sequence[_Step]) -> tuple[dict, int, bool]:
+        """The first plan of ``steps`` that fits, trying balanced growth before lower-gap-first
+        and both before trimming edges: ``(plan, 0, trimmed)``; else ``(plan, shortfall, True)``
+        with the smallest shortfall seen. Changes nothing."""
+        short = None
+        plan: dict = {}
+        for trimmed in (False, True):
+            for balanced in (True, False):
+                p, s = self._plan(steps, trimmed, balanced)
+                if s == 0:
+                    return p, 0, trimmed
+                if short is None or s < short:
+                    plan, short = p, s
+        return plan, int(short or 0), True
+
     def _fit(self, steps: Sequence[_Step], what: str) -> dict:
-        """Plan ``steps``; trim edges if that makes them fit; raise CapacityError otherwise.
-        Mutates only by trimming (which frees no page and moves no byte)."""
-        plan, short = self._plan(steps, trimmed=False)
-        if short == 0:
+        """Plan ``steps`` (:meth:`_attempt`); raise CapacityError when nothing fits. Mutates
+        only by trimming (which frees no page and moves no byte)."""
+        plan, short, trimmed = self._attempt(steps)
+        if not trimmed:
             return plan
-        plan, short = self._plan(steps, trimmed=True)
         if short:
             holes = sum(a.n_holes * a.pb for a in self.groups.values())
-            raise CapacityError(
-                f"{what} does not fit: {short:,d} bytes short ({self._free_summary()}); free or offload "
-                f"requests" + (f", or compact ({holes:,d} bytes sit in holes)" if holes else ""),
-                shortfall_bytes=short,
-            )
+            gap = self.gap_bytes()
+            if gap >= short + self.layout.max_page_bytes * len(self.groups):
+                # Free bytes exist, but between the wrong neighbours (a float boxed in): only
+                # moving pages makes them usable, which the engine must allow (a safe point).
+                hint = (f"; {gap:,d} free bytes lie between groups that cannot grow into them: compact() slides the "
+                        "groups to share them (then retry), or free or offload requests")
+            else:
+                hint = "; free or offload requests" + (f", or compact ({holes:,d} bytes sit in holes)" if holes else "")
+            raise CapacityError(f"{what} does not fit: {short:,d} bytes short ({self._free_summary()}){hint}", shortfall_bytes=short)
         for a in self.groups.values():
             a.trim()
         return plan
@@ -399,8 +463,7 @@ class Pool:
         specs = [specs] if isinstance(specs, AllocSpec) else list(specs)
         self._validate_new(specs)
         steps = [self._alloc_step(s.tokens, s.receive) for s in specs]
-        plan, short = self._plan(steps, trimmed=False)
-        return 0 if short == 0 else self._plan(steps, trimmed=True)[1]
+        return self._attempt(steps)[1]
 
     def allocate(self, rid: str, tokens: int, *, receive: bool = False) -> IndexVectors:
         """Allocate ``tokens`` tokens for new request ``rid``; see :class:`AllocSpec`."""
@@ -427,6 +490,7 @@ class Pool:
             )
             self._bind_step(r, step, plan)
             self._requests[s.rid] = r
+            self._live_tokens += r.tokens
             self._by_handle[r.handle] = r
             out.append(self._vectors(r))
         return out
@@ -460,6 +524,7 @@ class Pool:
             r = self._requests[rid]
             r.base_tokens = r.tokens
             r.tokens += add
+            self._live_tokens += add
             self._bind_step(r, step, plan)
             out.append(self._vectors(r))
         return out
@@ -514,12 +579,13 @@ class Pool:
             self._live(rid)
         for rid in rids:
             if self._offloaded.pop(rid, None) is None:
-                self._release(self._requests.pop(rid))
+                self._live_tokens -= self._release(self._requests.pop(rid))
         # Freed pages may be bound to another request (possibly under the same id) next: vectors
         # quoted before this point must not pass require_fresh for whatever comes next.
         self.epoch += 1
 
-    def _release(self, r: _Request) -> None:
+    def _release(self, r: _Request) -> int:
+        """Unbind every page and id of ``r`` (dropped from the tables); returns its tokens."""
         if SWA in self.groups:
             self.groups[SWA].unbind(r.full[r.swa_first :])
         self.groups[FULL].unbind(r.full)
@@ -535,6 +601,7 @@ class Pool:
             self._vid_req[DRAFT][r.draft] = -1
             self._rings[DRAFT].give(r.draft)
         del self._by_handle[r.handle]
+        return r.tokens
 
     def _new_handle(self) -> int:
         h = self._next_handle
@@ -796,7 +863,7 @@ class Pool:
                 view = self.page_view(k)
                 off.host[k] = view.index_select(0, pages.to(view.device)).to("cpu")
                 nbytes += off.host[k].numel()
-        self._release(self._requests.pop(rid))
+        self._live_tokens -= self._release(self._requests.pop(rid))
         self._offloaded[rid] = off
         self.epoch += 1  # its pages may be reused: vectors quoted before are stale
         return nbytes
@@ -824,6 +891,7 @@ class Pool:
         self.epoch += 1
         r.moved_epoch = self.epoch
         self._requests[rid] = r
+        self._live_tokens += r.tokens
         self._by_handle[r.handle] = r
         return self._vectors(r)
 
@@ -883,6 +951,9 @@ class Pool:
         def fail(msg: str) -> None:
             raise InternalError(f"pool invariant broken: {msg}")
 
+        live_tokens = sum(r.tokens for r in self._requests.values())
+        if live_tokens != self._live_tokens:
+            fail(f"live requests hold {live_tokens} tokens but the running count says {self._live_tokens}")
         prev_hi, prev_name = self.sink_bytes, "sink"
         for k, a in self.groups.items():
             bound_p = (a.p2v != -1).nonzero().flatten()
