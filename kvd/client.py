@@ -218,6 +218,15 @@ def _tokens(n: object, what: str) -> int:
     return n
 
 
+def _chunk_tokens(n: object) -> int:
+    """BeginSend's chunk size as the wire carries it (uint32)."""
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise InvalidArgument(f"begin_send: chunk_tokens must be an int, got {n!r}")
+    if not 0 <= n < 2**32:
+        raise InvalidArgument(f"begin_send: chunk_tokens {n} must be 0 (one Send of the whole request) or the prefill chunk in tokens")
+    return n
+
+
 def _specs(specs: Sequence[AllocSpec | tuple]) -> list[pb.AllocSpec]:
     out = []
     for s in specs:
@@ -332,14 +341,17 @@ class _Surface:
         return self._call("Restore", pb.RestoreRequest(rid=rid), lambda r: vectors_from_pb(r.vectors))
 
     # -- handoff --
-    def begin_send(self, rid: str, ticket: bytes) -> bool:
+    def begin_send(self, rid: str, ticket: bytes, *, chunk_tokens: int = 0) -> bool:
         """Prefill side: open ``rid``'s transfer to the decode daemon that issued ``ticket`` now,
         when the ticket arrives and the prompt has not been computed yet. The decode daemon
         checks the ticket here instead of in the first :meth:`send`, which then starts writing
-        at once. Returns False when it was open already. Raises what the first ``send`` would
+        at once, and this daemon plans the Sends that will follow: one of the whole request, or
+        with ``chunk_tokens`` one per chunk of that many tokens (the prefill chunk; at most 1,024
+        chunks). Returns False when it was open already. Raises what the first ``send`` would
         raise before any write (a stale or foreign ticket, a lease gone), and NotFound /
         PermissionDenied for a request this session does not hold; nothing changes then."""
-        return self._call("BeginSend", pb.BeginSendRequest(rid=rid, ticket=ticket), lambda r: r.opened)
+        req = pb.BeginSendRequest(rid=rid, ticket=ticket, chunk_tokens=_chunk_tokens(chunk_tokens))
+        return self._call("BeginSend", req, lambda r: r.opened)
 
     def send(self, rid: str, ticket: bytes, *, start: int = 0, end: int | None = None, last: bool = True) -> SendResult:
         """Prefill side: move tokens ``[start, end)`` of ``rid`` (whose KV is written) to the

@@ -52,19 +52,21 @@ class _Outbound:
 
 @dataclass(frozen=True, slots=True)
 class _Ahead:
-    """A Send planned by :meth:`Outbox.begin` while the prompt computes: tokens ``[0, end)``
-    with ``last``, from the request's vectors ``src`` and this pool's envelopes ``env``. A Send
-    of that range uses ``plan`` only while both are unchanged (:meth:`kvd.pool.Pool.unchanged`,
-    checked under the Send's lease, and envelope equality); any other Send plans itself."""
+    """Sends planned by :meth:`Outbox.begin` while the prompt computes, from the request's
+    vectors ``src`` and this pool's envelopes ``env``: ``plans`` maps ``(start, end, last)`` to
+    its plan. A Send of such a range uses it only while both are unchanged
+    (:meth:`kvd.pool.Pool.unchanged`, checked under the Send's lease, and envelope equality);
+    any other Send plans itself."""
 
     src: IndexVectors
     env: list[Envelope]
-    end: int
-    plan: Plan
+    plans: dict[tuple[int, int, bool], Plan]
 
 
 #: The most items one :meth:`Outbox.send_many` call (one SendMany) takes.
 MAX_SEND_ITEMS = 1024
+#: The most chunks :meth:`Outbox.begin` plans ahead for one request.
+MAX_AHEAD_CHUNKS = 1024
 
 
 class SendItem(NamedTuple):
@@ -213,16 +215,19 @@ class Outbox:
 
     # -- the steps of one item ---------------------------------------------------------------
 
-    def begin(self, session: str, rid: str, ticket: TicketInfo, raw: bytes) -> bool:
+    def begin(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, *, chunk_tokens: int = 0) -> bool:
         """Open the transfer of ``rid`` to the ticket's receiver before its first Send: the
         receiver checks the ticket now (CheckTicket) and the transfer is RECEIVING there, so the
         Sends that follow -- the first included -- skip that round trip, as later chunks do. A
         prefill engine calls it when the ticket arrives, while the prompt still computes.
 
-        It also plans the Send of the whole request (every token, ``last``) from the request's
-        vectors now, without a lease: a Send of that range finds the plan made when the request
-        still has the same pages (none bound, released or moved since: compaction, extend, free)
-        and skips planning; any other range, or a request that changed, plans at the Send.
+        It also plans the request's Sends from its vectors now, without a lease: the whole
+        request (every token, ``last``), or with ``chunk_tokens`` each chunk of that many tokens
+        (the final one ``last``), as a chunked prefill sends them. A Send of such a range finds
+        its plan when the request still has the same pages (none bound, released or moved since:
+        compaction, extend, free) and skips planning; any other range, or a request that
+        changed, plans at the Send. InvalidArgument, before the receiver hears of it, for more
+        than :data:`MAX_AHEAD_CHUNKS` chunks.
 
         Returns False when the transfer was open already (nothing asked). Refuses what the
         first Send would refuse before its first byte (the ticket for another layout, backend or
@@ -231,6 +236,13 @@ class Outbox:
         open, the transfer lives as one between two chunks does: heartbeats keep it, an abort on
         either side ends it, and the receiver's RECV lease bounds it."""
         self._check_ticket(rid, ticket)
+        n = ticket.vectors.tokens
+        if chunk_tokens and -(-n // chunk_tokens) > MAX_AHEAD_CHUNKS:
+            raise InvalidArgument(
+                f"begin_send: chunks of {chunk_tokens:,d} tokens cut the request's {n:,d} tokens into "
+                f"{-(-n // chunk_tokens):,d} chunks; at most {MAX_AHEAD_CHUNKS:,d} are planned ahead: give the prefill chunk "
+                "(larger), or 0 for one Send of the whole request"
+            )
         self.node.require_owner(session, rid)
         ob = self._enter(session, rid, ticket)
         try:
@@ -240,24 +252,29 @@ class Outbox:
             pair_envelopes(self.node.layout, env, ticket.envelopes)
             self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
             ob.began = True
-            ob.ahead = self._plan_ahead(session, rid, ticket, env)
+            ob.ahead = self._plan_ahead(session, rid, ticket, env, chunk_tokens)
             return True
         finally:
             self._leave(ob, last=False)
 
-    def _plan_ahead(self, session: str, rid: str, ticket: TicketInfo, env: list[Envelope]) -> _Ahead | None:
-        """The whole request's Send planned now, or None where planning refuses (the Send that
-        tries it reports why, as it would without begin). Never raises: planning ahead only
-        saves the Send time, and the transfer is open at the receiver already."""
+    def _plan_ahead(self, session: str, rid: str, ticket: TicketInfo, env: list[Envelope], chunk: int) -> _Ahead | None:
+        """The request's Sends planned now (:meth:`begin`), or None where planning refuses (the
+        Send that tries it reports why, as it would without begin). Never raises: planning
+        ahead only saves the Sends time, and the transfer is open at the receiver already."""
         try:
             (src,) = self.node.vectors(session, [rid])
-            plan = plan_chunk(self.node.layout, src, ticket.vectors, env, ticket.envelopes, 0, src.tokens, True)
+            n = src.tokens
+            step = chunk or n
+            plans = {}
+            for t0 in range(0, n, step):
+                key = (t0, min(n, t0 + step), t0 + step >= n)
+                plans[key] = plan_chunk(self.node.layout, src, ticket.vectors, env, ticket.envelopes, *key)
         except KvdError:
             return None
         except Exception:  # a bug: the Send plans for itself (and meets it there, reported)
-            log.exception("planning the send of %s ahead failed", rid)
+            log.exception("planning the sends of %s ahead failed", rid)
             return None
-        return _Ahead(src, env, src.tokens, plan)
+        return _Ahead(src, env, plans)
 
     def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
         """What this daemon alone can refuse in a ticket: another layout, backend or request."""
@@ -324,9 +341,10 @@ class Outbox:
             f.lease_id = lease.lease_id
             f.step("lease")
             end = src.tokens if not t1 else t1
-            if ahead is not None and src is ahead.src and t0 == 0 and end == ahead.end and f.item.last and own_env == ahead.env:
+            planned = ahead.plans.get((t0, end, f.item.last)) if ahead is not None and src is ahead.src else None
+            if planned is not None and own_env == ahead.env:  # type: ignore[union-attr]
                 # Planned by begin from these very vectors, which the lease now pins.
-                f.plan = ahead.plan
+                f.plan = planned
                 with self._lock:
                     self.planned_ahead_total += 1
             else:

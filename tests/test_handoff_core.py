@@ -310,3 +310,31 @@ def test_pool_unchanged_follows_every_change_of_a_requests_pages():
     assert not p.pool.unchanged(vc) and pk.phys_key(p.pool.vectors("c")) != pk.phys_key(vc)
     assert not p.pool.unchanged(vc._replace(version=0))  # vectors off the wire are never vouched for
     p.check()
+
+
+def test_begin_plans_each_chunk_of_a_chunked_prefill(pair):
+    p, ps, d, _, rid, ticket = pair
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    keys = _keyed(p, d, rid)
+    ob.begin(ps, rid, ticket, raw, chunk_tokens=8)  # chunks [0, 8), [8, 16), [16, 20)
+    for t0, t1 in ((0, 8), (8, 16)):
+        ob.send(ps, rid, ticket, raw, t0, t1, last=False)
+    ob.send(ps, rid, ticket, raw, 16, None, last=True)
+    assert ob.planned_ahead_total == 3
+    keys.verify(d.pool.vectors(rid))
+    assert d.inbox.status(rid).state is TransferState.READY
+    ob.backend.close()
+
+
+def test_too_many_chunks_to_plan_are_refused_before_the_receiver_hears(pair, monkeypatch):
+    import kvd.outbox as outbox_mod
+
+    p, ps, d, _, rid, ticket = pair
+    link = CheckingLink(d)
+    raw = link.register(ticket)
+    ob = Outbox(p, LocalBackend(), link, address="prefill")
+    monkeypatch.setattr(outbox_mod, "MAX_AHEAD_CHUNKS", 4)
+    with pytest.raises(InvalidArgument, match="cut the request's 20 tokens into 7 chunks; at most 4"):
+        ob.begin(ps, rid, ticket, raw, chunk_tokens=3)
+    assert link.events == [] and d.inbox.status(rid).state is TransferState.WAITING and ob.open_count() == 0
+    assert ob.begin(ps, rid, ticket, raw, chunk_tokens=5) is True  # 4 chunks: planned

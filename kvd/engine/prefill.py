@@ -3,7 +3,8 @@
 ::
 
     allocate(r, n)                      every page of the prompt (SWA pages for every token)
-    begin_send(r, ticket)               the decode daemon checks the ticket now, not in the first send
+    begin_send(r, ticket, chunk)        the decode daemon checks the ticket now, not in the first send;
+                                        this daemon plans every chunk's send
     for each chunk [t0, t1):
         target + draft forward          reads earlier chunks from the arena, writes this one
         send(r, ticket, t0, t1, last)   the daemon moves the chunk's pages to the decode node;
@@ -52,8 +53,9 @@ class PrefillEngine:
         nbytes, secs, chunks = 0, 0.0, 0
         try:
             if ticket is not None:
-                # The decode daemon checks the ticket while the prompt computes, not in the first Send.
-                self.kv.begin_send(req.rid, ticket)  # type: ignore[attr-defined]
+                # The decode daemon checks the ticket while the prompt computes, not in the first
+                # Send, and this daemon plans the chunks' Sends meanwhile.
+                self.kv.begin_send(req.rid, ticket, chunk_tokens=step if step < n else 0)  # type: ignore[attr-defined]
             for t0 in range(0, n, step):
                 t1 = min(n, t0 + step)
                 pend = Pending(t0)

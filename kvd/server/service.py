@@ -290,7 +290,9 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def BeginSend(self, request: pb.BeginSendRequest, context):
         def go():
             session, outbox = self._sender(context)
-            opened = outbox.begin(session, request.rid, ticket_info(parse_ticket(request.ticket)), request.ticket)
+            opened = outbox.begin(
+                session, request.rid, ticket_info(parse_ticket(request.ticket)), request.ticket, chunk_tokens=request.chunk_tokens
+            )
             return pb.BeginSendResponse(opened=opened)
 
         return self._run(context, go)

@@ -1330,9 +1330,10 @@ class BeginSendRequest(_message.Message):
     """Prefill engine -> its daemon: open the transfer of a request before its first Send, as soon as
     the decode daemon's ticket arrives (while the prompt still computes). The receiver checks the
     ticket now (boot, epoch, lease, layout) and the transfer is RECEIVING there; every Send of it
-    then skips that round trip, as later chunks do. The daemon also plans the Send of the whole
-    request now: a Send of every token with last=true uses that plan while the request keeps its
-    pages (nothing compacted, extended or freed since), else it plans itself. Refused as the first Send would be before its
+    then skips that round trip, as later chunks do. The daemon also plans the request's Sends now:
+    the whole request (last=true), or with chunk_tokens every chunk [k*c, min((k+1)*c, n)) (the
+    final one last); a Send of such a range uses its plan while the request keeps its pages
+    (nothing compacted, extended or freed since), any other Send plans itself. Refused as the first Send would be before its
     first byte (FAILED_PRECONDITION / ABORTED / INVALID_ARGUMENT / the receiver's refusal), and
     NOT_FOUND / PERMISSION_DENIED for a request this session does not hold; nothing changes then.
     An open transfer lives as one between two chunks: heartbeats keep it, Abort on either side ends
@@ -1343,18 +1344,22 @@ class BeginSendRequest(_message.Message):
 
     RID_FIELD_NUMBER: _builtins.int
     TICKET_FIELD_NUMBER: _builtins.int
+    CHUNK_TOKENS_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
     ticket: _builtins.bytes
     """the decode daemon's ticket, unchanged"""
+    chunk_tokens: _builtins.int
+    """the engine's prefill chunk (0: one Send of the whole request); at most 1024 chunks"""
     def __init__(
         self,
         *,
         rid: _builtins.str = ...,
         ticket: _builtins.bytes = ...,
+        chunk_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rid", b"rid", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_tokens", b"chunk_tokens", "rid", b"rid", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,8 +18,11 @@ def test_pd_equals_colocated(models, reference, chunk, spec_k):
     ref = reference(reqs, cfg)
     with pd_pair(models) as pair:
         got, stats = run_pd(pair, models, reqs, cfg)
+        outbox = pair.prefill.daemon.outbox
     assert compare(got, ref) == []
     assert stats.recv_leases == len(reqs)
+    # The prefill engine opens each transfer with its chunk: every Send used the plan BeginSend made.
+    assert outbox is not None and outbox.items_total > 0 and outbox.planned_ahead_total == outbox.items_total
     if spec_k:
         assert stats.proposed > 0 and 0 < stats.accepted < stats.proposed
 

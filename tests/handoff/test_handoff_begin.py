@@ -9,11 +9,12 @@ import asyncio
 
 import daemon_kit as dk
 import grpc
+import pytest
 import handoff_kit as hk
 import torch
 
 from kvd.client import AsyncClient, TransferState
-from kvd.errors import NotFound, PermissionDenied
+from kvd.errors import InvalidArgument, NotFound, PermissionDenied
 
 READY, WAITING, RECEIVING = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING
 
@@ -58,6 +59,23 @@ def test_a_whole_request_send_after_begin_uses_the_plan_begin_made(hp):
     assert _planned_ahead(hp) == ahead0 + 1
     assert list(res.phases) == ["lease", "plan", "issue", "write", "commit"], res.phases
     assert hp.d.c.wait_ready(rid, 5).state is READY
+    exp = hk.expected_arena(before_d, before_p, hk.moved(src, dst, dst.tokens, state=True))
+    assert torch.equal(hp.d.arena, exp), hk.diff_summary(hp.d.arena, exp)
+    hp.check()
+
+
+def test_chunk_sends_after_begin_with_the_chunk_use_the_plans_begin_made(hp):
+    rid, src, dst, lease = hp.setup_request(70, prefix="ahead-chunks")
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    ahead0 = _planned_ahead(hp)
+    with pytest.raises(InvalidArgument, match="chunk_tokens -1 must be 0"):
+        hp.p.c.begin_send(rid, lease.ticket, chunk_tokens=-1)  # refused by the client, before the wire
+    assert hp.p.c.begin_send(rid, lease.ticket, chunk_tokens=40) is True
+    first = hp.p.c.send(rid, lease.ticket, start=0, end=40, last=False)
+    last = hp.p.c.send(rid, lease.ticket, start=40, last=True)
+    assert _planned_ahead(hp) == ahead0 + 2
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    assert first.nbytes + last.nbytes == hp.d.c.wait_ready(rid, 0).nbytes
     exp = hk.expected_arena(before_d, before_p, hk.moved(src, dst, dst.tokens, state=True))
     assert torch.equal(hp.d.arena, exp), hk.diff_summary(hp.d.arena, exp)
     hp.check()
