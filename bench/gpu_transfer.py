@@ -28,6 +28,10 @@ its SWA pages near the window; decode requests allocated ``receive=True`` before
 * ``32k, check in Send``: the same without BeginSend (every other workload's transfers are
   opened by BeginSend when their tickets are issued, as the prefill engine does: the Send then
   skips the CheckTicket round trip; here the Send runs it, overlapped with its lease and plan);
+* ``32k in chunks of 8k``: the same request as a chunked prefill sends it, one Send per
+  ``--chunk-send`` tokens one after another, opened by BeginSend with that chunk (so each
+  chunk's plan is made ahead); server = the Sends' seconds summed, wall = first Send until the
+  last reply and the WaitReady answer;
 * ``mixed seq``: 32 requests, token counts log-uniform in [512, 32768] (seed ``--seed``), sent
   one after another;
 * ``mixed x8``: the same 32 requests by 8 concurrent senders (threads, each with its own
@@ -109,7 +113,7 @@ WAITER_HEAD_START_S = 0.003
 #: Blocks per backend write, as the daemon's Outbox batches them (kvd.outbox.Outbox.batch_blocks).
 BATCH = 256
 #: Ways to send a workload's requests (Pair.send_pass).
-SEQ, X8, BATCHED = "seq", "x8", "batched"
+SEQ, X8, BATCHED, CHUNKS = "seq", "x8", "batched", "chunks"
 
 
 def log(msg: str) -> None:
@@ -344,10 +348,11 @@ class Pair:
         log(f"[{self.label}] prefill requests built ({1 + len(self.mixed) + len(self.batched)}, chunks of {chunk} tokens) and filled "
             f"in {time.perf_counter() - t0:.1f} s")
 
-    def receive(self, reqs: list[Req], begin: bool = True) -> dict[str, bytes]:
+    def receive(self, reqs: list[Req], begin: bool = True, chunk: int = 0) -> dict[str, bytes]:
         """Allocate every request on the decode daemon (receive=True) and take its RECV lease;
-        ``begin``: then the prefill side opens each transfer (BeginSend), as a prefill engine
-        does when the ticket arrives, before the prompt is computed (not timed)."""
+        ``begin``: then the prefill side opens each transfer (BeginSend, with ``chunk`` as its
+        chunk_tokens), as a prefill engine does when the ticket arrives, before the prompt is
+        computed (not timed)."""
         from kvd.errors import CapacityError
 
         tickets = {}
@@ -361,7 +366,7 @@ class Pair:
             tickets[r.rid] = kv.acquire_lease(r.rid, "recv").ticket
         if begin:
             for r in reqs:
-                self.pc[r.worker].begin_send(r.rid, tickets[r.rid])
+                self.pc[r.worker].begin_send(r.rid, tickets[r.rid], chunk_tokens=chunk)
         return tickets
 
     def release(self, reqs: list[Req]) -> None:
@@ -392,6 +397,34 @@ class Pair:
             raise RuntimeError(f"{r.rid}: transfer ended {st.state.value}: {st.reason}")
         if r.nbytes and (res.nbytes != r.nbytes or st.nbytes != r.nbytes):
             raise RuntimeError(f"{r.rid}: Send moved {res.nbytes:,d} bytes, WaitReady saw {st.nbytes:,d}, the plan has {r.nbytes:,d}")
+        return res, wall
+
+    def send_chunks(self, r: Req, ticket: bytes) -> tuple[object, float]:
+        """:meth:`send_one` as a chunked prefill sends: one Send per ``--chunk-send`` tokens, one
+        after another (the last with ``last``); returns the Sends summed as one result (bytes,
+        blocks, seconds, phases) and the wall time from the first Send until the last reply and
+        the decode's WaitReady answer arrived."""
+        from kvd.client import SendResult, TransferState
+
+        step = self.args.chunk_send
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(self.dc[r.worker].wait_ready(r.rid, 120)), name=f"wait-{r.rid}")
+        waiter.start()
+        time.sleep(WAITER_HEAD_START_S)
+        a = time.perf_counter()
+        parts = [self.pc[r.worker].send(r.rid, ticket, start=t0, end=min(r.tokens, t0 + step), last=t0 + step >= r.tokens)
+                 for t0 in range(0, r.tokens, step)]
+        waiter.join()
+        wall = time.perf_counter() - a
+        if not got or got[0].state is not TransferState.READY:
+            raise RuntimeError(f"{r.rid}: chunked transfer did not end READY: {got}")
+        phases: dict[str, float] = {}
+        for x in parts:
+            for k, v in x.phases.items():
+                phases[k] = phases.get(k, 0.0) + v
+        res = SendResult(sum(x.nbytes for x in parts), sum(x.blocks for x in parts), sum(x.seconds for x in parts), {}, phases)
+        if r.nbytes and (res.nbytes != r.nbytes or got[0].nbytes != r.nbytes):
+            raise RuntimeError(f"{r.rid}: chunked Sends moved {res.nbytes:,d} bytes, WaitReady saw {got[0].nbytes:,d}, the plan has {r.nbytes:,d}")
         return res, wall
 
     def send_batch(self, reqs: list[Req], tickets: dict[str, bytes]) -> tuple[dict[str, tuple[object, float]], float, float]:
@@ -435,6 +468,9 @@ class Pair:
         if how == X8:
             res = self.concurrent(reqs, tickets)
             return res, self.span, sum(x.seconds for x, _ in res.values())
+        if how == CHUNKS:
+            res = {r.rid: self.send_chunks(r, tickets[r.rid]) for r in reqs}
+            return res, sum(w for _, w in res.values()), sum(x.seconds for x, _ in res.values())
         if how == BATCHED:
             res, wall, server = {}, 0.0, 0.0
             k = self.args.batch
@@ -469,7 +505,7 @@ class Pair:
         times the copy of each request's blocks in this process (for ``breakdown``)."""
         self.d_att.tensor.zero_()
         torch.cuda.synchronize(self.b)
-        tickets = self.receive(reqs)
+        tickets = self.receive(reqs, chunk=self.args.chunk_send if how == CHUNKS else 0)
         plans = {r.rid: self.plan(r, tickets[r.rid]) for r in reqs}
         # The planner in this process, no daemon around it: how fast this host runs it.
         for r in reqs:
@@ -488,7 +524,8 @@ class Pair:
         for r in reqs:
             res, _ = results[r.rid]
             pl = plans[r.rid]
-            if res.nbytes != pl.nbytes or res.blocks != len(pl.blocks):
+            # Chunks cut runs at their edges: the same bytes, in as many blocks or more.
+            if res.nbytes != pl.nbytes or (res.blocks < len(pl.blocks) if how == CHUNKS else res.blocks != len(pl.blocks)):
                 why = why or f"{r.rid}: Send moved {res.nbytes:,d} bytes in {res.blocks} blocks, the plan {pl.nbytes:,d} in {len(pl.blocks)}"
             r.nbytes, r.blocks = pl.nbytes, len(pl.blocks)
         torch.cuda.synchronize(self.b)
@@ -591,7 +628,7 @@ class Pair:
 
     def timed_passes(self, row: Row, reqs: list[Req], passes: int, how: str, begin: bool = True) -> None:
         for _ in range(passes):
-            tickets = self.receive(reqs, begin)
+            tickets = self.receive(reqs, begin, chunk=self.args.chunk_send if how == CHUNKS else 0)
             gc.disable()
             try:
                 res, wall, server = self.send_pass(reqs, tickets, how)
@@ -720,6 +757,14 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
         rows.append(Row(pair.backend, pair.label, "32k, check in Send", 1, pair.big.nbytes, raw[pair.big.nbytes], ok=not why_big,
                         why=why_big, first_pass_s=first_big, plan_here_s=pair.big.plan_s))
         pair.timed_passes(rows[1], [pair.big], args.repeats, SEQ, begin=False)
+        if args.chunk_send:
+            # As a chunked prefill sends it: a Send per chunk, each planned by BeginSend.
+            why_chunks, first_chunks = pair.checked_pass([pair.big], None, CHUNKS)
+            log(f"[{pair.label}] checked pass: 32k in chunks of {args.chunk_send:,d} {'ok' if not why_chunks else why_chunks}")
+            rows.append(Row(pair.backend, pair.label, f"32k in chunks of {args.chunk_send // 1024}k", 1, pair.big.nbytes,
+                            raw[pair.big.nbytes], ok=not why_chunks, why=why_chunks, first_pass_s=first_chunks,
+                            plan_here_s=pair.big.plan_s))
+            pair.timed_passes(rows[-1], [pair.big], args.repeats, CHUNKS)
         if pair.mixed:
             plan_mixed = sum(r.plan_s for r in pair.mixed)
             rows += [
@@ -731,9 +776,9 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
                     sum(raw[r.nbytes] for r in pair.batched), ok=not why_bat, why=why_bat, first_pass_s=first_bat, batched=True,
                     plan_here_s=sum(r.plan_s for r in pair.batched)),
             ]
-            pair.timed_passes(rows[2], pair.mixed, args.mixed_passes, SEQ)
-            pair.timed_passes(rows[3], pair.mixed, args.mixed_passes, X8)
-            pair.timed_passes(rows[4], pair.batched, args.mixed_passes, BATCHED)
+            pair.timed_passes(rows[-3], pair.mixed, args.mixed_passes, SEQ)
+            pair.timed_passes(rows[-2], pair.mixed, args.mixed_passes, X8)
+            pair.timed_passes(rows[-1], pair.batched, args.mixed_passes, BATCHED)
         out["rows"] = [r.as_dict() for r in rows]
 
         # Where the time goes, per request: medians of the timed 32k passes; mixed: per-request
@@ -758,7 +803,8 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
 
         out["breakdown"] = {"32k": breakdown(bd_big, med(rows[0].server_s), med(rows[0].wall_s))}
         if pair.mixed:
-            out["breakdown"]["mixed seq"] = breakdown(bd_mixed, med(rows[2].server_s), med(rows[2].wall_s))
+            seq_row = next(r for r in rows if r.workload == "mixed seq")
+            out["breakdown"]["mixed seq"] = breakdown(bd_mixed, med(seq_row.server_s), med(seq_row.wall_s))
         if pair.backend != "local":
             out["breakdown_note"] = f"{pair.backend} backend: no copy breakdown (it times the local backend's copy)"
         elif pair.dmap is None:
@@ -852,6 +898,8 @@ def main() -> int:
     ap.add_argument("--raw-reps", type=int, default=10, help="timed raw copies per byte count (default 10)")
     ap.add_argument("--batch", type=int, default=8, help="requests per SendMany call in the mixed batched workload (default 8)")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk in tokens when building the requests (default 2048)")
+    ap.add_argument("--chunk-send", type=int, default=8192,
+                    help="row '32k in chunks': the 32k request as Sends of this many tokens, each planned by BeginSend (0: no such row)")
     ap.add_argument("--seed", type=int, default=7, help="seed of the mixed workload's token counts")
     ap.add_argument("--daemon-cpus", metavar="P:D",
                     help="pin the prefill daemon to cores P and the decode daemon to cores D (taskset lists, e.g. 2-3:4-5; "
