@@ -22,6 +22,19 @@ Epochs
     vectors quote the epoch they were made at, and :meth:`Pool.require_fresh` refuses a vector
     older than its request's last move or from another boot. Virtual ids stay valid until the
     request is freed or offloaded.
+
+Versions
+    Each request also has a mapping version, drawn from a pool-wide sequence whenever any of its
+    pages is bound, released or moved, and its vectors carry it: :meth:`Pool.unchanged` tells
+    whether vectors still are the request's without gathering them again (a Send planned at
+    BeginSend checks its plan that way).
+
+Placement
+    Groups sit in arena order (state, swa, draft, full); the ends grow inward, the floats in
+    between grow into either neighbouring gap. Free bytes between two groups serve both, shared
+    by their byte weights per token (a state slot over the requests' mean length); a float that
+    ends up between the wrong neighbours is moved only by :meth:`Pool.compact`, which a refusal
+    names when it would help.
 """
 
 from __future__ import annotations
