@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -182,6 +182,17 @@ _CONFIG_FILE: dict[str, Path] = {}
 _ENV_EXTRA = frozenset({"KVD_CONFIG_FILE"})
 
 
+def _known_env() -> frozenset[str]:
+    return frozenset(f"KVD_{name.upper()}" for name in Settings.model_fields) | _ENV_EXTRA
+
+
+def unknown_env(names: Iterable[str]) -> list[str]:
+    """The ``KVD_*`` names (any case, as pydantic-settings reads them) among ``names`` that kvd
+    does not read; other names are not kvd's business."""
+    known = _known_env()
+    return sorted(k for k in names if k.upper().startswith("KVD_") and k.upper() not in known)
+
+
 def _refuse_unknown_env(environ: Mapping[str, str]) -> None:
     """InvalidArgument naming every ``KVD_*`` variable that is no setting (pydantic-settings
     ignores them: a typo such as ``KVD_LISTEN_TPC`` would leave the default in force unseen)."""
@@ -189,8 +200,8 @@ def _refuse_unknown_env(environ: Mapping[str, str]) -> None:
 
     from kvd.errors import InvalidArgument
 
-    known = {f"KVD_{name.upper()}" for name in Settings.model_fields} | _ENV_EXTRA
-    unknown = sorted(k for k in environ if k.upper().startswith("KVD_") and k.upper() not in known)
+    known = _known_env()
+    unknown = unknown_env(environ)
     if not unknown:
         return
     hints = []

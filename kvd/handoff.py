@@ -116,7 +116,6 @@ class SendResult:
     phases: dict[str, float] = field(default_factory=dict)
 
 
-
 class PeerLink(Protocol):
     """How one daemon reaches another. Errors are kvd exceptions (Unavailable when unreachable,
     or when the connection broke during the call: a commit is never sent twice).

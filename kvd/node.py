@@ -216,13 +216,6 @@ class Node:
             self.touch(session_id)
             self._own(session_id, rid)
 
-    def require_owner(self, session_id: str, rid: str) -> None:
-        """NotFound unless ``rid`` is allocated here, PermissionDenied unless ``session_id`` holds
-        it (touches the session). Changes nothing else."""
-        with self._lock:
-            self.touch(session_id)
-            self._own(session_id, rid)
-
     def _own(self, session_id: str, rid: str) -> None:
         owner = self._owner.get(rid)
         if owner is None:

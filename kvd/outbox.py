@@ -2,10 +2,9 @@
 
 ``send`` validates the ticket with the receiver before the first byte (the receiver checks it
 while this daemon takes its SEND lease and plans the blocks; ``begin`` does it ahead, when the
-prefill engine gets the ticket, taking that round trip off the Send, and plans the whole request's
-Send then too), writes them in bounded batches
-checking for an abort between batches, commits, and releases the lease only after its writes
-landed. ``send_many`` does the same for many independent requests at once, pipelined: one
+prefill engine gets the ticket, taking that round trip off the Send, and plans the Sends then
+too), writes them in bounded batches checking for an abort between batches, commits, and
+releases the lease only after its writes landed. ``send_many`` does the same for many independent requests at once, pipelined: one
 request's copies run while the daemon commits the one before and prepares the one after
 (``send`` is ``send_many`` of one). ``heartbeat_once`` tells each receiver this sender is alive
 and learns of aborts on the receiving side. The states, records and the receiving side are in
@@ -47,7 +46,7 @@ class _Outbound:
     presumed: bool = False  # ``aborted`` is the heartbeat's inference; the receiver's own reason may follow
     active: int = 0  # Send calls in progress
     began: bool = False  # the receiver accepted the ticket at least once
-    ahead: _Ahead | None = None  # the whole request's Send, planned by begin
+    ahead: _Ahead | None = None  # the Sends begin planned (the whole request, or each chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +242,7 @@ class Outbox:
                 f"{-(-n // chunk_tokens):,d} chunks; at most {MAX_AHEAD_CHUNKS:,d} are planned ahead: give the prefill chunk "
                 "(larger), or 0 for one Send of the whole request"
             )
-        self.node.require_owner(session, rid)
+        self.node.own(session, rid)
         ob = self._enter(session, rid, ticket)
         try:
             if ob.began:
@@ -334,7 +333,8 @@ class Outbox:
                 check_range(t0, t1 or ticket.vectors.tokens, ticket.vectors.tokens)
                 pair_envelopes(self.node.layout, own_env, ticket.envelopes)
                 pending = self.link.start_check(ticket.peer_address, f.item.raw, self.address, ticket.via)
-            ahead = ob.ahead
+            # Plans made by begin hold while this pool's envelopes and the request's pages do.
+            ahead = ob.ahead if ob.ahead is not None and ob.ahead.env == own_env else None
             lease, src = self.node.acquire_lease(
                 session, rid, LeaseKind.SEND, ttl=self.lease_ttl, known=ahead.src if ahead is not None else None
             )
@@ -342,7 +342,7 @@ class Outbox:
             f.step("lease")
             end = src.tokens if not t1 else t1
             planned = ahead.plans.get((t0, end, f.item.last)) if ahead is not None and src is ahead.src else None
-            if planned is not None and own_env == ahead.env:  # type: ignore[union-attr]
+            if planned is not None:
                 # Planned by begin from these very vectors, which the lease now pins.
                 f.plan = planned
                 with self._lock:

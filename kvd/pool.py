@@ -348,7 +348,7 @@ class Pool:
                 credit[SWA] = credit.get(SWA, 0) + s.swa_release
         bounds = {k: (a.trimmed_bounds() if trimmed else (a.lo, a.hi)) for k, a in self.groups.items()}
         kinds = list(self.groups)
-        weight = None  # computed when a float re-anchors (rare: only an empty float does)
+        weight: dict[GroupKind, float] | None = None  # computed when a float first needs it
         plan: dict[GroupKind, tuple[int, int, int | None]] = {}
         short = 0
         prev_hi_bytes = self.sink_bytes
@@ -361,18 +361,20 @@ class Pool:
             new_lo = None
             nxt = next((j for j in kinds[i + 1 :] if bounds[j][1] > bounds[j][0]), None)
             upper = self.arena.backed if nxt is None else bounds[nxt][0] * self.groups[nxt].pb
-            if extra and a.direction is Direction.FLOAT and a.used == 0:
+            floats = bool(extra) and a.direction is Direction.FLOAT  # grows, and may grow either way
+            if floats:
+                weight = weight or self._weights(steps)
+            if floats and a.used == 0:
                 # An empty float re-anchors inside the gap it sits in, leaving the group below it
                 # room in proportion to their byte weights, so neighbours do not box each other in.
                 first, last = -(-prev_hi_bytes // a.pb), min(upper // a.pb, a.p_max) - extra
-                weight = weight or self._weights(steps)
                 below = weight[kinds[i - 1]]
                 above = sum(weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
                 target = first + int((last + extra - first) * below / (below + weight[k] + above))
                 new_lo = lo = hi = max(first, min(target, last))
             down_room = lo - -(-prev_hi_bytes // a.pb) if a.direction is not Direction.UP else 0
             up_room = min(upper // a.pb, a.p_max) - hi if a.direction is not Direction.DOWN else 0
-            if balanced and a.direction is Direction.FLOAT and extra and self._up_first(kinds, i, nxt, down_room, up_room, steps):
+            if balanced and floats and self._up_first(kinds, i, nxt, down_room, up_room, weight):
                 g_hi = min(extra, max(0, up_room))
                 g_lo = min(extra - g_hi, max(0, down_room))
             else:
@@ -389,13 +391,12 @@ class Pool:
         return plan, short
 
     def _up_first(self, kinds: list[GroupKind], i: int, nxt: GroupKind | None, down_room: int, up_room: int,
-                  steps: Sequence[_Step]) -> bool:
+                  w: dict[GroupKind, float]) -> bool:
         """Whether float ``kinds[i]`` should grow into the gap above it first: that gap leaves
         more room per byte weight of the neighbour it shares it with than the gap below does.
         A neighbour that cannot grow into the gap (the top group's gap below the float is the
-        float's alone, and so on) weighs nothing there."""
+        float's alone, and so on) weighs nothing there. ``w``: :meth:`_weights` of the plan."""
         a = self.groups[kinds[i]]
-        w = self._weights(steps)
         below = self.groups[kinds[i - 1]] if i > 0 else None
         w_below = w[kinds[i - 1]] if below is not None and below.direction is not Direction.DOWN else 0.0
         w_above = w[nxt] if nxt is not None and self.groups[nxt].direction is not Direction.UP else 0.0

@@ -82,8 +82,8 @@ def listen(path: str, setting: str, serves: str, *, backlog: int = 64, group: bo
 
 
 def open_to_group(path: str) -> None:
-    """Give the owner's group read and write on ``path`` (a socket file, to connect; an arena
-    file, to map), keeping the owner's bits and never others'."""
+    """Give the owner's group read and write on socket file ``path`` (connecting needs write
+    access), keeping the owner's bits and never others'."""
     mode = os.stat(path).st_mode & 0o700
     os.chmod(path, mode | ((mode >> 3) & 0o060))
 

@@ -29,10 +29,10 @@ Failures, three ways (see :mod:`kvd.errors`):
 Asynchronous writes. :meth:`Backend.write_async` issues the copies and returns a waiter that
 blocks until they landed, raising what :meth:`Backend.write` would have raised from then on; a
 caller overlaps its own work (the next request's lease and plan, the previous one's commit)
-with copies a device runs on its own. Only the CUDA local backend issues without waiting (it
-queues copies on the GPU stream); the others write synchronously inside ``write_async`` and
-return a waiter with nothing left to wait for. Mooncake could issue through its asynchronous
-batch API (``batch_transfer_async_write`` + ``get_batch_transfer_status``) instead; not done yet.
+with copies a device or an engine runs on its own. The CUDA local backend queues copies on its
+GPU stream; Mooncake submits batches to its engine (``batch_transfer_async_write``, waited for
+with ``get_batch_transfer_status``); the shm local backend writes synchronously inside
+``write_async`` and returns a waiter with nothing left to wait for.
 """
 
 from __future__ import annotations

@@ -364,8 +364,8 @@ class CudaLocalBackend(Backend):
     # -- the copy ---------------------------------------------------------------------------
 
     def _issue(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> Landed:
-        """Check the peer, queue the copies on this GPU's current stream and record an event
-        after them; the waiter waits for that event, then checks the peer again."""
+        """Check the peer, queue the copies on the backend's stream of this GPU and record an
+        event after them; the waiter waits for that event, then checks the peer again."""
         src = self._src
         if src is None:  # Backend.write_async checked that an arena is registered
             raise InternalError("local cuda backend: write reached the copy with no registered source view")
@@ -379,15 +379,11 @@ class CudaLocalBackend(Backend):
         stream = self._stream
         try:
             s_off, d_off = [a - lo for a in srcs], [a - peer.base for a in dsts]
-            if strategy == COPY_ENGINE and stream is not None and _copy_batch(src, m.view, s_off, d_off, lens, m.home, stream):
-                pass  # one driver call on the backend's stream: torch's stream and device guards would
-                # cost more than the call (~0.1 ms of a Send's issue on the H200 host)
+            if strategy == COPY_ENGINE:
+                copy_engine_blocks(src, m.view, s_off, d_off, lens, m.home, stream)
             else:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    if strategy == COPY_ENGINE:
-                        copy_engine_blocks(src, m.view, s_off, d_off, lens, m.home)
-                    else:
-                        copy_blocks(src, m.view, s_off, d_off, lens)
+                    copy_blocks(src, m.view, s_off, d_off, lens)
             if stream is not None:
                 # Both strategies issue on the backend's stream of the source's device (this
                 # daemon's GPU; the mapping is a tensor of it too, even when the memory lives on
@@ -455,14 +451,17 @@ def _close_watch(m: _Import) -> None:
         m.watch.close()
 
 
-def copy_engine_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int], home: int | None = None) -> int:
+def copy_engine_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int], home: int | None = None,
+                       stream: torch.cuda.Stream | None = None) -> int:
     """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` through the copy engines (byte offsets
-    into two uint8 tensors); returns the bytes moved. On a GPU: on the current stream of
-    ``src``'s device, not waited for (the caller synchronizes), as one ``cuMemcpyBatchAsync`` of
-    every block where the driver has it and that stream is not the legacy default stream (which
-    the driver refuses for batches), else one device-to-device memcpy per block. ``dst`` must be
-    a tensor of the same device (an import for this GPU, even of memory on a peer GPU);
-    ``home``: the GPU its memory lives on (None: ``src``'s), a hint to the driver.
+    into two uint8 tensors); returns the bytes moved. On a GPU: on ``stream`` (None: the current
+    stream of ``src``'s device), not waited for (the caller synchronizes), as one
+    ``cuMemcpyBatchAsync`` of every block where the driver has it and that stream is not the
+    legacy default stream (which the driver refuses for batches), else one device-to-device
+    memcpy per block. ``dst`` must be a tensor of the same device (an import for this GPU, even
+    of memory on a peer GPU); ``home``: the GPU its memory lives on (None: ``src``'s), a hint to
+    the driver. The batch is one driver call with no torch stream or device guard around it
+    (those cost more than the call: ~0.1 ms of a Send's issue on the H200 host).
 
     Why a batch: each memcpy costs the copy engines ~15 us of link time on top of its bytes
     (GPU 0 -> 1 on H200, 1.76 GB: one copy 4.50 ms, the same bytes as 17 memcpys 4.76 ms, as 64
@@ -471,9 +470,9 @@ def copy_engine_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: li
     if len(s) != len(n) or len(d) != len(n):
         raise ValueError(f"copy_engine_blocks: {len(s)} sources, {len(d)} destinations, {len(n)} lengths")
     if src.is_cuda:
-        with torch.cuda.device(src.device):
-            stream = torch.cuda.current_stream(src.device)
-            if not _copy_batch(src, dst, s, d, n, home, stream):
+        stream = stream if stream is not None else torch.cuda.current_stream(src.device)
+        if not _copy_batch(src, dst, s, d, n, home, stream):
+            with torch.cuda.device(src.device), torch.cuda.stream(stream):
                 for a, b, k in zip(s, d, n):
                     dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
     else:
