@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 import typing
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from kvd.config import Settings, load_settings
+from kvd.config import Settings, load_settings, unknown_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -28,8 +29,6 @@ RULES_TESTS = REPO / "deploy" / "prometheus" / "kvd-rules.test.yaml"
 DASHBOARD = REPO / "deploy" / "grafana" / "kvd-dashboard.json"
 CHART = REPO / "helm" / "kvd"
 
-#: The one KVD_* variable that is not a Settings field: the loader's config file (kvd.config.load_settings).
-CONFIG_FILE_VAR = "KVD_CONFIG_FILE"
 _KVD_VAR = re.compile(r"\bKVD_[A-Z0-9_]+\b")
 
 
@@ -47,10 +46,8 @@ def kvd_vars(text: str) -> set[str]:
 
 
 def not_settings(names: set[str]) -> set[str]:
-    """The ``KVD_*`` names among ``names`` that kvd would not read (pydantic-settings ignores them
-    silently); other names are not kvd's business."""
-    fields = {f"KVD_{f.upper()}" for f in Settings.model_fields}
-    return {n for n in names if n.startswith("KVD_") and n not in fields and n != CONFIG_FILE_VAR}
+    """The ``KVD_*`` names among ``names`` that kvd would refuse at start-up (kvd's own check)."""
+    return set(unknown_env(names))
 
 
 def settings_from(config: Mapping[str, Any] | None, tmp: Path, env: Mapping[str, str] | None = None) -> Settings:
@@ -59,7 +56,9 @@ def settings_from(config: Mapping[str, Any] | None, tmp: Path, env: Mapping[str,
     Other ``KVD_*`` variables of this process are hidden meanwhile."""
     path = None
     if config is not None:
-        path = tmp / f"kvd-{len(list(tmp.iterdir()))}.yaml"
+        fd, name = tempfile.mkstemp(dir=tmp, prefix="kvd-", suffix=".yaml")
+        os.close(fd)
+        path = Path(name)
         path.write_text(yaml.safe_dump(dict(config)))
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("KVD_")}
     try:

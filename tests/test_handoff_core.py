@@ -231,7 +231,7 @@ def _keyed(p: Node, d: Node, rid: str) -> pk.Patterns:
 
 def test_the_whole_request_send_uses_the_plan_begin_made(pair):
     p, ps, d, _, rid, ticket = pair
-    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
     keys = _keyed(p, d, rid)
     ob.begin(ps, rid, ticket, raw)
     r = ob.send(ps, rid, ticket, raw, 0, None, last=True)
@@ -247,7 +247,7 @@ def test_a_request_compacted_after_begin_is_planned_again_at_the_send(pair):
     """Compaction on the prefill node moves the request between BeginSend and Send: the plan
     begin made points at the old pages; the Send must notice and write from the new ones."""
     p, ps, d, _, rid, ticket = pair
-    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
     p.free(ps, [rid])
     p.allocate(ps, [AllocSpec("filler", TOKENS), AllocSpec(rid, TOKENS)])
     keys = _keyed(p, d, rid)
@@ -266,7 +266,7 @@ def test_a_request_compacted_after_begin_is_planned_again_at_the_send(pair):
 def test_a_request_freed_and_allocated_again_after_begin_is_planned_again(pair):
     """Same rid, same length, other pages: the versions differ though tokens and epoch may not."""
     p, ps, d, _, rid, ticket = pair
-    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
     ob.begin(ps, rid, ticket, raw)
     before = pk.phys_key(p.pool.vectors(rid))
     p.free(ps, [rid])
@@ -282,7 +282,7 @@ def test_a_request_freed_and_allocated_again_after_begin_is_planned_again(pair):
 
 def test_chunks_after_begin_plan_themselves(pair):
     p, ps, d, _, rid, ticket = pair
-    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
     keys = _keyed(p, d, rid)
     ob.begin(ps, rid, ticket, raw)
     ob.send(ps, rid, ticket, raw, 0, TOKENS // 2, last=False)
@@ -292,29 +292,10 @@ def test_chunks_after_begin_plan_themselves(pair):
     ob.backend.close()
 
 
-def test_pool_unchanged_follows_every_change_of_a_requests_pages():
-    p, ps = _node()
-    p.allocate(ps, [AllocSpec("a", TOKENS), AllocSpec("b", TOKENS)])
-    va = p.pool.vectors("a")
-    assert p.pool.unchanged(va) and va.version > 0
-    p.allocate(ps, [AllocSpec("c", TOKENS)])
-    p.extend(ps, [("b", 4)])
-    assert p.pool.unchanged(va)  # other requests' changes leave a's vectors standing
-    vb = p.pool.vectors("b")
-    p.extend(ps, [("b", 4)])
-    assert not p.pool.unchanged(vb)
-    p.free(ps, ["a"])
-    assert not p.pool.unchanged(va)
-    vc = p.pool.vectors("c")
-    p.compact(ps)
-    assert not p.pool.unchanged(vc) and pk.phys_key(p.pool.vectors("c")) != pk.phys_key(vc)
-    assert not p.pool.unchanged(vc._replace(version=0))  # vectors off the wire are never vouched for
-    p.check()
-
 
 def test_begin_plans_each_chunk_of_a_chunked_prefill(pair):
     p, ps, d, _, rid, ticket = pair
-    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
+    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
     keys = _keyed(p, d, rid)
     ob.begin(ps, rid, ticket, raw, chunk_tokens=8)  # chunks [0, 8), [8, 16), [16, 20)
     for t0, t1 in ((0, 8), (8, 16)):

@@ -95,7 +95,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                    "args": ["--kvd", "unix:/run/kvd/kvd.sock"], "ports": [{"name": "http", "containerPort": 8000}],
                    "resources": {"limits": {"memory": "64Gi"}}},
         "roles": {"prefill": {"replicas": 2, "engine": {"args": ["--role", "prefill"], "gpus": 2}},
-                  "decode": {"kvdConfig": {"arena_bytes": "1536MiB", "grace_s": 30, "layout": "qwen3.5-0.8b"}}},
+                  "decode": {"kvdConfig": {"arena_bytes": "1536MiB", "grace_s": 30, "layout": "qwen3.5-0.8b"},
+                             "engine": {"image": {"tag": "1.1"}}}},  # a part of the image only: the rest from engine
         "kvd": {"peerToken": {"secretName": "kvd-token"}},
         "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
         "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
@@ -131,11 +132,18 @@ def render(values: dict, tmp: Path) -> dict[str, list[dict]]:
     return out
 
 
-def merged_values(overrides: dict) -> dict:
-    def merge(a: dict, b: dict) -> dict:
-        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()}}
+def merge(a: dict, b: dict) -> dict:
+    """``b`` over ``a``, maps merged key by key (as helm merges values)."""
+    return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()}}
 
+
+def merged_values(overrides: dict) -> dict:
     return merge(K.read_yaml(K.CHART / "values.yaml"), overrides)
+
+
+def role_engine(values: dict, role: str) -> dict:
+    """The engine a role's pods run: ``engine`` with ``roles.<role>.engine`` over it."""
+    return merge(values["engine"], values["roles"][role].get("engine", {}))
 
 
 @helm_only
@@ -166,7 +174,7 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
     assert sorted(s["metadata"]["labels"]["app.kubernetes.io/component"] for s in objs["StatefulSet"]) == sorted(roles)
     config_maps = {cm["metadata"]["name"]: cm for cm in objs["ConfigMap"]}
     services = {svc["metadata"]["labels"]["app.kubernetes.io/component"]: svc for svc in objs["Service"]}
-    engine_on = bool(values["engine"]["image"]["repository"])
+    loaded: dict = {}  # role -> the settings kvd loads
     for sts in objs["StatefulSet"]:
         role = sts["metadata"]["labels"]["app.kubernetes.io/component"]
         pod = sts["spec"]["template"]
@@ -174,6 +182,7 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
         assert sts["spec"]["replicas"] == values["roles"][role]["replicas"]
         assert pod["metadata"]["labels"].items() >= sts["spec"]["selector"]["matchLabels"].items()
         kvd, native = _kvd_container(spec)
+        engine_on = bool(role_engine(values, role)["image"]["repository"])
         assert native == (values["kvd"]["nativeSidecar"] and engine_on)
         assert kvd.get("restartPolicy") == ("Always" if native else None)
         assert kvd["args"] == ["serve", "--config", "/etc/kvd/kvd.yaml"]
@@ -186,7 +195,7 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
         env = {e["name"]: e.get("value", "<secret>") for e in kvd["env"]}
         assert K.not_settings(set(env)) == set()
         pod_ip = "10.1.2.3"
-        s = K.settings_from(file_cfg, tmp_path, {k: v.replace("$(POD_IP)", pod_ip) for k, v in env.items() if k.startswith("KVD_")})
+        s = loaded[role] = K.settings_from(file_cfg, tmp_path, {k: v.replace("$(POD_IP)", pod_ip) for k, v in env.items() if k.startswith("KVD_")})
         load_layout(s.layout)
 
         port = K.tcp_port(s.listen_tcp)
@@ -214,6 +223,8 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
         engines = [c for c in spec["containers"] if c["name"] == "engine"]
         assert len(engines) == engine_on
         for engine in engines:
+            image = role_engine(values, role)["image"]
+            assert engine["image"] == f"{image['repository']}:{image['tag']}"
             assert _mounts(engine).items() >= want.items()
             gpus = values["roles"][role].get("engine", {}).get("gpus", values["engine"]["gpus"])
             assert engine.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") == (gpus or None)
@@ -223,7 +234,7 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
         assert {p["port"] for p in svc["spec"]["ports"]} == set(ports.values())
 
-    _check_network_policies(values, objs)
+    _check_network_policies(values, objs, loaded)
 
     monitoring = values["metrics"]
     assert len(objs.get("ServiceMonitor", [])) == monitoring["serviceMonitor"]["enabled"]
@@ -242,7 +253,7 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
         assert json.loads(cm["data"]["kvd-dashboard.json"]) == K.read_json(K.DASHBOARD)
 
 
-def _check_network_policies(values: dict, objs: dict[str, list[dict]]) -> None:
+def _check_network_policies(values: dict, objs: dict[str, list[dict]], loaded: dict) -> None:
     """With networkPolicy.enabled, each role's pods admit kvd's ports from the release's pods, the
     metrics port from metricsFrom, the engine's ports, and extraIngress; nothing without it."""
     np = values["networkPolicy"]
@@ -253,8 +264,7 @@ def _check_network_policies(values: dict, objs: dict[str, list[dict]]) -> None:
         sts = sets[role]
         spec = pol["spec"]
         assert spec["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"] and spec["policyTypes"] == ["Ingress"]
-        s = K.settings_from(yaml.safe_load(next(cm for cm in objs["ConfigMap"] if cm["metadata"]["name"] == f"t1-kvd-{role}-config")
-                                           ["data"]["kvd.yaml"]), Path("/tmp"), {})
+        s = loaded[role]  # the settings kvd loads for this role
         peers, *rest = spec["ingress"]
         # Every daemon pod of the release (either role) is a peer; nothing else is, by default.
         for other in sets.values():
@@ -267,7 +277,7 @@ def _check_network_policies(values: dict, objs: dict[str, list[dict]]) -> None:
         assert peers["ports"] == want
         metrics, *rest = rest
         assert metrics["ports"] == [{"protocol": "TCP", "port": s.metrics_port}] and metrics.get("from", []) == np["metricsFrom"]
-        engine = {**values["engine"], **values["roles"][role].get("engine", {})}
+        engine = role_engine(values, role)
         if engine["image"]["repository"] and engine["ports"]:
             rule, *rest = rest
             assert rule["ports"] == [{"protocol": "TCP", "port": p["containerPort"]} for p in engine["ports"]]

@@ -368,6 +368,19 @@ class PoolMachine(RuleBasedStateMachine):
                 continue
             assert same, f"{rid}: epoch {old.epoch} still accepted but its pages moved"
 
+    @invariant()
+    def vouched(self) -> None:
+        """``Pool.unchanged`` (a Send planned at BeginSend reuses its plan on it) vouches only
+        for vectors that are exactly the request's vectors now; off the wire (version 0) never."""
+        pool = self.pool
+        if pool is None:
+            return
+        for rid, old in self.seen.items():
+            if pool.unchanged(old):
+                assert rid in self.model, f"{rid}: not live, yet its old vectors are vouched for"
+                assert phys_key(pool.vectors(rid)) == phys_key(old), f"{rid}: vouched for, but its pages changed"
+            assert not pool.unchanged(old._replace(version=0))
+
 
 _SETTINGS = dict(
     deadline=None,

@@ -90,11 +90,13 @@ def test_send_many_gpu0_to_gpu1_is_byte_identical_to_the_cpu_path(gpu_pair):
 
 
 @pytest.mark.parametrize("dst_gpu", [0, 1])
-def test_copy_engine_blocks_go_as_one_batch_off_the_default_stream(dst_gpu):
+def test_copy_engine_blocks_go_as_one_batch_off_the_default_stream(dst_gpu, monkeypatch):
     """Scattered blocks from GPU 0 into memory on GPU ``dst_gpu``: on a stream of its own they go
     as one cuMemcpyBatchAsync and land exactly; on the legacy default stream (which the driver
     refuses for batches) block by block, landing the same."""
     from kvd.backends import local_cuda as lc
+
+    monkeypatch.setattr(lc, "_batch_ok", lc._batch_ok)  # a refusal here must not switch batches off for later tests
 
     src = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda:0")
     n = [1 << 20, 3 << 20, 4096, 5 << 20, 512, 2 << 20]
@@ -109,12 +111,11 @@ def test_copy_engine_blocks_go_as_one_batch_off_the_default_stream(dst_gpu):
         got: list = []
 
         def issue() -> None:  # in a fresh thread, as a gRPC worker's first write: no CUDA call made on it yet
-            # As the backend issues it: no torch device or stream context around the batch.
+            # As the backend issues it: no torch device or stream context around the batch; on
+            # the default stream kvd's own fallback copies block by block.
             got.append(lc._copy_batch(src, dst, s, d, n, dst_gpu, stream))  # device pointers: UVA spans both GPUs
             if not got[0]:
-                with torch.cuda.device(0), torch.cuda.stream(stream):
-                    for a, b, k in zip(s, d, n):
-                        dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
+                lc.copy_engine_blocks(src, dst, s, d, n, dst_gpu, stream)
 
         t = threading.Thread(target=issue)
         t.start()

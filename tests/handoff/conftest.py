@@ -16,18 +16,26 @@ playing both engines.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sys
 import zlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 import daemon_kit as dk  # noqa: E402
 import handoff_kit as hk  # noqa: E402
+
+from kvd.client import AsyncClient, TransferState  # noqa: E402
+
+T = TypeVar("T")
 
 from kvd.errors import Unavailable  # noqa: E402
 from kvd.layout import GroupKind, Layout  # noqa: E402
@@ -104,6 +112,36 @@ class HP:
         hk.randomize(self.d.arena, self.seed + 1)
         lease = self.d.c.acquire_lease(rid, "recv")
         return rid, src, dst, lease
+
+    def assert_landed(self, src, dst, before_d, before_p, upto: int, *, state: bool) -> dict:
+        """The decode arena is ``before_d`` with exactly the pages tokens [0, upto) move replaced
+        by the prefill's bytes; the prefill arena is unchanged. Returns the moved pages."""
+        pages = hk.moved(src, dst, upto, state=state)
+        exp = hk.expected_arena(before_d, self.p.arena, pages)
+        got = self.d.arena
+        assert torch.equal(got, exp), f"decode arena after tokens [0, {upto}): {hk.diff_summary(got, exp)}"
+        assert torch.equal(self.p.arena, before_p), "the sender's arena changed: a send only reads it"
+        return pages
+
+    def async_handoff(self, prefix: str, send: Callable[[AsyncClient, str, bytes], Awaitable[T]]) -> T:
+        """A 24-token request handed off by an asyncio client of the prefill daemon: it
+        allocates the request, the decode engine takes the RECV lease, ``send(kv, rid, ticket)``
+        moves it and its result is returned; the request must end READY on the decode side, and
+        is freed on both."""
+        rid = dk.rid(prefix)
+
+        async def go() -> T:
+            async with await AsyncClient.connect(self.pair.prefill.t.unix, name="async-prefill") as kv:
+                await kv.allocate(rid, 24)
+                self.d.alloc(rid, 24, receive=True)
+                out = await send(kv, rid, self.d.c.acquire_lease(rid, "recv").ticket)
+                await kv.free(rid)
+                return out
+
+        out = asyncio.run(go())
+        assert self.d.c.wait_ready(rid, 5).state is TransferState.READY
+        assert self.d.free(rid) == 1
+        return out
 
 
 def _settle(side: hk.Side) -> None:

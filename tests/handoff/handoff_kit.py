@@ -128,6 +128,10 @@ class Side:
             for s in fam.samples
         }
 
+    def counter(self, name: str, **labels: str) -> float:
+        """One sample of :meth:`samples` (0 when the daemon has not reported it)."""
+        return self.samples().get((name, tuple(sorted(labels.items()))), 0.0)
+
     def alive(self) -> bool:
         if self.target is None:
             return False

@@ -5,15 +5,12 @@ is refused by BeginSend with the status the first Send would have raised, nothin
 
 from __future__ import annotations
 
-import asyncio
 
 import daemon_kit as dk
 import grpc
 import pytest
-import handoff_kit as hk
-import torch
 
-from kvd.client import AsyncClient, TransferState
+from kvd.client import TransferState
 from kvd.errors import InvalidArgument, NotFound, PermissionDenied
 
 READY, WAITING, RECEIVING = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING
@@ -21,8 +18,7 @@ READY, WAITING, RECEIVING = TransferState.READY, TransferState.WAITING, Transfer
 
 def _checks(hp) -> float:
     """CheckTicket calls the prefill daemon made, over either path."""
-    s = hp.pair.prefill.samples()
-    return sum(v for (name, labels), v in s.items() if name == "kvd_peer_calls_total" and ("method", "CheckTicket") in labels)
+    return sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="CheckTicket", path=p) for p in ("socket", "grpc"))
 
 
 def test_begin_send_then_every_send_skips_the_check(hp):
@@ -40,14 +36,13 @@ def test_begin_send_then_every_send_skips_the_check(hp):
     assert _checks(hp) == checks0 + 1  # begin's, and only begin's
     st = hp.d.c.wait_ready(rid, 5)
     assert st.state is READY and st.nbytes == first.nbytes + last.nbytes, st
-    exp = hk.expected_arena(before_d, before_p, hk.moved(src, dst, dst.tokens, state=True))
-    assert torch.equal(hp.d.arena, exp), hk.diff_summary(hp.d.arena, exp)
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
     assert hp.p.c.stats().leases_live == 0
     hp.check()
 
 
 def _planned_ahead(hp) -> float:
-    return hp.pair.prefill.samples().get(("kvd_send_planned_ahead_total", ()), 0.0)
+    return hp.pair.prefill.counter("kvd_send_planned_ahead_total")
 
 
 def test_a_whole_request_send_after_begin_uses_the_plan_begin_made(hp):
@@ -59,8 +54,7 @@ def test_a_whole_request_send_after_begin_uses_the_plan_begin_made(hp):
     assert _planned_ahead(hp) == ahead0 + 1
     assert list(res.phases) == ["lease", "plan", "issue", "write", "commit"], res.phases
     assert hp.d.c.wait_ready(rid, 5).state is READY
-    exp = hk.expected_arena(before_d, before_p, hk.moved(src, dst, dst.tokens, state=True))
-    assert torch.equal(hp.d.arena, exp), hk.diff_summary(hp.d.arena, exp)
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
     hp.check()
 
 
@@ -76,8 +70,7 @@ def test_chunk_sends_after_begin_with_the_chunk_use_the_plans_begin_made(hp):
     assert _planned_ahead(hp) == ahead0 + 2
     assert hp.d.c.wait_ready(rid, 5).state is READY
     assert first.nbytes + last.nbytes == hp.d.c.wait_ready(rid, 0).nbytes
-    exp = hk.expected_arena(before_d, before_p, hk.moved(src, dst, dst.tokens, state=True))
-    assert torch.equal(hp.d.arena, exp), hk.diff_summary(hp.d.arena, exp)
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
     hp.check()
 
 
@@ -105,20 +98,9 @@ def test_begin_send_for_another_sessions_request_is_refused_before_the_receiver_
 
 
 def test_the_asyncio_client_begins_a_send_too(hp):
-    rid = dk.rid("async-begin")
+    async def send(kv, rid, ticket):
+        return await kv.begin_send(rid, ticket), await kv.send(rid, ticket)
 
-    async def go():
-        async with await AsyncClient.connect(hp.pair.prefill.t.unix, name="async-prefill") as kv:
-            await kv.allocate(rid, 24)
-            hp.d.alloc(rid, 24, receive=True)
-            ticket = hp.d.c.acquire_lease(rid, "recv").ticket
-            opened = await kv.begin_send(rid, ticket)
-            res = await kv.send(rid, ticket)
-            await kv.free(rid)
-            return opened, res
-
-    opened, res = asyncio.run(go())
+    opened, res = hp.async_handoff("async-begin", send)
     assert opened is True and "check" not in res.phases, res
-    assert hp.d.c.wait_ready(rid, 5).state is READY
-    assert hp.d.free(rid) == 1
     hp.check()

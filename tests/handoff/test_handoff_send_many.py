@@ -6,14 +6,13 @@ one request twice)."""
 
 from __future__ import annotations
 
-import asyncio
 
 import daemon_kit as dk
 import grpc
 import handoff_kit as hk
 import torch
 
-from kvd.client import AsyncClient, SendResult, SendSpec, TransferState
+from kvd.client import SendResult, SendSpec, TransferState
 from kvd.errors import InvalidArgument, NotFound
 from kvd.handoff import SEND_PHASES
 from kvd.outbox import MAX_SEND_ITEMS
@@ -21,15 +20,11 @@ from kvd.outbox import MAX_SEND_ITEMS
 READY, WAITING = TransferState.READY, TransferState.WAITING
 
 
-def _counter(hp, name: str, **labels: str) -> float:
-    return hp.pair.prefill.samples().get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 def test_send_many_moves_the_bytes_the_same_sends_move(hp):
     reqs = [hp.setup_request(n, scatter=i == 0, prefix=f"many{i}") for i, n in enumerate((103, 40, 7, 64))]
     before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
-    sent0 = _counter(hp, "kvd_transfers_total", direction="out", outcome="done")
-    items0 = _counter(hp, "kvd_send_items_total")
+    sent0 = hp.pair.prefill.counter("kvd_transfers_total", direction="out", outcome="done")
+    items0 = hp.pair.prefill.counter("kvd_send_items_total")
 
     out = hp.p.c.send_many([(rid, lease.ticket) for rid, _, _, lease in reqs])
 
@@ -46,8 +41,8 @@ def test_send_many_moves_the_bytes_the_same_sends_move(hp):
     assert torch.equal(hp.p.arena, before_p), "the sender's arena changed: a send only reads it"
     assert hp.p.c.stats().leases_live == 0 and hp.d.c.stats().leases_live == 0
     # Every item counts as a Send would.
-    assert _counter(hp, "kvd_transfers_total", direction="out", outcome="done") == sent0 + len(reqs)
-    assert _counter(hp, "kvd_send_items_total") == items0 + len(reqs)
+    assert hp.pair.prefill.counter("kvd_transfers_total", direction="out", outcome="done") == sent0 + len(reqs)
+    assert hp.pair.prefill.counter("kvd_send_items_total") == items0 + len(reqs)
 
     # The same requests again, one Send each, into the decode arena as it was: the same bytes.
     hp.d.arena.copy_(before_d)
@@ -99,7 +94,7 @@ def test_send_many_refuses_the_whole_call_for_its_shape(hp):
     code = grpc.StatusCode.INVALID_ARGUMENT
     with dk.expect(InvalidArgument, code, "at least one item"):
         hp.p.c.send_many([])
-    with dk.expect(InvalidArgument, code, f"at most {MAX_SEND_ITEMS} items, got 1,025"):
+    with dk.expect(InvalidArgument, code, f"at most {MAX_SEND_ITEMS} items, got {MAX_SEND_ITEMS + 1:,d}"):
         hp.p.c.send_many([("r", b"x")] * (MAX_SEND_ITEMS + 1))
     with dk.expect(InvalidArgument, code, f"items 0 and 2 both send request {a[0]!r}"):
         hp.p.c.send_many([(a[0], a[3].ticket, 0, 8, False), (b[0], b[3].ticket), (a[0], a[3].ticket, 8)])
@@ -112,19 +107,9 @@ def test_send_many_refuses_the_whole_call_for_its_shape(hp):
 
 
 def test_the_asyncio_client_sends_many_too(hp):
-    rid = dk.rid("async")
+    async def send(kv, rid, ticket):
+        return await kv.send_many([SendSpec(rid, ticket)])
 
-    async def go():
-        async with await AsyncClient.connect(hp.pair.prefill.t.unix, name="async-prefill") as kv:
-            await kv.allocate(rid, 24)
-            hp.d.alloc(rid, 24, receive=True)
-            ticket = hp.d.c.acquire_lease(rid, "recv").ticket
-            out = await kv.send_many([SendSpec(rid, ticket)])
-            await kv.free(rid)
-            return out
-
-    out = asyncio.run(go())
+    out = hp.async_handoff("async", send)
     assert len(out) == 1 and isinstance(out[0], SendResult) and out.seconds > 0, out
-    assert hp.d.c.wait_ready(rid, 5).state is READY
-    assert hp.d.free(rid) == 1
     hp.check()

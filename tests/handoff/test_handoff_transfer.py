@@ -30,17 +30,6 @@ READY, WAITING, RECEIVING, FAILED = TransferState.READY, TransferState.WAITING, 
 TOKENS = 103
 
 
-def _assert_landed(hp, src, dst, before_d, before_p, upto: int, *, state: bool) -> dict:
-    """The decode arena is ``before_d`` with exactly the pages tokens [0, upto) move replaced by
-    the prefill's bytes; the prefill arena is unchanged. Returns the moved pages."""
-    pages = hk.moved(src, dst, upto, state=state)
-    exp = hk.expected_arena(before_d, hp.p.arena, pages)
-    got = hp.d.arena
-    assert torch.equal(got, exp), f"decode arena after tokens [0, {upto}): {hk.diff_summary(got, exp)}"
-    assert torch.equal(hp.p.arena, before_p), "the sender's arena changed: a send only reads it"
-    return pages
-
-
 def test_one_send_moves_exactly_the_request_pages(hp):
     for e in (hp.p, hp.d):
         info = e.c.info()
@@ -58,7 +47,7 @@ def test_one_send_moves_exactly_the_request_pages(hp):
     st = hp.d.c.wait_ready(rid, 5)
 
     assert st.state is READY and st.reason == "", st
-    pages = _assert_landed(hp, src, dst, before_d, before_p, TOKENS, state=True)
+    pages = hp.assert_landed(src, dst, before_d, before_p, TOKENS, state=True)
     assert r.pages == {g: s.numel() for g, (s, _) in pages.items()} == {"full": 26, "swa": 9, "draft": 13, "state": 1}
     assert r.nbytes == st.nbytes == sum(s.numel() * hk.PB[g] for g, (s, _) in pages.items())
     # Page-major: a block carries every layer of a run of pages; at least one block per group.
@@ -86,7 +75,7 @@ def test_chunked_send_lands_progressively_and_state_moves_last(hp):
         st = hp.d.c.wait_ready(rid, 0.2)  # not ready: the wait runs out and says so
         assert st.state is RECEIVING and st.nbytes == total, st
         assert time.monotonic() - t >= 0.15  # it waited its timeout out
-        _assert_landed(hp, src, dst, before_d, before_p, t1, state=False)  # the state slot is untouched
+        hp.assert_landed(src, dst, before_d, before_p, t1, state=False)  # the state slot is untouched
         hp.check()
         if t1 == 37:
             # Page 9 holds tokens 36..39 and draft page 4 tokens 32..39: the engine writes tokens
@@ -99,7 +88,7 @@ def test_chunked_send_lands_progressively_and_state_moves_last(hp):
     total += r.nbytes
     st = hp.d.c.wait_ready(rid, 5)
     assert st.state is READY and st.nbytes == total, st
-    _assert_landed(hp, src, dst, before_d, before_p, TOKENS, state=True)
+    hp.assert_landed(src, dst, before_d, before_p, TOKENS, state=True)
     assert int(hk.rows(hp.d.arena, hk.PB["full"])[int(dst.full[9])][0]) == 7
     assert hp.d.c.stats().leases_live == 0 and hp.p.c.stats().leases_live == 0
     hp.check()
@@ -171,7 +160,7 @@ def test_tampered_page_bytes_are_refused_and_the_real_ticket_still_works(hp):
     assert hp.d.c.wait_ready(rid, 0).state is WAITING and hp.p.c.stats().leases_live == 0
     hp.p.c.send(rid, lease.ticket)
     assert hp.d.c.wait_ready(rid, 5).state is READY
-    _assert_landed(hp, src, dst, before_d, before_p, TOKENS, state=True)
+    hp.assert_landed(src, dst, before_d, before_p, TOKENS, state=True)
     hp.check()
 
 
@@ -253,7 +242,7 @@ def test_stale_tickets_are_refused_and_never_written(hp):
     before_p = hp.p.arena.clone()
     hp.p.c.send(rid, fresh.ticket)
     assert hp.d.c.wait_ready(rid, 5).state is READY
-    _assert_landed(hp, src, restored, before_d, before_p, 60, state=True)
+    hp.assert_landed(src, restored, before_d, before_p, 60, state=True)
     assert hp.p.c.stats().leases_live == 0 and hp.d.c.stats().leases_live == 0
     hp.check()
 
