@@ -3,11 +3,14 @@ report can say how busy the machine was while it measured (these VMs are noisy).
 
 from __future__ import annotations
 
+import math
 import os
 import platform
+import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -113,3 +116,14 @@ def own_cpu() -> float:
     import resource
 
     return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def med(xs: list[float]) -> float:
+    """The median, NaN for nothing measured."""
+    return statistics.median(xs) if xs else float("nan")
+
+
+def log_uniform(n: int, lo: int, hi: int, seed: int) -> list[int]:
+    """``n`` token counts, log-uniform in [``lo``, ``hi``], fixed by ``seed`` (a mixed workload)."""
+    rnd = random.Random(seed)
+    return [int(round(math.exp(rnd.uniform(math.log(lo), math.log(hi))))) for _ in range(n)]

@@ -63,7 +63,7 @@ for what in "${STEPS[@]}"; do
     bench) step bench 240 python3 bench/gpu.py --json "$OUT/bench.json" ;;
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
     transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
-    transfer01) step transfer 150 python3 bench/gpu_transfer.py --devices 0,1 --json "$OUT/transfer.json" ;;
+    transfer01) step transfer01 150 python3 bench/gpu_transfer.py --devices 0,1 --json "$OUT/transfer01.json" ;;
     nvlink) step nvlink 60 python3 bench/nvlink_streams.py ;;
     wake) step wake 60 python3 bench/wake_probe.py ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;

@@ -45,7 +45,8 @@ its SWA pages near the window; decode requests allocated ``receive=True`` before
 Measured: the Send replies' ``seconds`` (server side: ticket check, lease, plan, writes, commit)
 and the client-observed wall time: the decode side is already waiting in WaitReady (a thread,
 as a decode engine waits for its KV) when Send is issued, and wall runs until both the Send reply
-and the WaitReady answer are back; for ``mixed x8`` the wall time of the whole pass. ``mixed
+and the WaitReady answer are back; for ``mixed x8`` the wall time of the whole pass (which
+also holds each Send's head start for its WaitReady: conservative). ``mixed
 batched``: server = the SendMany replies' own ``seconds`` (the whole call in the daemon; its
 items overlap in time, so their ``seconds`` do not add up), summed over the calls; wall = per
 call, SendMany issued (the decode side already waiting in WaitReady for each of its requests)
@@ -74,10 +75,7 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
-import random
-import statistics
 import subprocess
 import sys
 import threading
@@ -96,7 +94,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
-from benchkit import BenchDaemon, cpu_set  # noqa: E402
+from benchkit import BenchDaemon, cpu_set, log_uniform, med  # noqa: E402
 from gpu import _table  # noqa: E402
 
 from kvd.handoff import SEND_PHASES  # noqa: E402
@@ -120,17 +118,12 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 # ---- sizes --------------------------------------------------------------------------------------
 
 
 def mixed_tokens(seed: int) -> list[int]:
     """32 token counts, log-uniform in [512, 32768], fixed by ``seed``."""
-    rnd = random.Random(seed)
-    return [int(round(math.exp(rnd.uniform(math.log(MIXED_LO), math.log(MIXED_HI))))) for _ in range(MIXED_N)]
+    return log_uniform(MIXED_N, MIXED_LO, MIXED_HI, seed)
 
 
 def _geometry():
@@ -500,12 +493,13 @@ class Pair:
                 return f"block {k} ({blk.length:,d} bytes at decode offset {blk.dst - self.d_base:,d}) differs"
         return ""
 
-    def checked_pass(self, reqs: list[Req], breakdown: list[dict] | None, how: str) -> tuple[str, float]:
-        """The first pass of a workload: decode arena zeroed, sent, every block compared. Also
-        times the copy of each request's blocks in this process (for ``breakdown``)."""
+    def checked_pass(self, reqs: list[Req], breakdown: list[dict] | None, how: str, begin: bool = True) -> tuple[str, float]:
+        """The first pass of a workload: decode arena zeroed, sent (opened by BeginSend unless
+        ``begin`` is False), every block compared. Also times the copy of each request's blocks
+        in this process (for ``breakdown``)."""
         self.d_att.tensor.zero_()
         torch.cuda.synchronize(self.b)
-        tickets = self.receive(reqs, chunk=self.args.chunk_send if how == CHUNKS else 0)
+        tickets = self.receive(reqs, begin, chunk=self.args.chunk_send if how == CHUNKS else 0)
         plans = {r.rid: self.plan(r, tickets[r.rid]) for r in reqs}
         # The planner in this process, no daemon around it: how fast this host runs it.
         for r in reqs:
@@ -542,6 +536,7 @@ class Pair:
         """The daemon's copy of ``plan``'s blocks in its batches (the strategy it picks per batch),
         GPU A -> the decode arena mapped for GPU A: wall time with the stream sync (what the
         daemon's write pays) and GPU time."""
+        from kvd.backends import local_cuda
         from kvd.backends.local_cuda import COPY_ENGINE, copy_blocks, copy_engine_blocks, copy_strategy
 
         s = [b.src - self.p_base for b in plan.blocks]
@@ -549,7 +544,7 @@ class Pair:
         n = [b.length for b in plan.blocks]
         stream = torch.cuda.Stream(self.a)  # as the daemon's backend: its own stream (batched memcpys refuse the default)
         home = None if self.a == self.b else self.b
-        strategies = [copy_strategy(home, n[i : i + BATCH]) for i in range(0, len(n), BATCH)]
+        strategies = [copy_strategy(home, n[i : i + BATCH], batch=local_cuda._batch_ok) for i in range(0, len(n), BATCH)]
 
         def once() -> None:
             with torch.cuda.stream(stream):
@@ -754,8 +749,9 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
                     first_pass_s=first_big, plan_here_s=pair.big.plan_s)]
         pair.timed_passes(rows[0], [pair.big], args.repeats, SEQ)
         # The same request with the ticket checked inside the Send (no BeginSend first).
-        rows.append(Row(pair.backend, pair.label, "32k, check in Send", 1, pair.big.nbytes, raw[pair.big.nbytes], ok=not why_big,
-                        why=why_big, first_pass_s=first_big, plan_here_s=pair.big.plan_s))
+        why_check, first_check = pair.checked_pass([pair.big], None, SEQ, begin=False)
+        rows.append(Row(pair.backend, pair.label, "32k, check in Send", 1, pair.big.nbytes, raw[pair.big.nbytes], ok=not why_check,
+                        why=why_check, first_pass_s=first_check, plan_here_s=pair.big.plan_s))
         pair.timed_passes(rows[1], [pair.big], args.repeats, SEQ, begin=False)
         if args.chunk_send:
             # As a chunked prefill sends it: a Send per chunk, each planned by BeginSend.

@@ -1,6 +1,7 @@
-"""Probe: does splitting one GPU A -> GPU B copy over several streams move bytes faster than
-one ``copy_``? (The raw baseline of bench/gpu_transfer.py is one ``copy_``; kvd's local backend
-issues one copy per block on one stream.)
+"""Probe: does splitting one GPU A -> GPU B copy over several streams, or issuing its blocks as
+one ``cuMemcpyBatchAsync``, move bytes faster than one ``copy_``? (The raw baseline of
+bench/gpu_transfer.py is one ``copy_``; kvd's local backend issues a write's blocks as one batch.)
+``--devices 0,0``: the same on one GPU.
 
 For each stream count k, a buffer of ``--bytes`` is cut into k equal slices (or into
 ``--blocks`` blocks, round-robin over the k streams), each copied by
@@ -14,10 +15,15 @@ for to the last stream's end (CUDA events, median of ``--reps``). Issued on A (p
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)  # kvd's own batch call (timed_batch)
 
 
 def timed(issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, reps: int, blocks: int = 0) -> float:
@@ -52,36 +58,26 @@ def timed(issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, reps: int
     return statistics.median(xs)
 
 
-def timed_batch(a: int, b: int, src: torch.Tensor, dst: torch.Tensor, blocks: int, reps: int) -> float:
-    """``blocks`` blocks in one ``cuMemcpyBatchAsync`` (CUDA >= 12.8) on a stream of A (not the
-    legacy default stream: the driver refuses it for batches)."""
-    from cuda.bindings import driver as cu
+def timed_batch(a: int, b: int, src: torch.Tensor, dst: torch.Tensor, blocks: int, reps: int) -> float | None:
+    """``blocks`` blocks as the daemon's local backend issues them: one ``cuMemcpyBatchAsync``
+    (:func:`kvd.backends.local_cuda._copy_batch`) on a stream of A (not the legacy default
+    stream: the driver refuses it for batches). None when this driver or these bindings lack it."""
+    from kvd.backends.local_cuda import _copy_batch
 
     n = src.numel()
     cuts = [n * i // blocks for i in range(blocks + 1)]
-    dsts = [cu.CUdeviceptr(dst.data_ptr() + lo) for lo in cuts[:-1]]
-    srcs = [cu.CUdeviceptr(src.data_ptr() + lo) for lo in cuts[:-1]]
-    sizes = [hi - lo for lo, hi in zip(cuts, cuts[1:])]
-    attr = cu.CUmemcpyAttributes()
-    attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-    attr.srcLocHint.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    attr.srcLocHint.id = a
-    attr.dstLocHint.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    attr.dstLocHint.id = b
-    with torch.cuda.device(a):
-        stream = torch.cuda.Stream(a)
-        xs = []
-        for r in range(reps + 2):
-            go, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            go.record(stream)
-            res = cu.cuMemcpyBatchAsync(dsts, srcs, sizes, blocks, [attr], [0], 1, stream.cuda_stream)
-            err = res[0] if isinstance(res, tuple) else res
-            if err != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuMemcpyBatchAsync: {err}")
-            stop.record(stream)
-            stop.synchronize()
-            if r >= 2:
-                xs.append(go.elapsed_time(stop) / 1e3)
+    offs, sizes = cuts[:-1], [hi - lo for lo, hi in zip(cuts, cuts[1:])]
+    stream = torch.cuda.Stream(a)
+    xs = []
+    for r in range(reps + 2):
+        go, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        go.record(stream)
+        if not _copy_batch(src, dst, offs, offs, sizes, b, stream):
+            return None
+        stop.record(stream)
+        stop.synchronize()
+        if r >= 2:
+            xs.append(go.elapsed_time(stop) / 1e3)
     return statistics.median(xs)
 
 
@@ -92,10 +88,10 @@ def main() -> int:
     ap.add_argument("--devices", default="0,1")
     ap.add_argument("--blocks", type=int, nargs="*", default=[17, 64], help="also cut into this many blocks (round-robin over the streams)")
     args = ap.parse_args()
-    if torch.cuda.device_count() < 2:
-        print("needs two GPUs", file=sys.stderr)
-        return 2
     a, b = (int(x) for x in args.devices.split(","))
+    if torch.cuda.device_count() <= max(a, b):
+        print(f"needs GPUs {a} and {b}", file=sys.stderr)
+        return 2
     n = int(args.bytes)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=f"cuda:{a}")
     dst = torch.zeros(n, dtype=torch.uint8, device=f"cuda:{b}")
@@ -106,6 +102,7 @@ def main() -> int:
             for k in (1, 2, 3, 4, 8):
                 s = timed(dev, src, dst, k, args.reps, blocks)
                 print(f"| {side} | {blocks or k} | {k} | {s * 1e3:.3f} | {n / s / 1e9:,.0f} | {one / s:.3f} |", flush=True)
+    ok = torch.equal(src.to(f"cuda:{b}"), dst)  # what the copy_ loops left
     for blocks in args.blocks:
         dst.zero_()
         try:
@@ -113,10 +110,13 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 -- a probe: say why and go on
             print(f"| cuMemcpyBatchAsync | {blocks} | - | failed: {type(exc).__name__}: {exc} | | |", flush=True)
             continue
+        if s is None:
+            print(f"| cuMemcpyBatchAsync | {blocks} | - | not available with this driver or these bindings | | |", flush=True)
+            continue
         good = torch.equal(src.to(f"cuda:{b}"), dst)
+        ok = ok and good
         print(f"| cuMemcpyBatchAsync{'' if good else ' (MISMATCH)'} | {blocks} | 1 | {s * 1e3:.3f} | {n / s / 1e9:,.0f} | {one / s:.3f} |", flush=True)
-    ok = torch.equal(src.to(f"cuda:{b}"), dst)
-    print(f"copy checked: {'ok' if ok else 'MISMATCH'}")
+    print(f"copies checked: {'ok' if ok else 'MISMATCH'}")
     return 0 if ok else 1
 
 

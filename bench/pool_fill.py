@@ -3,7 +3,8 @@
 For every preset (or ``--layouts``) and a few request lengths, an arena of ``--pages`` full-group
 pages (backed, shm) is filled with requests of that length until ``can_allocate`` says no; the
 table shows how many fit, the arena's free share at that refusal, and the share the refused
-request needed (its bytes measured alone in an empty pool: the baseline). A refusal with more
+request needed (``Pool.floor_bytes`` of its length: what it takes alone in an empty pool, the
+baseline). A refusal with more
 free than needed (beyond a page of alignment per group) means the free bytes sit where no group
 can grow -- a float boxed in -- until compaction: "boxed in".
 
@@ -27,20 +28,6 @@ from kvd.pool import AllocSpec, Pool  # noqa: E402
 from kvd.presets import preset, preset_names  # noqa: E402
 
 
-def _need(layout, tokens: int) -> int:
-    """Bytes a fresh request of ``tokens`` takes in ``layout`` (measured in an empty pool)."""
-    pb = layout.page_bytes(layout.group("full"))
-    pages = 4 * (-(-tokens // layout.page_size)) + 64
-    arena = ShmArena(pages * pb * 4, pages * pb * 4)
-    try:
-        pool = Pool(layout, arena)
-        before = pool.stats().gap_bytes
-        pool.allocate("probe", tokens)
-        return before - pool.stats().gap_bytes
-    finally:
-        arena.close()
-
-
 def fill(layout, pages: int, lengths) -> tuple[int, float, float]:
     """Requests placed before the first refusal, the arena's free share at that refusal, and
     the share the refused request needed."""
@@ -57,7 +44,8 @@ def fill(layout, pages: int, lengths) -> tuple[int, float, float]:
             n += 1
         pool.check()
         usable = arena.backed - pool.sink_bytes
-        return n, pool.stats().gap_bytes / usable, _need(layout, t) / usable
+        # The refused request alone, page alignment included: what an empty pool would need.
+        return n, pool.stats().gap_bytes / usable, (pool.floor_bytes(t) - pool.sink_bytes) / usable
     finally:
         arena.close()
 
@@ -78,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                               ("one of 2048 tokens, then one page each", lambda n: 2048 if n == 0 else ps)):
             placed, free, need = fill(layout, args.pages, lengths)
             # Page alignment at each group boundary may strand up to a page per group.
-            slack = len(layout.groups) * layout.max_page_bytes / (args.pages * layout.page_bytes(layout.group("full")))
+            slack = len(layout.groups) * layout.max_page_bytes / (args.pages * layout.page_bytes(layout.group("full")) - layout.max_page_bytes)
             boxed = "yes" if free > need + slack else "no"
             print(f"| {name} | {what} | {placed:,d} | {free:.1%} | {need:.1%} | {boxed} |", flush=True)
     return 0

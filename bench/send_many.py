@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
-import random
-import statistics
 import sys
 import time
 
@@ -38,20 +35,15 @@ for _p in (ROOT, os.path.join(ROOT, "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402
+from benchkit import BenchDaemon, cpu_model, cpu_snap, log_uniform, med, others_line, own_cpu  # noqa: E402
 
-MIB, GIB = 1 << 20, 1 << 30
-
-
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+MIB = 1 << 20
 
 
 def token_counts(kind: str, args: argparse.Namespace) -> list[int]:
     if kind == "small":
         return [args.small] * args.n
-    rnd = random.Random(args.seed)
-    return [int(round(math.exp(rnd.uniform(math.log(args.lo), math.log(args.hi))))) for _ in range(args.n)]
+    return log_uniform(args.n, args.lo, args.hi, args.seed)
 
 
 class Bench:

@@ -47,7 +47,6 @@ import inspect
 import json
 import mmap
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402  (bench/ is sys.path[0])
+from benchkit import BenchDaemon, cpu_model, cpu_snap, med, others_line, own_cpu  # noqa: E402  (bench/ is sys.path[0])
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -346,10 +345,6 @@ def zero_receiver(d_att, sv, dv, s: dict) -> None:
 # =============================================================================================
 # measurement
 # =============================================================================================
-def med(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 @dataclass
 class Row:
     backend: str

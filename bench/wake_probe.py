@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     for how in ("hot", "sleep", "spin"):
         rows.append(("work", how, _work(args.reps, how)))
     base = {}
-    print(f"| what | how | median us | p90 us | ratio to hot |\n|---|---|---:|---:|---:|")
+    print("| what | how | median us | p90 us | ratio to hot |\n|---|---|---:|---:|---:|")
     for what, how, xs in rows:
         xs = sorted(xs)
         m, p90 = statistics.median(xs) * 1e6, xs[int(len(xs) * 0.9)] * 1e6
