@@ -13,7 +13,7 @@ Each takes one dict:
 
 In a parent chart's pod template:
 
-  {{- $kvd := dict "Values" .Values.kvd "role" "decode" "configMap" "my-engine-kvd" }}
+  {{- $kvd := dict "Values" .Values.kvd "role" "decode" "configMap" "my-engine-kvd" "appVersion" "<kvd image tag>" }}
   initContainers:
     {{- include "kvd.sidecar" $kvd | nindent 4 }}
   containers:
