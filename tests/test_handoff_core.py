@@ -280,28 +280,22 @@ def test_a_request_freed_and_allocated_again_after_begin_is_planned_again(pair):
     ob.backend.close()
 
 
-def test_chunks_after_begin_plan_themselves(pair):
+@pytest.mark.parametrize(
+    ("chunk_tokens", "cuts", "planned"),
+    [
+        (0, (10,), 0),  # begin planned the whole request, not these chunks: they plan themselves
+        (8, (8, 16), 3),  # begin planned [0, 8), [8, 16), [16, 20): every chunk uses its plan
+        (8, (10,), 0),  # other chunks than begin's: they plan themselves
+    ],
+)
+def test_chunk_sends_use_the_plans_begin_made_for_exactly_those_chunks(pair, chunk_tokens, cuts, planned):
     p, ps, d, _, rid, ticket = pair
     ob, _, ticket, raw = _writing_outbox(p, d, ticket)
     keys = _keyed(p, d, rid)
-    ob.begin(ps, rid, ticket, raw)
-    ob.send(ps, rid, ticket, raw, 0, TOKENS // 2, last=False)
-    ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
-    assert ob.planned_ahead_total == 0  # begin planned the whole request, not these ranges
-    keys.verify(d.pool.vectors(rid))
-    ob.backend.close()
-
-
-
-def test_begin_plans_each_chunk_of_a_chunked_prefill(pair):
-    p, ps, d, _, rid, ticket = pair
-    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
-    keys = _keyed(p, d, rid)
-    ob.begin(ps, rid, ticket, raw, chunk_tokens=8)  # chunks [0, 8), [8, 16), [16, 20)
-    for t0, t1 in ((0, 8), (8, 16)):
-        ob.send(ps, rid, ticket, raw, t0, t1, last=False)
-    ob.send(ps, rid, ticket, raw, 16, None, last=True)
-    assert ob.planned_ahead_total == 3
+    ob.begin(ps, rid, ticket, raw, chunk_tokens=chunk_tokens)
+    for t0, t1 in zip((0, *cuts), (*cuts, TOKENS)):
+        ob.send(ps, rid, ticket, raw, t0, t1, last=t1 == TOKENS)
+    assert ob.planned_ahead_total == planned
     keys.verify(d.pool.vectors(rid))
     assert d.inbox.status(rid).state is TransferState.READY
     ob.backend.close()
