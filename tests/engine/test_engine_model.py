@@ -24,13 +24,18 @@ def test_layout_from_the_model_configs_is_the_tiny_hybrid_preset(models):
 
 def test_paged_colocated_run_equals_recomputing_from_scratch(models, reference):
     """The oracle knows nothing of pages, windows in the pool or state slots: every step
-    recomputes the whole sequence. The paged engine must match it bit for bit."""
+    recomputes the whole sequence. Tokens must match exactly. The trace only within 1e-9
+    relative: the oracle multiplies other shapes (the whole sequence, not one step's rows), and
+    the CPU's kernels (AVX2 or AVX-512, Intel or AMD, one thread or two) may block a reduction of
+    another shape differently, so the last bits of a float sum are not the same claim on every
+    x86-64 CPU. Bit-exactness is asserted where it is sound: PD against colocated, same kernels
+    on the same shapes (test_engine_pd_accuracy)."""
     reqs = requests((5, 31, 33, 36, 70), max_new=12)
     ref = reference(reqs, EngineConfig(chunk=16))
     for r in reqs:
         tokens, trace = recompute(models, r.prompt, r.max_new)
         assert ref[r.rid].tokens == tokens, r.rid
-        assert ref[r.rid].target_trace == trace, r.rid
+        assert ref[r.rid].target_trace == pytest.approx(trace, rel=1e-9, abs=1e-9), r.rid
 
 
 @pytest.mark.parametrize("chunk", [7, 32, 64])
