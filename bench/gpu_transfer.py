@@ -99,7 +99,7 @@ from gpu import _table  # noqa: E402
 
 from kvd.handoff import SEND_PHASES  # noqa: E402
 from kvd.transfer import plan_chunk  # noqa: E402
-from kvd.wire import parse_ticket, ticket_info  # noqa: E402
+from kvd.ticket import read as read_ticket  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
 LAYOUT = "gemma-4-31b-it-tp2"
@@ -479,7 +479,7 @@ class Pair:
     # -- the checked pass --------------------------------------------------------------------------
 
     def plan(self, r: Req, ticket: bytes):
-        t = ticket_info(parse_ticket(ticket))
+        t = read_ticket(ticket)
         src = self.pc[r.worker].vectors(r.rid)
         return plan_chunk(self.layout, src, t.vectors, self.p_env, t.envelopes, 0, r.tokens, True)
 
@@ -503,7 +503,7 @@ class Pair:
         plans = {r.rid: self.plan(r, tickets[r.rid]) for r in reqs}
         # The planner in this process, no daemon around it: how fast this host runs it.
         for r in reqs:
-            t = ticket_info(parse_ticket(tickets[r.rid]))
+            t = read_ticket(tickets[r.rid])
             src = self.pc[r.worker].vectors(r.rid)
             xs = []
             for _ in range(7):

@@ -108,12 +108,12 @@ class Bench:
         import torch
 
         from kvd.transfer import plan_chunk
-        from kvd.wire import parse_ticket, ticket_info
+        from kvd.ticket import read as read_ticket
 
         p, d = self.p_att.tensor, self.d_att.tensor
         pb, db = self.p_env[0].base, self.d_env[0].base
         for rid, t in reqs:
-            info = ticket_info(parse_ticket(tickets[rid]))
+            info = read_ticket(tickets[rid])
             plan = plan_chunk(self.layout, self.pc.vectors(rid), info.vectors, self.p_env, info.envelopes, 0, t, True)
             for s, dd, n in zip(*plan.as_lists()):
                 if not torch.equal(p[s - pb : s - pb + n], d[dd - db : dd - db + n]):

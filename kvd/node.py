@@ -26,7 +26,6 @@ from kvd.errors import (
     FailedPrecondition,
     InternalError,
     InvalidArgument,
-    LayoutMismatch,
     NotFound,
     PermissionDenied,
     StaleEpoch,
@@ -37,7 +36,7 @@ from kvd.leases import Lease, LeaseKind, LeaseTable
 from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
 from kvd.stats import PoolStats
 
-__all__ = ["Node", "NodeStats", "SessionInfo", "TicketClaim", "MAX_SESSION_TTL"]
+__all__ = ["Node", "NodeStats", "SessionInfo", "MAX_SESSION_TTL"]
 
 #: Upper bound of a client-chosen session TTL (the same cap as the session_ttl_s setting).
 MAX_SESSION_TTL = 3600.0
@@ -64,17 +63,6 @@ class NodeStats:
     transfers_in_ready_total: int = 0
     transfers_in_failed_total: int = 0
     transfer_in_bytes_total: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TicketClaim:
-    """The fields of a ticket the issuing node checks (see :meth:`Node.check_ticket`)."""
-
-    boot_id: str
-    epoch: int
-    lease_id: int
-    rid: str
-    layout_fingerprint: str
 
 
 class Node:
@@ -327,30 +315,6 @@ class Node:
         except StaleEpoch:
             self.stale_refusals += 1
             raise
-
-    def check_ticket(self, claim: TicketClaim) -> Lease:
-        """Validate a ticket this node issued: same boot, the lease live and RECV for the same
-        request, the request's pages unmoved since the ticket's epoch, the layout unchanged."""
-        with self._lock:
-            if claim.boot_id != self.pool.boot_id:
-                self.stale_refusals += 1
-                raise StaleEpoch(
-                    f"ticket from boot {claim.boot_id!r}, but this daemon is boot {self.pool.boot_id!r} (it restarted); "
-                    "the decode side must allocate again and issue a new ticket"
-                )
-            if claim.layout_fingerprint != self.pool.layout.fingerprint:
-                raise LayoutMismatch(
-                    f"ticket layout fingerprint {claim.layout_fingerprint!r} does not match this daemon's "
-                    f"{self.pool.layout.fingerprint!r}"
-                )
-            lease = self.leases.get(claim.lease_id)
-            if lease.kind is not LeaseKind.RECV or lease.rid != claim.rid:
-                raise InvalidArgument(
-                    f"ticket names lease {claim.lease_id} for {claim.rid!r}, but that lease is a "
-                    f"{lease.kind.value} lease on {lease.rid!r}"
-                )
-            self._fresh(claim.rid, claim.epoch, claim.boot_id)
-            return lease
 
     # ---- maintenance ------------------------------------------------------------------------
     def compact(self, session_id: str, around_pinned: bool = False) -> CompactionResult:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
-from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch
+from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch, PermissionDenied
 from kvd.handoff import PeerLink, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.leases import LeaseKind
 from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
@@ -40,6 +40,7 @@ log = logging.getLogger("kvd.outbox")
 class _Outbound:
     rid: str
     ticket: TicketInfo
+    raw: bytes  # the ticket's bytes: every Send of this transfer must carry these (the receiver checked them)
     session: str
     aborted: str = ""  # reason, once the transfer must stop
     aborted_at: float = 0.0  # when the receiver aborted it (an idle entry answers later Sends a while)
@@ -243,7 +244,7 @@ class Outbox:
                 "(larger), or 0 for one Send of the whole request"
             )
         self.node.own(session, rid)
-        ob = self._enter(session, rid, ticket)
+        ob = self._enter(session, rid, ticket, raw)
         try:
             if ob.began:
                 return False
@@ -289,14 +290,21 @@ class Outbox:
         if ticket.rid != rid:
             raise InvalidArgument(f"ticket is for request {ticket.rid!r}, not {rid!r}")
 
-    def _enter(self, session: str, rid: str, ticket: TicketInfo) -> _Outbound:
+    def _enter(self, session: str, rid: str, ticket: TicketInfo, raw: bytes) -> _Outbound:
         """The ticket's transfer (registered if new), counted active; Aborted if it was aborted.
-        Each call is matched by one :meth:`_leave`."""
+        PermissionDenied for other ticket bytes than the transfer's: a Send after the first skips
+        the receiver's check, so it must carry the very ticket the receiver checked (and this
+        daemon planned from). Each call is matched by one :meth:`_leave`."""
         key = (ticket.boot_id, ticket.lease_id)
         with self._lock:
             ob = self._open.get(key)
             if ob is None:
-                ob = self._open[key] = _Outbound(rid, ticket, session)
+                ob = self._open[key] = _Outbound(rid, ticket, raw, session)
+            elif ob.raw != raw:
+                raise PermissionDenied(
+                    f"ticket for {rid!r} under lease {ticket.lease_id} differs from the ticket its transfer began with; pass "
+                    "the bytes of the decode daemon's RECV lease unchanged, the same in every Send"
+                )
             if ob.aborted:
                 raise Aborted(f"transfer of {rid!r} was aborted: {ob.aborted}")
             ob.active += 1
@@ -316,7 +324,7 @@ class Outbox:
         SEND lease and the plan."""
         rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
         self._check_ticket(rid, ticket)
-        ob = f.ob = self._enter(session, rid, ticket)
+        ob = f.ob = self._enter(session, rid, ticket, f.item.raw)
         # A transfer the receiver accepted before (an earlier chunk, begin) fails there too if
         # this Send fails, whatever step it fails in.
         f.began = ob.began

@@ -1,19 +1,17 @@
 """Conversions between core records and the v1 wire messages, shared by server and client.
 
 Index vectors travel as packed int32; the client turns them back into torch tensors. Tickets are
-serialised :class:`kvd.v1.kvd_pb2.Ticket` messages: opaque bytes to engines, parsed (and
-refused with INVALID_ARGUMENT when they are not a ticket) by daemons.
+minted, sealed, read and checked in :mod:`kvd.ticket`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError
 
 from kvd import errors as E
 from kvd.errors import InvalidArgument, KvdError
-from kvd.handoff import SEND_PHASES, SendResult, TicketInfo, TransferRef, TransferState
+from kvd.handoff import SEND_PHASES, SendResult, TransferRef, TransferState
 from kvd.leases import LeaseKind
 from kvd.node import NodeStats
 from kvd.pool import Envelope, IndexVectors
@@ -27,12 +25,9 @@ __all__ = [
     "envelope_from_pb",
     "lease_kind_from_pb",
     "lease_kind_to_pb",
-    "parse_ticket",
-    "TICKET_VERSION",
     "SESSION_KEY",
     "TOKEN_KEY",
     "stats_to_pb",
-    "ticket_info",
     "ref_to_pb",
     "ref_from_pb",
     "state_to_pb",
@@ -43,7 +38,6 @@ __all__ = [
     "status_from_pb",
 ]
 
-TICKET_VERSION = 1
 #: metadata key carrying the client session id on every Kvd call but OpenSession
 SESSION_KEY = "kvd-session"
 #: metadata key carrying the shared peer token on Peer calls (when configured)
@@ -131,40 +125,6 @@ def stats_to_pb(s: NodeStats) -> pb.Stats:
         sessions_live=s.sessions_live,
         sessions_expired_total=s.sessions_expired_total,
         layout_name=s.layout_name,
-    )
-
-
-def parse_ticket(blob: bytes) -> pb.Ticket:
-    """Parse ticket bytes; anything that is not a complete v1 ticket is INVALID_ARGUMENT."""
-    if not blob:
-        raise InvalidArgument("ticket is empty; pass the bytes the decode daemon's RECV lease returned")
-    t = pb.Ticket()
-    try:
-        t.ParseFromString(bytes(blob))
-    except DecodeError as exc:
-        raise InvalidArgument(f"ticket bytes do not parse as a kvd ticket ({exc}); pass the lease's ticket unchanged") from exc
-    if t.version != TICKET_VERSION:
-        raise InvalidArgument(f"ticket version {t.version} is not supported (this daemon speaks {TICKET_VERSION})")
-    missing = [f for f in ("peer_address", "boot_id", "rid", "layout_fingerprint") if not getattr(t, f)]
-    if missing or not t.lease_id or not t.HasField("vectors"):
-        raise InvalidArgument(f"ticket is incomplete (missing {missing or ['lease_id/vectors']}); pass it unchanged")
-    return t
-
-
-def ticket_info(t: pb.Ticket) -> TicketInfo:
-    """The core record of a parsed ticket (see :func:`parse_ticket`)."""
-    return TicketInfo(
-        peer_address=t.peer_address,
-        boot_id=t.boot_id,
-        epoch=t.epoch,
-        lease_id=t.lease_id,
-        rid=t.rid,
-        layout_fingerprint=t.layout_fingerprint,
-        envelopes=[envelope_from_pb(e) for e in t.envelopes],
-        vectors=vectors_from_pb(t.vectors),
-        transfer_endpoint=t.transfer_endpoint,
-        backend=t.backend,
-        peer_socket=t.peer_socket,
     )
 
 

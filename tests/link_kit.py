@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvd.handoff import TicketInfo
-from kvd.node import Node, TicketClaim
+from kvd.node import Node
+from kvd.ticket import check_fields
 
 __all__ = ["CheckingLink"]
 
@@ -20,8 +21,8 @@ __all__ = ["CheckingLink"]
 class CheckingLink:
     """A PeerLink into ``receiver``, in-process, checking tickets as the receiving daemon does.
 
-    * ``check_ticket`` runs the receiver's own check (``Node.check_ticket``, then ``Inbox.begin``:
-      what ``PeerCalls.check_ticket`` does); the raw ticket bytes a Send carries are the keys
+    * ``check_ticket`` runs the receiver's own check (``kvd.ticket.check_fields``, then ``Inbox.begin``:
+      what ``PeerCalls.check_ticket`` does after the seal); the raw ticket bytes a Send carries are the keys
       :meth:`register` gives.
     * ``events`` records every call in order: ``("check", rid)``, ``("commit", rid)``,
       ``("abort", rid)``, ``("abort_send", rid)``, ``("heartbeat", "rid,rid,...")`` (pass a list
@@ -52,7 +53,7 @@ class CheckingLink:
         hook = self.before_check.pop(t.rid, None)
         if hook is not None:
             hook()
-        self.receiver.check_ticket(TicketClaim(t.boot_id, t.epoch, t.lease_id, t.rid, t.layout_fingerprint))
+        check_fields(self.receiver, t)
         self.receiver.inbox.begin(t.ref, sender)
         hook = self.after_check.pop(t.rid, None)
         if hook is not None:

@@ -38,6 +38,7 @@ from kvd.presets import load_layout
 from kvd.server.handles import ArenaHandles
 from kvd.server.metrics import Metrics
 from kvd.server.peer_calls import PeerCalls
+from kvd.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
 from kvd.server.service import Endpoint, KvdService, PeerService
@@ -193,6 +194,7 @@ class Daemon:
     link: DaemonPeerLink | None = None
     handles: HandleServer | None = None  # arena=cuda: hands the arena's fds to engines and peers
     peer_socket: PeerSocketServer | None = None  # a same-host sender's calls (CheckTicket, Commit, ...)
+    tickets: Tickets | None = None  # mints and checks this boot's tickets (its key never leaves the process)
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -300,11 +302,7 @@ class Daemon:
             metrics.collector.outbox = outbox
             metrics.collector.link = link
             caps.append("handoff")
-        calls = PeerCalls(node, settings.peer_token, outbox)
-        if peer_path:  # before any ticket can name it
-            peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s).start()
-            _undo(undo, "the peer socket", peer_server.stop)
-            metrics.collector.peer_socket = peer_server
+        if peer_path:
             caps.append("peer-socket")
         endpoint = Endpoint(
             peer_address=peer,
@@ -312,9 +310,16 @@ class Daemon:
             transfer_endpoint=backend.endpoint if backend else "",
             capabilities=tuple(caps),
             handle_socket=handle_server.path if handle_server else "",
-            peer_socket=peer_server.path if peer_server else "",
+            peer_socket=peer_path or "",
         )
-        pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link), server)
+        # One key per boot: the engine-facing service mints with it, both peer transports check.
+        tickets = Tickets(node, endpoint.issuer)
+        calls = PeerCalls(node, settings.peer_token, outbox, tickets)
+        if peer_path:  # before any ticket can name it
+            peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s).start()
+            _undo(undo, "the peer socket", peer_server.stop)
+            metrics.collector.peer_socket = peer_server
+        pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link, tickets), server)
         pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, calls), server)
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -334,7 +339,7 @@ class Daemon:
             _undo(undo, "the metrics endpoint", metrics.close)
         d = cls(
             settings, node, server, hs, addresses, metrics,
-            backend=backend, outbox=outbox, link=link, handles=handle_server, peer_socket=peer_server,
+            backend=backend, outbox=outbox, link=link, handles=handle_server, peer_socket=peer_server, tickets=tickets,
         )
         _undo(undo, "the sweeper and heartbeat threads", d._stop.set)  # both leave at their next wait
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)

@@ -13,23 +13,26 @@ from __future__ import annotations
 import hmac
 
 from kvd.errors import PermissionDenied
-from kvd.handoff import TransferRef
 from kvd.outbox import Outbox
-from kvd.node import Node, TicketClaim
+from kvd.node import Node
+from kvd.ticket import Issuer, Tickets
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import TOKEN_KEY, parse_ticket, ref_from_pb
+from kvd.wire import TOKEN_KEY, ref_from_pb
 
 __all__ = ["PeerCalls"]
 
 
 class PeerCalls:
     """What a peer daemon may ask of this one. ``token``: the shared ``peer_token`` (None: peers
-    are not authenticated); ``outbox``: this daemon's sending side (None without a backend)."""
+    are not authenticated); ``outbox``: this daemon's sending side (None without a backend);
+    ``tickets``: this daemon's tickets, the ones its engine-facing service mints (None: a new
+    :class:`~kvd.ticket.Tickets`, which only tickets it minted itself pass)."""
 
-    def __init__(self, node: Node, token: str | None = None, outbox: Outbox | None = None) -> None:
+    def __init__(self, node: Node, token: str | None = None, outbox: Outbox | None = None, tickets: Tickets | None = None) -> None:
         self.node = node
         self.token = token
         self.outbox = outbox
+        self.tickets = tickets if tickets is not None else Tickets(node, Issuer())
 
     def authorize(self, presented: str) -> None:
         """PermissionDenied unless ``presented`` is the configured peer token (anything goes
@@ -42,11 +45,11 @@ class PeerCalls:
             )
 
     def check_ticket(self, request: pb.CheckTicketRequest) -> pb.CheckTicketResponse:
-        """Validate a ticket this daemon issued; with a sender, the transfer begins (RECEIVING)."""
-        t = parse_ticket(request.ticket)
-        lease = self.node.check_ticket(TicketClaim(t.boot_id, t.epoch, t.lease_id, t.rid, t.layout_fingerprint))
+        """Validate a ticket this daemon issued (:meth:`kvd.ticket.Tickets.check`: the seal, then every
+        field); with a sender, the transfer begins (RECEIVING)."""
+        t, lease = self.tickets.check(request.ticket)
         if request.sender:
-            self.node.inbox.begin(TransferRef(t.boot_id, t.lease_id, t.rid), request.sender)
+            self.node.inbox.begin(t.ref, request.sender)
         return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
 
     def commit(self, request: pb.CommitRequest) -> pb.CommitResponse:

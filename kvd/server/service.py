@@ -22,20 +22,18 @@ from kvd.node import Node
 from kvd.pool import AllocSpec
 from kvd.server.peer_calls import PeerCalls
 from kvd.status import to_status
+from kvd.ticket import Issuer, Tickets, read as read_ticket
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.wire import (
     SESSION_KEY,
     TOKEN_KEY,
-    TICKET_VERSION,
     envelope_to_pb,
     lease_kind_from_pb,
     lease_kind_to_pb,
-    parse_ticket,
     send_result_to_pb,
     state_to_pb,
     status_to_pb,
-    ticket_info,
     stats_to_pb,
     vectors_to_pb,
 )
@@ -67,6 +65,11 @@ class Endpoint:
         self.capabilities = capabilities
         self.handle_socket = handle_socket  # where a CUDA arena's fds are handed out ("" for shm)
         self.peer_socket = peer_socket  # where a same-host sender calls this daemon without gRPC ("" when off)
+
+    @property
+    def issuer(self) -> Issuer:
+        """How this daemon's tickets name it."""
+        return Issuer(self.peer_address, self.transfer_endpoint, self.backend, self.peer_socket)
 
 
 class _Base:
@@ -102,10 +105,19 @@ class _Base:
 class KvdService(_Base, pb_grpc.KvdServicer):
     """The engine-facing service."""
 
-    def __init__(self, node: Node, endpoint: Endpoint, outbox: Outbox | None = None, link: PeerLink | None = None) -> None:
+    def __init__(
+        self,
+        node: Node,
+        endpoint: Endpoint,
+        outbox: Outbox | None = None,
+        link: PeerLink | None = None,
+        tickets: Tickets | None = None,
+    ) -> None:
         super().__init__(node, endpoint)
         self.outbox = outbox
         self.link = link
+        #: mints the RECV leases' tickets; the Peer service checks them with the same object
+        self.tickets = tickets if tickets is not None else Tickets(node, endpoint.issuer)
 
     # ---- sessions ---------------------------------------------------------------------------
     def OpenSession(self, request: pb.OpenSessionRequest, context):
@@ -206,23 +218,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
     # ---- leases -----------------------------------------------------------------------------
     def _lease_pb(self, lease, vec=None) -> pb.Lease:
-        ticket = b""
-        if vec is not None and lease.kind.value == "recv":
-            pool = self.node.pool
-            ticket = pb.Ticket(
-                version=TICKET_VERSION,
-                peer_address=self.endpoint.peer_address,
-                boot_id=pool.boot_id,
-                epoch=vec.epoch,
-                lease_id=lease.lease_id,
-                rid=lease.rid,
-                layout_fingerprint=pool.layout.fingerprint,
-                envelopes=[envelope_to_pb(e) for e in pool.envelopes()],
-                vectors=vectors_to_pb(vec),
-                transfer_endpoint=self.endpoint.transfer_endpoint,
-                backend=self.endpoint.backend,
-                peer_socket=self.endpoint.peer_socket,
-            ).SerializeToString()
+        ticket = self.tickets.mint(lease, vec) if vec is not None and lease.kind.value == "recv" else b""
         return pb.Lease(
             lease_id=lease.lease_id,
             rid=lease.rid,
@@ -291,7 +287,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         def go():
             session, outbox = self._sender(context)
             opened = outbox.begin(
-                session, request.rid, ticket_info(parse_ticket(request.ticket)), request.ticket, chunk_tokens=request.chunk_tokens
+                session, request.rid, read_ticket(request.ticket), request.ticket, chunk_tokens=request.chunk_tokens
             )
             return pb.BeginSendResponse(opened=opened)
 
@@ -300,9 +296,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Send(self, request: pb.SendRequest, context):
         def go():
             session, outbox = self._sender(context)
-            ticket = parse_ticket(request.ticket)
             r = outbox.send(
-                session, request.rid, ticket_info(ticket), request.ticket, request.token_start, request.token_end or None, request.last
+                session, request.rid, read_ticket(request.ticket), request.ticket, request.token_start, request.token_end or None, request.last
             )
             return send_result_to_pb(r)
 
@@ -316,7 +311,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             items: list[SendItem | KvdError] = []
             for it in request.items:
                 try:  # a ticket that does not parse is that item's failure alone
-                    info = ticket_info(parse_ticket(it.ticket))
+                    info = read_ticket(it.ticket)
                 except KvdError as exc:
                     items.append(exc)
                     continue

@@ -679,7 +679,7 @@ class Lease(_message.Message):
     epoch: _builtins.int
     expires_in_seconds: _builtins.float
     ticket: _builtins.bytes
-    """RECV only: a serialised Ticket, opaque to engines"""
+    """RECV only: a serialised SealedTicket, opaque to engines: pass it on unchanged"""
     def __init__(
         self,
         *,
@@ -701,7 +701,12 @@ Global___Lease: _TypeAlias = Lease  # noqa: Y015
 
 @_typing.final
 class Ticket(_message.Message):
-    """What a decode daemon hands to a prefill daemon for one incoming request."""
+    """What a decode daemon hands to a prefill daemon for one incoming request (kvd/ticket.py). It
+    travels as the body of a SealedTicket: only the daemon that minted it can seal or check it, so
+    whoever carries it (a router, the prefill engine) can read it but not change a field. The
+    minter checks it before the first byte: its seal, then every field against its own state --
+    the lease live and RECV for `rid` at `epoch`, and `vectors` exactly the request's current pages.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -763,6 +768,32 @@ class Ticket(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Ticket: _TypeAlias = Ticket  # noqa: Y015
+
+@_typing.final
+class SealedTicket(_message.Message):
+    """The bytes of a ticket (Lease.ticket, and what Send, BeginSend, SendMany and CheckTicket carry)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BODY_FIELD_NUMBER: _builtins.int
+    SEAL_FIELD_NUMBER: _builtins.int
+    body: _builtins.bytes
+    """a serialised Ticket"""
+    seal: _builtins.bytes
+    """HMAC-SHA256 of body under the minting daemon's per-boot key, which never leaves it"""
+    def __init__(
+        self,
+        *,
+        body: _builtins.bytes = ...,
+        seal: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "seal", b"seal"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SealedTicket: _TypeAlias = SealedTicket  # noqa: Y015
 
 @_typing.final
 class RenewLeaseRequest(_message.Message):

@@ -1127,8 +1127,9 @@ class PeerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def CheckTicket(self, request, context):
-        """Validate a ticket against the issuing daemon: boot id and epoch current, lease live,
-        layout fingerprint equal. Called before the first byte moves.
+        """Validate a ticket against the issuing daemon: its seal, boot id and epoch current, lease live,
+        layout and envelopes equal, destination vectors the leased request's pages. Called before the
+        first byte moves; a bad seal is PERMISSION_DENIED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -277,8 +277,9 @@ class PeerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> PeerAsyncStub: ...
     CheckTicket: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.CheckTicketRequest, _kvd_pb2.CheckTicketResponse]
-    """Validate a ticket against the issuing daemon: boot id and epoch current, lease live,
-    layout fingerprint equal. Called before the first byte moves.
+    """Validate a ticket against the issuing daemon: its seal, boot id and epoch current, lease live,
+    layout and envelopes equal, destination vectors the leased request's pages. Called before the
+    first byte moves; a bad seal is PERMISSION_DENIED.
     """
     Commit: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.CommitRequest, _kvd_pb2.CommitResponse]
     """Sender -> receiver: a chunk's writes completed; the last one makes the request READY."""
@@ -293,8 +294,9 @@ class PeerStub:
 class PeerAsyncStub(PeerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     CheckTicket: _aio.UnaryUnaryMultiCallable[_kvd_pb2.CheckTicketRequest, _kvd_pb2.CheckTicketResponse]  # type: ignore[assignment]
-    """Validate a ticket against the issuing daemon: boot id and epoch current, lease live,
-    layout fingerprint equal. Called before the first byte moves.
+    """Validate a ticket against the issuing daemon: its seal, boot id and epoch current, lease live,
+    layout and envelopes equal, destination vectors the leased request's pages. Called before the
+    first byte moves; a bad seal is PERMISSION_DENIED.
     """
     Commit: _aio.UnaryUnaryMultiCallable[_kvd_pb2.CommitRequest, _kvd_pb2.CommitResponse]  # type: ignore[assignment]
     """Sender -> receiver: a chunk's writes completed; the last one makes the request READY."""
@@ -312,8 +314,9 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         request: _kvd_pb2.CheckTicketRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvd_pb2.CheckTicketResponse, _abc.Awaitable[_kvd_pb2.CheckTicketResponse]]:
-        """Validate a ticket against the issuing daemon: boot id and epoch current, lease live,
-        layout fingerprint equal. Called before the first byte moves.
+        """Validate a ticket against the issuing daemon: its seal, boot id and epoch current, lease live,
+        layout and envelopes equal, destination vectors the leased request's pages. Called before the
+        first byte moves; a bad seal is PERMISSION_DENIED.
         """
 
     @_abc_1.abstractmethod

@@ -17,6 +17,7 @@ import random
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from kvd.errors import CapacityError
 from kvd.layout import GroupKind, Layout
 from kvd.pool import IndexVectors
 from kvd.presets import preset
+from kvd.v1 import kvd_pb2 as pb
 
 LAYOUT: Layout = preset("tiny-hybrid")
 #: page bytes per group name: full/swa 2 KiB, state 256 B, draft 1 KiB.
@@ -387,3 +389,29 @@ def leftovers() -> list[str]:
         if os.path.exists(f"/dev/shm/{t.region_id}"):
             out.append(f"arena file /dev/shm/{t.region_id} left behind")
     return out
+
+
+# ---- tickets ---------------------------------------------------------------------------------
+
+
+def ticket_body(ticket: bytes) -> pb.Ticket:
+    """The body of sealed ticket bytes: what anyone carrying the ticket can read."""
+    return pb.Ticket.FromString(pb.SealedTicket.FromString(ticket).body)
+
+
+def tampered(ticket: bytes, edit: Callable[[pb.Ticket], object]) -> bytes:
+    """``ticket`` with its body edited by ``edit`` and serialised again under the old seal: what a
+    router or prefill engine that rewrote a field would pass on."""
+    sealed = pb.SealedTicket.FromString(ticket)
+    t = pb.Ticket.FromString(sealed.body)
+    edit(t)
+    return pb.SealedTicket(body=t.SerializeToString(), seal=sealed.seal).SerializeToString()
+
+
+def resealed(side: Side, ticket: bytes, edit: Callable[[pb.Ticket], object]) -> bytes:
+    """``ticket`` edited and sealed again with the in-process daemon's own key: a ticket only the
+    daemon itself could have minted (for tests that need a field changed with the seal intact)."""
+    assert side.t.daemon is not None and side.t.daemon.tickets is not None, "resealing needs an in-process daemon"
+    t = ticket_body(ticket)
+    edit(t)
+    return side.t.daemon.tickets.seal(t)

@@ -1,0 +1,257 @@
+"""The ticket, in one module: minted, sealed, read and checked here and nowhere else.
+
+A ticket is the capability a decode daemon hands out with a RECV lease: whoever holds it may write
+the leased request's pages. It passes through hands kvd does not trust (a router, the prefill
+engine, anyone on the path), so its bytes are a ``SealedTicket`` (proto): ``body``, a serialised
+``Ticket``, and ``seal``, HMAC-SHA256 of the body under a key the minting daemon draws at start
+(:mod:`secrets`) and never gives out. Only the minter can seal, so only the minter can check::
+
+    decode daemon                        anyone on the path          prefill daemon
+    Tickets.mint(lease, vectors) ──▶ sealed bytes (opaque) ──▶ read(bytes): the body, unverified
+          ▲                                                         │ (its own checks: layout,
+          └───────────── CheckTicket(bytes), before the first byte ◀┘  backend, rid, ranges)
+    Tickets.check(bytes): the boot named, the seal, then field by field against this daemon
+
+:meth:`Tickets.check` refuses, in this order and changing nothing:
+
+* bytes that do not parse as a ``SealedTicket`` and its ``Ticket`` body: InvalidArgument;
+* a ticket naming another boot (this daemon restarted, or another daemon minted it): StaleEpoch;
+* a seal that does not verify (any field, any bit changed after minting, or a truncation):
+  PermissionDenied;
+* a body that is not a whole ticket of :data:`TICKET_VERSION`: InvalidArgument;
+* then every field against this daemon: where the bytes go (backend, transfer endpoint) and
+  (:func:`check_fields`) the layout; the lease live, RECV, for the ticket's request, at the ticket's epoch (NotFound for a
+  lease gone: a replay after the request was freed); the request's pages unmoved since
+  (StaleEpoch); the envelopes this arena's; and the destination vectors exactly the request's
+  current pages in every group -- full, the SWA tail, the state slot, draft (FailedPrecondition).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
+from kvd.handoff import TicketInfo
+from kvd.leases import Lease, LeaseKind
+from kvd.node import Node
+from kvd.pool import IndexVectors
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
+
+__all__ = ["TICKET_VERSION", "Issuer", "Tickets", "read", "check_fields"]
+
+#: The body's version: 2 is the sealed ticket (1 travelled bare).
+TICKET_VERSION = 2
+_MAC = hashlib.sha256
+_SEAL_BYTES = _MAC().digest_size
+
+
+class Issuer(NamedTuple):
+    """Where the minting daemon is reached, as its tickets state it."""
+
+    peer_address: str = ""  # its Peer service
+    transfer_endpoint: str = ""  # its backend's data-plane address
+    backend: str = "none"
+    peer_socket: str = ""  # its same-host peer socket ("" when it serves none)
+
+
+def _unseal(blob: bytes) -> tuple[bytes, bytes, pb.Ticket]:
+    """The body bytes, the seal and the parsed body; InvalidArgument for bytes that do not parse
+    as a sealed ticket. Verifies nothing."""
+    if not blob:
+        raise InvalidArgument("ticket is empty; pass the bytes the decode daemon's RECV lease returned")
+    sealed, t = pb.SealedTicket(), pb.Ticket()
+    try:
+        sealed.ParseFromString(bytes(blob))
+        t.ParseFromString(sealed.body)
+    except DecodeError as exc:
+        raise InvalidArgument(f"ticket bytes do not parse as a kvd ticket ({exc}); pass the lease's ticket unchanged") from exc
+    if not sealed.body or len(sealed.seal) != _SEAL_BYTES:
+        raise InvalidArgument(
+            f"ticket is not sealed (body of {len(sealed.body)} bytes, seal of {len(sealed.seal)} bytes, not {_SEAL_BYTES}); "
+            "pass the bytes the decode daemon's RECV lease returned, unchanged"
+        )
+    return sealed.body, sealed.seal, t
+
+
+def _complete(t: pb.Ticket) -> None:
+    """InvalidArgument unless ``t`` is a whole ticket of :data:`TICKET_VERSION`."""
+    if t.version != TICKET_VERSION:
+        raise InvalidArgument(f"ticket version {t.version} is not supported (this daemon speaks {TICKET_VERSION})")
+    missing = [f for f in ("peer_address", "boot_id", "rid", "layout_fingerprint") if not getattr(t, f)]
+    if missing or not t.lease_id or not t.HasField("vectors"):
+        raise InvalidArgument(f"ticket is incomplete (missing {missing or ['lease_id/vectors']}); pass it unchanged")
+
+
+def _info(t: pb.Ticket) -> TicketInfo:
+    return TicketInfo(
+        peer_address=t.peer_address,
+        boot_id=t.boot_id,
+        epoch=t.epoch,
+        lease_id=t.lease_id,
+        rid=t.rid,
+        layout_fingerprint=t.layout_fingerprint,
+        envelopes=[envelope_from_pb(e) for e in t.envelopes],
+        vectors=vectors_from_pb(t.vectors),
+        transfer_endpoint=t.transfer_endpoint,
+        backend=t.backend,
+        peer_socket=t.peer_socket,
+    )
+
+
+def read(blob: bytes) -> TicketInfo:
+    """What a sender reads from a ticket (its body), without verifying the seal: only the minter
+    can. InvalidArgument for bytes that are no ticket. The minter checks the same bytes
+    (:meth:`Tickets.check`) before the sender writes a byte."""
+    t = _unseal(blob)[2]
+    _complete(t)
+    return _info(t)
+
+
+class Tickets:
+    """One daemon's tickets: minted and sealed with a key of this instance (one per boot, never
+    leaving the process), and checked when a sender presents them. Thread-safe."""
+
+    def __init__(self, node: Node, issuer: Issuer) -> None:
+        self.node = node
+        self.issuer = issuer
+        self._key = secrets.token_bytes(32)
+
+    def _mac(self, body: bytes) -> bytes:
+        return hmac.new(self._key, body, _MAC).digest()
+
+    def seal(self, body: pb.Ticket) -> bytes:
+        """``body`` sealed with this daemon's key: the ticket bytes (what :meth:`mint` returns)."""
+        raw = body.SerializeToString()
+        return pb.SealedTicket(body=raw, seal=self._mac(raw)).SerializeToString()
+
+    def mint(self, lease: Lease, vec: IndexVectors) -> bytes:
+        """The sealed ticket of RECV lease ``lease``, naming ``vec`` (the request's vectors the
+        lease pins) as the destination. Call under the node's lock, with the lease just granted."""
+        pool, who = self.node.pool, self.issuer
+        body = pb.Ticket(
+            version=TICKET_VERSION,
+            peer_address=who.peer_address,
+            boot_id=pool.boot_id,
+            epoch=vec.epoch,
+            lease_id=lease.lease_id,
+            rid=lease.rid,
+            layout_fingerprint=pool.layout.fingerprint,
+            envelopes=[envelope_to_pb(e) for e in pool.envelopes()],
+            vectors=vectors_to_pb(vec),
+            transfer_endpoint=who.transfer_endpoint,
+            backend=who.backend,
+            peer_socket=who.peer_socket,
+        )
+        return self.seal(body)
+
+    def check(self, blob: bytes) -> tuple[TicketInfo, Lease]:
+        """The ticket a sender presents, checked before the first byte (the order and the
+        refusals are in the module docstring); returns it and the RECV lease it names."""
+        body, seal, t = _unseal(blob)
+        boot = self.node.pool.boot_id
+        if t.boot_id and t.boot_id != boot:  # before the seal: another boot's key sealed it, and the sender should learn why
+            with self.node.lock:
+                self.node.stale_refusals += 1
+            raise StaleEpoch(
+                f"ticket from boot {t.boot_id!r}, but this daemon is boot {boot!r} (it restarted, or another daemon "
+                "issued the ticket); the decode side must allocate again and issue a new ticket"
+            )
+        if not hmac.compare_digest(self._mac(body), seal):
+            raise PermissionDenied(
+                f"ticket for {t.rid[:64]!r} does not carry this daemon's seal: its bytes were changed after it was issued "
+                "(or it was truncated, or sealed by another daemon); pass the bytes of the RECV lease unchanged"
+            )
+        _complete(t)
+        info = _info(t)
+        with self.node.lock:
+            # Where the bytes go must be here. The routes of the calls (peer_address, peer_socket)
+            # reached this daemon already, and the seal vouches for them.
+            if (info.transfer_endpoint, info.backend) != (self.issuer.transfer_endpoint, self.issuer.backend):
+                raise InvalidArgument(
+                    f"ticket sends the bytes to {info.backend!r} endpoint {info.transfer_endpoint!r}, but this daemon's "
+                    f"is {self.issuer.backend!r} endpoint {self.issuer.transfer_endpoint!r}"
+                )
+            return info, check_fields(self.node, info)
+
+
+def check_fields(node: Node, info: TicketInfo) -> Lease:
+    """Check a ticket's fields against ``node``, the daemon that issued it (boot, layout, lease,
+    epoch, envelopes, destination vectors; see the module docstring) and return its RECV lease.
+    The seal is :meth:`Tickets.check`'s; this is the check the seal does not replace."""
+    with node.lock:
+        pool = node.pool
+        if info.boot_id != pool.boot_id:
+            node.stale_refusals += 1
+            raise StaleEpoch(
+                f"ticket from boot {info.boot_id!r}, but this daemon is boot {pool.boot_id!r} (it restarted); "
+                "the decode side must allocate again and issue a new ticket"
+            )
+        if info.layout_fingerprint != pool.layout.fingerprint:
+            raise LayoutMismatch(
+                f"ticket layout fingerprint {info.layout_fingerprint!r} does not match this daemon's {pool.layout.fingerprint!r}"
+            )
+        try:
+            lease = node.leases.get(info.lease_id)
+        except NotFound:
+            raise NotFound(
+                f"ticket for {info.rid!r} names lease {info.lease_id}, which is not live here (the transfer ended, or the "
+                "request was freed or its lease released or expired); the decode side must issue a new ticket"
+            ) from None
+        if lease.kind is not LeaseKind.RECV or lease.rid != info.rid:
+            raise InvalidArgument(
+                f"ticket names lease {info.lease_id} for {info.rid!r}, but that lease is a {lease.kind.value} lease on {lease.rid!r}"
+            )
+        if info.epoch != lease.epoch:
+            node.stale_refusals += 1
+            raise StaleEpoch(f"ticket for {info.rid!r} quotes epoch {info.epoch}, but its lease was granted at epoch {lease.epoch}")
+        try:
+            pool.require_fresh(info.rid, info.epoch, info.boot_id)
+        except StaleEpoch:
+            node.stale_refusals += 1
+            raise
+        if info.envelopes != pool.envelopes():
+            raise FailedPrecondition(
+                f"ticket for {info.rid!r} names envelopes {info.envelopes} but this arena's are {pool.envelopes()}; "
+                "the decode side must issue a new ticket"
+            )
+        wrong = _vectors_differ(info.vectors, pool.vectors(info.rid), info)
+        if wrong:
+            raise FailedPrecondition(
+                f"ticket's destination vectors are not request {info.rid!r}'s pages: {wrong}; the decode side must "
+                "acquire a new RECV lease (a new ticket) for the request's current pages"
+            )
+        return lease
+
+
+def _vectors_differ(got: IndexVectors, want: IndexVectors, info: TicketInfo) -> str:
+    """What differs between a ticket's destination vectors and the request's own ('' if nothing)."""
+    for name, a, b in (("rid", got.rid, info.rid), ("boot_id", got.boot_id, info.boot_id), ("epoch", got.epoch, info.epoch)):
+        if a != b:
+            return f"the vectors' {name} is {a!r}, the ticket's {b!r}"
+    for name in ("tokens", "swa_first_page", "state"):
+        if getattr(got, name) != getattr(want, name):
+            return f"{name} {getattr(got, name)!r}, the request's is {getattr(want, name)!r}"
+    for name in ("full", "swa", "draft"):
+        at = _first_difference(getattr(got, name), getattr(want, name))
+        if at:
+            return f"group {name}: {at}"
+    return ""
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> str:
+    a, b = got.numpy(), want.numpy()
+    if a.shape != b.shape:
+        return f"{a.size} pages named, the request holds {b.size}"
+    diff = np.flatnonzero(a != b)
+    if diff.size:
+        i = int(diff[0])
+        return f"{diff.size} page(s) differ, first at index {i} (ticket names physical page {int(a[i])}, the request holds {int(b[i])})"
+    return ""
