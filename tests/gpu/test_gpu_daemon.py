@@ -41,7 +41,7 @@ from kvd.client import TransferState
 from kvd.fdpass import fetch, ping
 from kvd.transfer import plan_chunk
 from kvd.views import all_views
-from kvd.wire import parse_ticket, ticket_info
+from kvd.ticket import read as read_ticket
 
 pytestmark = [*GPU, NEEDS_VMM, NEEDS_TRITON]
 
@@ -191,7 +191,7 @@ def hand_off_like_the_cpu_path(decode_workdir: Path, p: hk.Engine, d: hk.Engine,
     for t in (p.arena, d.arena):
         torch.cuda.synchronize(t.device)
     lease = d.c.acquire_lease("r1", "recv")
-    ticket = ticket_info(parse_ticket(lease.ticket))
+    ticket = read_ticket(lease.ticket)
     if d.side.opts["backend"] == "local":  # the decode daemon's handle socket
         assert ticket.transfer_endpoint == str(decode_workdir / "kvd.sock") + ".handles"
     else:  # Mooncake's "host:rpc port" (transfer_host is loopback here)
@@ -240,7 +240,7 @@ def send_many_like_the_cpu_path(p: hk.Engine, d: hk.Engine, seed: int, wait_s: f
     pi, di = p.c.info(), d.c.info()
     expected = d.arena.cpu()
     for rid, n in lengths.items():
-        t = ticket_info(parse_ticket(tickets[rid]))
+        t = read_ticket(tickets[rid])
         plan = plan_chunk(pi.layout, srcs[rid], t.vectors, pi.envelopes, t.envelopes, 0, n, True)
         expected = _shm_path_result(p.arena, expected, plan, pi.envelopes[0].base, di.envelopes[0].base)
     before_p = p.arena.cpu()
