@@ -202,7 +202,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
             lease = node.leases.get(info.lease_id)
         except NotFound:
             raise NotFound(
-                f"ticket for {info.rid!r} names lease {info.lease_id}, which is not live here (the transfer ended, or the "
+                f"ticket for {info.rid!r}: lease {info.lease_id} is not live here (the transfer ended, or the "
                 "request was freed or its lease released or expired); the decode side must issue a new ticket"
             ) from None
         if lease.kind is not LeaseKind.RECV or lease.rid != info.rid:

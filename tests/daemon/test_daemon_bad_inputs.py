@@ -21,7 +21,8 @@ from kvd.client import Client
 from kvd.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.wire import SESSION_KEY, parse_ticket
+from kvd.ticket import read as read_ticket
+from kvd.wire import SESSION_KEY
 
 C = grpc.StatusCode
 HUGE = 2**62  # fits the wire's int64, far beyond any arena
@@ -204,14 +205,32 @@ def _check(stub, blob: bytes):
     return stub.CheckTicket(pb.CheckTicketRequest(ticket=blob), timeout=5)
 
 
-def _edited(blob: bytes, **fields) -> bytes:
-    t = parse_ticket(blob)
+def _edit(t: pb.Ticket, fields: dict) -> pb.Ticket:
     for k, v in fields.items():
         if k == "clear":
             t.ClearField(v)
         else:
             setattr(t, k, v)
-    return t.SerializeToString()
+    return t
+
+
+def _tampered(blob: bytes, **fields) -> bytes:
+    """The ticket's body edited, under its old seal (what a carrier that rewrote it sends)."""
+    sealed = pb.SealedTicket.FromString(blob)
+    body = _edit(pb.Ticket.FromString(sealed.body), fields).SerializeToString()
+    return pb.SealedTicket(body=body, seal=sealed.seal).SerializeToString()
+
+
+def _edited(w: World, blob: bytes, **fields) -> bytes:
+    """The ticket's body edited and sealed again with the daemon's own key (in-process only: the
+    key never leaves it), so that the checks behind the seal are reached."""
+    if w.t.daemon is None:
+        pytest.skip("a ticket edited under a valid seal can be made only in the daemon's process")
+    return w.t.daemon.tickets.seal(_edit(read_body(blob), fields))
+
+
+def read_body(blob: bytes) -> pb.Ticket:
+    return pb.Ticket.FromString(pb.SealedTicket.FromString(blob).body)
 
 
 TICKETS = [
@@ -219,17 +238,25 @@ TICKETS = [
     ("empty", lambda w: b"", C.INVALID_ARGUMENT, E.InvalidArgument, "ticket is empty", {}),
     ("garbage", lambda w: b"\xff\xfe garbage \x00\x01", C.INVALID_ARGUMENT, E.InvalidArgument, "do not parse", {}),
     ("truncated", lambda w: w.lease.ticket[: len(w.lease.ticket) // 2], C.INVALID_ARGUMENT, E.InvalidArgument, "do not parse", {}),
-    ("other-message", lambda w: pb.Stats(boot_id="x", epoch=3).SerializeToString(), C.INVALID_ARGUMENT, E.InvalidArgument, "version", {}),
-    ("future-version", lambda w: _edited(w.lease.ticket, version=2), C.INVALID_ARGUMENT, E.InvalidArgument, "version 2 is not supported", {}),
-    ("no-vectors", lambda w: _edited(w.lease.ticket, clear="vectors"), C.INVALID_ARGUMENT, E.InvalidArgument, "incomplete", {}),
-    ("no-rid", lambda w: _edited(w.lease.ticket, rid=""), C.INVALID_ARGUMENT, E.InvalidArgument, "incomplete (missing ['rid'])", {}),
-    ("wrong-layout", lambda w: _edited(w.lease.ticket, layout_fingerprint="0123456789abcdef"),
-     C.INVALID_ARGUMENT, E.LayoutMismatch, "layout fingerprint '0123456789abcdef' does not match", {}),
-    ("other-boot", lambda w: _edited(w.lease.ticket, boot_id="b" * 16), C.FAILED_PRECONDITION, E.StaleEpoch, "it restarted",
+    ("other-message", lambda w: pb.Stats(boot_id="x", epoch=3).SerializeToString(), C.INVALID_ARGUMENT, E.InvalidArgument, "ticket", {}),
+    ("bare-body", lambda w: pb.SealedTicket.FromString(w.lease.ticket).body, C.INVALID_ARGUMENT, E.InvalidArgument, "ticket", {}),
+    ("other-boot", lambda w: _tampered(w.lease.ticket, boot_id="b" * 16), C.FAILED_PRECONDITION, E.StaleEpoch, "it restarted",
      {"stale_refusals_total": 1}),
-    ("released-lease", lambda w: _edited(w.lease.ticket, lease_id=w.released), C.NOT_FOUND, E.NotFound, "is not live", {}),
-    ("unknown-lease", lambda w: _edited(w.lease.ticket, lease_id=10**9), C.NOT_FOUND, E.NotFound, "is not live", {}),
-    ("lease-for-other-request", lambda w: _edited(w.lease.ticket, rid=w.live), C.INVALID_ARGUMENT, E.InvalidArgument,
+    ("tampered-lease", lambda w: _tampered(w.lease.ticket, lease_id=w.released), C.PERMISSION_DENIED, E.PermissionDenied,
+     "does not carry this daemon's seal", {}),
+    ("tampered-layout", lambda w: _tampered(w.lease.ticket, layout_fingerprint="0123456789abcdef"), C.PERMISSION_DENIED,
+     E.PermissionDenied, "does not carry this daemon's seal", {}),
+    ("tampered-seal", lambda w: w.lease.ticket[:-1] + bytes([w.lease.ticket[-1] ^ 1]), C.PERMISSION_DENIED, E.PermissionDenied,
+     "does not carry this daemon's seal", {}),
+    # Behind a valid seal (the daemon's own key, in-process): the field checks.
+    ("future-version", lambda w: _edited(w, w.lease.ticket, version=3), C.INVALID_ARGUMENT, E.InvalidArgument, "version 3 is not supported", {}),
+    ("no-vectors", lambda w: _edited(w, w.lease.ticket, clear="vectors"), C.INVALID_ARGUMENT, E.InvalidArgument, "incomplete", {}),
+    ("no-rid", lambda w: _edited(w, w.lease.ticket, rid=""), C.INVALID_ARGUMENT, E.InvalidArgument, "incomplete (missing ['rid'])", {}),
+    ("wrong-layout", lambda w: _edited(w, w.lease.ticket, layout_fingerprint="0123456789abcdef"),
+     C.INVALID_ARGUMENT, E.LayoutMismatch, "layout fingerprint '0123456789abcdef' does not match", {}),
+    ("released-lease", lambda w: _edited(w, w.lease.ticket, lease_id=w.released), C.NOT_FOUND, E.NotFound, "is not live", {}),
+    ("unknown-lease", lambda w: _edited(w, w.lease.ticket, lease_id=10**9), C.NOT_FOUND, E.NotFound, "is not live", {}),
+    ("lease-for-other-request", lambda w: _edited(w, w.lease.ticket, rid=w.live), C.INVALID_ARGUMENT, E.InvalidArgument,
      "recv lease on", {}),
 ]
 
@@ -249,7 +276,7 @@ def test_bad_ticket_refused_pool_unchanged(world, make, code, cls, phrase, bumpe
 
 def test_send_lease_is_not_a_ticket(world):
     send = world.c.acquire_lease(world.live, "send")
-    forged = _edited(world.lease.ticket, lease_id=send.lease_id, rid=world.live)
+    forged = _edited(world, world.lease.ticket, lease_id=send.lease_id, rid=world.live)
     with grpc.insecure_channel(world.t.tcp) as ch:
         before = world.snapshot()
         with expect_rpc(C.INVALID_ARGUMENT, "is a send lease", "InvalidArgument"):
@@ -265,7 +292,7 @@ def test_stale_ticket_after_restore(world):
     c.release_lease(old.lease_id)
     c.offload(r)
     moved = c.restore(r)  # new pages, new epoch for r
-    assert moved.epoch > parse_ticket(old.ticket).epoch
+    assert moved.epoch > read_ticket(old.ticket).epoch
     new = c.acquire_lease(r, "recv", vectors=moved)
     with grpc.insecure_channel(world.t.tcp) as ch:
         stub = pb_grpc.PeerStub(ch)

@@ -20,7 +20,9 @@ from kvd.leases import LeaseKind
 from kvd.pool import AllocSpec
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.wire import envelope_from_pb, parse_ticket, vectors_from_pb
+from kvd.ticket import TICKET_VERSION, read as read_ticket
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import envelope_from_pb, vectors_from_pb
 
 GROUPS = {"full", "swa", "state", "draft"}
 # tiny-hybrid: page_size 4, swa window 32, draft page 8; page bytes full/swa 2048, draft 1024, state slot 256.
@@ -180,8 +182,8 @@ def test_leases_and_ticket(target):
     lease = c.acquire_lease(r, "recv", ttl=5, vectors=v)
     assert (lease.rid, lease.kind, lease.boot_id, lease.epoch) == (r, LeaseKind.RECV, info.boot_id, v.epoch)
     assert 4.0 < lease.expires_in <= 5.0
-    t = parse_ticket(lease.ticket)
-    assert (t.version, t.rid, t.lease_id, t.boot_id, t.epoch) == (1, r, lease.lease_id, info.boot_id, v.epoch)
+    t = pb.Ticket.FromString(pb.SealedTicket.FromString(lease.ticket).body)
+    assert (t.version, t.rid, t.lease_id, t.boot_id, t.epoch) == (TICKET_VERSION, r, lease.lease_id, info.boot_id, v.epoch)
     assert t.layout_fingerprint == info.layout.fingerprint
     assert t.peer_address == target.tcp and t.backend == "none"
     assert [envelope_from_pb(e) for e in t.envelopes] == info.envelopes
@@ -308,7 +310,7 @@ def test_async_client_same_surface_same_errors(target):
             assert same_vectors(await kv.vectors(a_own), e1)
             assert [v.rid for v in await kv.vectors_many([a_leased, v3.rid])] == [a_leased, v3.rid]
             lease = await kv.acquire_lease(a_leased, "recv", vectors=e2)
-            assert parse_ticket(lease.ticket).lease_id == lease.lease_id
+            assert read_ticket(lease.ticket).lease_id == lease.lease_id
             assert (await kv.renew_lease(lease.lease_id, ttl=9)).expires_in > 8
             for call, cls in mistakes(kv, a_own, a_leased, e1, s_own):
                 try:
