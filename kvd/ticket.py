@@ -211,7 +211,10 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
             )
         if info.epoch != lease.epoch:
             node.stale_refusals += 1
-            raise StaleEpoch(f"ticket for {info.rid!r} quotes epoch {info.epoch}, but its lease was granted at epoch {lease.epoch}")
+            raise StaleEpoch(
+                f"ticket for {info.rid!r}: epoch {info.epoch} is stale (its lease was granted at epoch {lease.epoch}); "
+                "the decode side must issue a new ticket"
+            )
         try:
             pool.require_fresh(info.rid, info.epoch, info.boot_id)
         except StaleEpoch:

@@ -28,7 +28,10 @@ from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
 from kvd.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import TICKET_VERSION, ref_to_pb, status_from_pb, vectors_to_pb
+import weakref
+
+from kvd.ticket import Issuer, Tickets
+from kvd.wire import ref_to_pb, status_from_pb
 
 TOKEN = "tok"
 CHECK, COMMIT = METHOD_IDS["CheckTicket"], METHOD_IDS["Commit"]
@@ -53,9 +56,23 @@ def node() -> Iterator[Node]:
 
 @pytest.fixture
 def server(node: Node, sock_dir: Path) -> Iterator[PeerSocketServer]:
-    srv = PeerSocketServer(str(sock_dir / "p.sock"), PeerCalls(node, TOKEN), node.pool.boot_id, timeout=1.0).start()
+    srv = PeerSocketServer(str(sock_dir / "p.sock"), _calls(node, TOKEN), node.pool.boot_id, timeout=1.0).start()
     yield srv
     srv.stop()
+
+
+_TICKETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tickets(node: Node) -> Tickets:
+    """The node's tickets (one key per node, as one daemon has): what its PeerCalls check with."""
+    if node not in _TICKETS:
+        _TICKETS[node] = Tickets(node, Issuer("decode", "", "local"))
+    return _TICKETS[node]
+
+
+def _calls(node: Node, token: str | None = None) -> PeerCalls:
+    return PeerCalls(node, token, tickets=_tickets(node))
 
 
 def _ticket(node: Node, rid: str = "r1") -> tuple[bytes, TransferRef]:
@@ -63,11 +80,9 @@ def _ticket(node: Node, rid: str = "r1") -> tuple[bytes, TransferRef]:
     sid = node.open_session("decode").session_id
     node.allocate(sid, [AllocSpec(rid, 12, receive=True)])
     lease, vec = node.acquire_lease(sid, rid, LeaseKind.RECV)
-    t = pb.Ticket(
-        version=TICKET_VERSION, peer_address="decode", boot_id=node.pool.boot_id, epoch=vec.epoch, lease_id=lease.lease_id,
-        rid=rid, layout_fingerprint=node.layout.fingerprint, vectors=vectors_to_pb(vec), backend="local",
-    )
-    return t.SerializeToString(), TransferRef(node.pool.boot_id, lease.lease_id, rid)
+    with node.lock:
+        raw = _tickets(node).mint(lease, vec)
+    return raw, TransferRef(node.pool.boot_id, lease.lease_id, rid)
 
 
 def _raw(srv: PeerSocketServer, *, boot: str | None = None, token: str = TOKEN) -> tuple[socket.socket, int, bytes]:
@@ -122,16 +137,23 @@ def test_check_ticket_and_commit_over_the_socket(node, server):
     pc.close()
 
 
-@pytest.mark.parametrize("edit, cls", [({"lease_id": 999}, E.NotFound), ({"epoch": 12345}, E.StaleEpoch), ({"rid": "nope"}, E.InvalidArgument)])
-def test_a_refusal_is_the_class_and_message_grpc_gives(node, server, edit, cls):
+@pytest.mark.parametrize(
+    "edit, cls, sealed",
+    [({"lease_id": 999}, E.NotFound, True), ({"epoch": 12345}, E.StaleEpoch, True), ({"rid": "nope"}, E.InvalidArgument, True),
+     ({"lease_id": 999}, E.PermissionDenied, False), ({"boot_id": "another"}, E.StaleEpoch, False)],
+)
+def test_a_refusal_is_the_class_and_message_grpc_gives(node, server, edit, cls, sealed):
     raw, _ = _ticket(node)
-    t = pb.Ticket.FromString(raw)
+    envelope = pb.SealedTicket.FromString(raw)
+    t = pb.Ticket.FromString(envelope.body)
     for k, v in edit.items():
         setattr(t, k, v)
-    forged = pb.CheckTicketRequest(ticket=t.SerializeToString(), sender="prefill")
+    # sealed: edited under the daemon's own key (the checks behind the seal); else under the old seal
+    blob = _tickets(node).seal(t) if sealed else pb.SealedTicket(body=t.SerializeToString(), seal=envelope.seal).SerializeToString()
+    forged = pb.CheckTicketRequest(ticket=blob, sender="prefill")
     # What the gRPC servicer raises: the same PeerCalls, before the status mapping.
     with pytest.raises(cls) as direct:
-        PeerCalls(node, TOKEN).check_ticket(forged)
+        _calls(node, TOKEN).check_ticket(forged)
     before = node.stats()
     pc = _conns()
     with pytest.raises(E.KvdError) as over:
@@ -233,7 +255,7 @@ def test_a_wrong_token_is_refused_as_over_grpc(node, server):
     assert _closed(s)
     s.close()
     with pytest.raises(E.PermissionDenied) as direct:
-        PeerCalls(node, TOKEN).authorize("wrong")  # what the gRPC servicer raises for the wrong kvd-token
+        _calls(node, TOKEN).authorize("wrong")  # what the gRPC servicer raises for the wrong kvd-token
     assert str(exc) == str(direct.value) and "kvd-token" in str(exc)
     with pytest.raises(E.PermissionDenied, match="configure the same peer_token"):
         _conns(token="wrong").checkout(SocketRoute(server.path, node.pool.boot_id))
@@ -243,7 +265,7 @@ def test_a_wrong_token_is_refused_as_over_grpc(node, server):
 
 
 def test_no_token_configured_lets_any_peer_in(node, sock_dir):
-    with PeerSocketServer(str(sock_dir / "open.sock"), PeerCalls(node), node.pool.boot_id) as srv:
+    with PeerSocketServer(str(sock_dir / "open.sock"), _calls(node), node.pool.boot_id) as srv:
         assert _conns(token="whatever").checkout(SocketRoute(srv.path, node.pool.boot_id)) is not None
 
 
@@ -255,14 +277,14 @@ def test_nothing_listening_means_grpc_for_a_while(node, sock_dir):
     via = SocketRoute(path, node.pool.boot_id)
     patient, eager = _conns(retry_s=3600), _conns(retry_s=0)
     assert patient.checkout(via) is None and eager.checkout(via) is None
-    with PeerSocketServer(path, PeerCalls(node, TOKEN), node.pool.boot_id) as srv:
+    with PeerSocketServer(path, _calls(node, TOKEN), node.pool.boot_id) as srv:
         assert patient.checkout(via) is None, "remembered: no connect attempt per Send"
         assert eager.checkout(via) is not None
         assert srv.refused == 0
 
 
 def test_a_full_server_refuses_and_the_caller_waits_only_briefly(node, sock_dir):
-    with PeerSocketServer(str(sock_dir / "full.sock"), PeerCalls(node, TOKEN), node.pool.boot_id, max_connections=1) as srv:
+    with PeerSocketServer(str(sock_dir / "full.sock"), _calls(node, TOKEN), node.pool.boot_id, max_connections=1) as srv:
         via = SocketRoute(srv.path, node.pool.boot_id)
         pc = _conns()
         held = pc.checkout(via)
@@ -308,7 +330,7 @@ def test_concurrent_calls_each_get_a_connection_and_a_few_are_kept(node, server)
 
 
 def test_stop_ends_pooled_connections(node, sock_dir):
-    srv = PeerSocketServer(str(sock_dir / "s.sock"), PeerCalls(node, TOKEN), node.pool.boot_id).start()
+    srv = PeerSocketServer(str(sock_dir / "s.sock"), _calls(node, TOKEN), node.pool.boot_id).start()
     raw, _ = _ticket(node)
     pc = _conns()
     via = SocketRoute(srv.path, node.pool.boot_id)
@@ -321,12 +343,12 @@ def test_stop_ends_pooled_connections(node, sock_dir):
 
 def test_a_live_socket_is_not_taken_over(node, server):
     with pytest.raises(E.Unavailable, match="another process serves peer calls on"):
-        PeerSocketServer(server.path, PeerCalls(node), node.pool.boot_id).start()
+        PeerSocketServer(server.path, _calls(node), node.pool.boot_id).start()
 
 
 def test_a_path_too_long_is_refused_naming_the_setting(node):
     with pytest.raises(E.InvalidArgument, match="set peer_socket .or listen_unix. to a shorter path"):
-        PeerSocketServer("/tmp/" + "x" * 120, PeerCalls(node), node.pool.boot_id)
+        PeerSocketServer("/tmp/" + "x" * 120, _calls(node), node.pool.boot_id)
 
 
 # ---- a daemon that breaks mid-call -----------------------------------------------------------------

@@ -302,7 +302,7 @@ def test_stale_ticket_after_restore(world):
             _check(stub, old.ticket)
         unchanged(world, before)
         with expect_rpc(C.FAILED_PRECONDITION, "is stale", "StaleEpoch"):
-            _check(stub, _edited(old.ticket, lease_id=new.lease_id))  # live lease, pre-move epoch
+            _check(stub, _edited(world, old.ticket, lease_id=new.lease_id))  # live lease, pre-move epoch
         unchanged(world, before, stale_refusals_total=1)
 
 
