@@ -24,6 +24,7 @@ import torch
 from kvd.arena import Arena, ArenaHandle, ShmArena
 from kvd.backends import Backend, PeerRegion, make_backend
 from kvd.backends.local import LocalBackend
+from kvd.backends.nixl import parse_endpoint
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 
 MiB = 1 << 20
@@ -41,10 +42,18 @@ def _mooncake_missing() -> str:
     return ""
 
 
+def _nixl_missing() -> str:
+    from kvd.backends.nixl import missing
+
+    return missing() or ""
+
+
 MOONCAKE_MISSING = _mooncake_missing()
+NIXL_MISSING = _nixl_missing()
 BACKENDS = [
     pytest.param("local", id="local"),
     pytest.param("mooncake", id="mooncake", marks=pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING)),
+    pytest.param("nixl", id="nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)),
 ]
 
 
@@ -57,6 +66,20 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.contiguous().numpy(), digest_size=16).hexdigest()
 
 
+#: nixl peers by agent name: what the writer's metadata fetch asks (a daemon asks over Peer.TransferMetadata).
+PEERS: dict[str, Peer] = {}
+
+
+def fetch_from_peer(locator: str, agent: str) -> bytes:
+    peer = PEERS.get(agent)
+    if peer is None or peer.proc.poll() is not None:
+        raise Unavailable(f"no nixl peer {agent!r} (test registry); nothing was written")
+    reply = peer.cmd(f"meta {agent}")
+    if "error" in reply:
+        raise Unavailable(reply["error"])
+    return bytes.fromhex(reply["metadata"])
+
+
 class Peer:
     """A backend_peer.py process: its arena's region, and hashes of its bytes on request."""
 
@@ -66,6 +89,8 @@ class Peer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
         )
         self.info = self._reply()
+        if backend == "nixl":
+            PEERS[parse_endpoint(self.info["endpoint"]).agent] = self
 
     def _reply(self) -> dict:
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
@@ -111,6 +136,10 @@ def writer_backend(name: str) -> Backend:
     """Small batches and blocks, so the tests cross batch and split boundaries."""
     if name == "local":
         return LocalBackend(max_batch=64)
+    if name == "nixl":
+        from kvd.backends.nixl import NixlBackend
+
+        return NixlBackend("test", fetch_from_peer, max_batch=64, max_block=1 * MiB)
     from kvd.backends.mooncake import MooncakeBackend
 
     return MooncakeBackend(max_batch=64, max_block=1 * MiB)
@@ -341,7 +370,7 @@ def test_a_peer_that_never_existed_is_unavailable(shared: tuple[Peer, Backend]) 
     _, backend = shared
     w = Writer(backend, MiB)
     try:
-        endpoint = "127.0.0.1:1" if backend.name == "mooncake" else "/dev/shm/kvd-no-such-arena"
+        endpoint = {"mooncake": "127.0.0.1:1", "nixl": "kvd-no-such-agent/1/DRAM@test"}.get(backend.name, "/dev/shm/kvd-no-such-arena")
         r = PeerRegion(endpoint, 1 << 40, MiB, "kvd-no-such-arena")
         with pytest.raises(Unavailable, match="nothing was written|does not exist"):
             backend.write(r, [w.arena.base], [r.base], [4096])
@@ -353,8 +382,8 @@ def test_a_peer_that_never_existed_is_unavailable(shared: tuple[Peer, Backend]) 
 
 
 def test_make_backend_refuses_unknown_names_and_names_the_choices() -> None:
-    with pytest.raises(Unavailable, match="'local'.*'mooncake'"):
-        make_backend("nixl")
+    with pytest.raises(Unavailable, match="'local'.*'mooncake'.*'nixl'"):
+        make_backend("ucx")
 
 
 def test_a_missing_mooncake_install_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

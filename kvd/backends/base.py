@@ -299,14 +299,23 @@ def _check_few(peer: PeerRegion, lo: int, size: int, srcs: list[int], dsts: list
 
 
 def make_backend(
-    name: str, *, host: str = "127.0.0.1", arena_kind: str = "shm", handle_endpoint: str = "", peer_token: str | None = None
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    arena_kind: str = "shm",
+    handle_endpoint: str = "",
+    peer_token: str | None = None,
+    locator: str = "",
+    fetch_metadata: Callable[[str, str], bytes] | None = None,
 ) -> Backend:
-    """A backend by name: ``"local"`` (same host) or ``"mooncake"`` (tcp, any host).
+    """A backend by name: ``"local"`` (same host), ``"mooncake"`` or ``"nixl"`` (any host).
 
-    ``host`` is the address peers use to reach a mooncake backend (ignored by ``local``).
+    ``host`` is the address peers use to reach a mooncake backend (ignored by the others).
     ``local`` depends on the kind of arena it will register (``Arena.handle().kind``): ``"shm"``
     maps peers' arena files; ``"cuda-vmm"`` imports peers' CUDA arenas over their handle sockets,
     advertising ``handle_endpoint`` (this daemon's handle socket) and presenting ``peer_token``.
+    ``nixl`` advertises ``locator`` (this daemon's peer address) and fetches peers' agent
+    metadata with ``fetch_metadata(locator, agent)`` (the daemon's peer link).
     Raises Unavailable for an unknown name or when the backend's packages are missing."""
     if name == "local":
         if arena_kind == "cuda-vmm":
@@ -322,4 +331,11 @@ def make_backend(
         from kvd.backends.mooncake import MooncakeBackend
 
         return MooncakeBackend(host=host)
-    raise Unavailable(f"no transfer backend named {name!r}; choose 'local' (same host) or 'mooncake' ({INSTALL_HINT})")
+    if name == "nixl":
+        from kvd.backends.nixl import NixlBackend
+
+        return NixlBackend(locator, fetch_metadata)
+    raise Unavailable(
+        f"no transfer backend named {name!r}; choose 'local' (same host), 'mooncake' or 'nixl' (any host); "
+        "`kvd demo --help` lists what each needs installed"
+    )
