@@ -388,10 +388,42 @@ def test_make_backend_refuses_unknown_names_and_names_the_choices() -> None:
 
 def test_a_missing_mooncake_install_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # makes the import fail
+    monkeypatch.setattr("kvd.backends.mooncake._installed_wheel", lambda: None)
     with pytest.raises(Unavailable) as err:
         make_backend("mooncake")
     assert "pip install mooncake-transfer-engine-non-cuda" in str(err.value)
     assert "apt-get install -y libibverbs1" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "error,wheel,libs,says,not_says",
+    [
+        # A fresh host without libibverbs1: the wheel is there, the system library is not.
+        ("libibverbs.so.1: cannot open shared object file", "mooncake-transfer-engine-non-cuda", ["libibverbs.so.1"],
+         "apt-get install -y libibverbs1", "pip install mooncake"),
+        ("libnuma.so.1: cannot open shared object file", "mooncake-transfer-engine-non-cuda", ["libnuma.so.1", "libcurl.so.4"],
+         "apt-get install -y libnuma1 libcurl4", "pip install mooncake"),
+        ("No module named 'mooncake'", None, [], "pip install mooncake-transfer-engine-non-cuda", "is installed"),
+        ("libcuda.so.1: cannot open shared object file", "mooncake-transfer-engine", [], "pip install mooncake-transfer-engine-non-cuda", "apt-get"),
+        ("undefined symbol: foo", "mooncake-transfer-engine-non-cuda", [], "--force-reinstall", "apt-get"),
+    ],
+)
+def test_mooncake_install_check_names_what_is_actually_missing(error, wheel, libs, says, not_says) -> None:
+    from kvd.backends.mooncake import diagnose
+
+    msg = diagnose(ImportError(error), wheel, libs)
+    assert says in msg and not_says not in msg, msg
+    if libs:
+        assert all(lib in msg for lib in libs) and f"{wheel} is installed" in msg, msg
+
+
+def test_every_backend_class_says_what_it_misses() -> None:
+    from kvd.backends.base import BACKENDS, backend_class
+
+    assert backend_class("local").missing() is None
+    assert (backend_class("mooncake").missing() or "") == MOONCAKE_MISSING
+    assert (backend_class("nixl").missing() or "") == NIXL_MISSING
+    assert set(BACKENDS) == {"local", "mooncake", "nixl"}
 
 
 class _DeviceArena(Arena):

@@ -38,6 +38,7 @@ with ``get_batch_transfer_status``); the shm local backend writes synchronously 
 from __future__ import annotations
 
 import abc
+import importlib
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +49,7 @@ import numpy as np
 from kvd.arena import Arena
 from kvd.errors import FailedPrecondition, InternalError, InvalidArgument, Unavailable
 
-__all__ = ["Backend", "PeerRegion", "Landed", "make_backend", "INSTALL_HINT"]
+__all__ = ["Backend", "PeerRegion", "Landed", "make_backend", "backend_class", "BACKENDS", "INSTALL_HINT"]
 
 #: What :meth:`Backend.write_async` returns: call it once; it returns when every byte landed.
 Landed = Callable[[], None]
@@ -57,9 +58,9 @@ Landed = Callable[[], None]
 def _nothing_left() -> None:
     """The waiter of a write that was complete when it was issued."""
 
-#: What to run when a backend's package or system library is missing (CPU hosts; GPU hosts
+#: What a CPU host runs to get Mooncake: the wheel and the system libraries it links (GPU hosts
 #: install ``mooncake-transfer-engine``, the CUDA build, instead).
-INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1"
+INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1 libnuma1 libcurl4"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,12 @@ class Backend(abc.ABC):
     """
 
     name: str = "abstract"
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """What this host lacks to run this backend: a sentence naming the missing Python package
+        or system library and the command that installs it; None when nothing is missing."""
+        return None
 
     def __init__(self) -> None:
         self.registration_seconds = 0.0
@@ -298,6 +305,26 @@ def _check_few(peer: PeerRegion, lo: int, size: int, srcs: list[int], dsts: list
                 raise InvalidArgument(f"block {i} (src {srcs[i]:#x}, dst {dsts[i]:#x}, len {lens[i]}) {why}; nothing was written")
 
 
+#: Backend names, and the module and class of each (imported only when asked for).
+BACKENDS = {
+    "local": ("kvd.backends.local", "LocalBackend"),
+    "mooncake": ("kvd.backends.mooncake", "MooncakeBackend"),
+    "nixl": ("kvd.backends.nixl", "NixlBackend"),
+}
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend ``name`` (importing its module needs none of its transport);
+    Unavailable naming the choices for an unknown name."""
+    if name not in BACKENDS:
+        raise Unavailable(
+            f"no transfer backend named {name!r}; choose 'local' (same host), 'mooncake' or 'nixl' (any host); "
+            "docs/backends.md says which to pick"
+        )
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
 def make_backend(
     name: str,
     *,
@@ -335,7 +362,5 @@ def make_backend(
         from kvd.backends.nixl import NixlBackend
 
         return NixlBackend(locator, fetch_metadata)
-    raise Unavailable(
-        f"no transfer backend named {name!r}; choose 'local' (same host), 'mooncake' or 'nixl' (any host); "
-        "`kvd demo --help` lists what each needs installed"
-    )
+    backend_class(name)  # Unavailable naming the choices
+    raise InternalError(f"backend {name!r} is listed but make_backend does not build it (a bug in kvd)")

@@ -167,6 +167,11 @@ class NixlBackend(Backend):
 
     name = "nixl"
 
+    @classmethod
+    def missing(cls) -> str | None:
+        """See :func:`missing`."""
+        return missing()
+
     def __init__(
         self,
         locator: str = "",
