@@ -525,3 +525,66 @@ def test_local_backend_lets_go_of_dead_peers_arenas(lone_writer: Callable[[str, 
     finally:
         old.close()
         new.close()
+
+
+# -- nixl specifics ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+def test_a_killed_nixl_peer_is_unavailable_within_a_second(lone_writer: Callable[[str, int], Writer]) -> None:
+    """kill -9 of the receiver: the next write ends as Unavailable (UCX's peer failure, not the
+    stall deadline) well inside the 1 s budget, and the backend writes to a new peer afterwards."""
+    peer, w = Peer("nixl", 16 * MiB, 4 * MiB), lone_writer("nixl", 4 * MiB)
+    fresh = Peer("nixl", 16 * MiB, 4 * MiB)
+    try:
+        r = peer.region
+        w.backend.write(r, [w.arena.base], [r.base], [MiB])
+        peer.kill()
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="cannot be reached"):
+            w.backend.write(r, [w.arena.base], [r.base], [MiB])
+        took = time.monotonic() - t0
+        print(f"nixl: write to a killed peer refused after {took * 1e3:.1f} ms")
+        assert took < 1.5
+        f = fresh.region
+        w.backend.write(f, [w.arena.base], [f.base], [MiB])
+        assert fresh.hash(0, MiB) == digest(w.arena.tensor()[:MiB])
+    finally:
+        peer.close()
+        fresh.close()
+
+
+def test_nixl_applies_the_exit_crash_workaround_only_where_it_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvd.backends import nixl
+
+    monkeypatch.setattr(nixl, "_has_infiniband", lambda: False)
+    env: dict[str, str] = {}
+    nixl._apply_env(env)
+    assert env["UCX_MODULES"] == "^ib" and env["NIXL_LOG_LEVEL"] == "WARN"
+    env = {"UCX_MODULES": "", "NIXL_LOG_LEVEL": "DEBUG"}  # the operator's own settings win
+    nixl._apply_env(env)
+    assert env["UCX_MODULES"] == "" and env["NIXL_LOG_LEVEL"] == "DEBUG"
+    monkeypatch.setattr(nixl, "_has_infiniband", lambda: True)  # RDMA hosts keep UCX's ib module
+    env = {}
+    nixl._apply_env(env)
+    assert "UCX_MODULES" not in env
+
+
+@pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+def test_a_nixl_process_exits_cleanly() -> None:
+    """Without UCX_MODULES=^ib (kvd sets it before NIXL loads) a process that created a UCX
+    backend segfaults at exit on a host without InfiniBand."""
+    code = "from kvd.backends.nixl import NixlBackend; b = NixlBackend(); b.close()"
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_nixl_endpoints_are_parsed_or_refused() -> None:
+    from kvd.backends.nixl import parse_endpoint
+
+    ep = parse_endpoint("kvd-1-ab/3/VRAM@10.0.0.5:7000")
+    assert (ep.agent, ep.generation, ep.mem, ep.locator) == ("kvd-1-ab", 3, "VRAM", "10.0.0.5:7000")
+    for bad in ("127.0.0.1:17000", "/dev/shm/kvd-x", "a/1/HBM@x", "a/x/DRAM@y", "/1/DRAM@y"):
+        with pytest.raises(InvalidArgument, match="not a nixl endpoint"):
+            parse_endpoint(bad)
