@@ -45,7 +45,12 @@ RUN python -m venv /opt/kvd \
  && pip install ${TORCH_PIP_ARGS} "${TORCH_SPEC}"
 COPY pyproject.toml README.md /src/
 COPY kvd /src/kvd
+# The NIXL data plane (backend: nixl), installed without its dependencies (they pull a CUDA torch
+# and the nvidia-* wheels); "" leaves it out. kvd sets UCX_MODULES=^ib itself on hosts without
+# InfiniBand (UCX's ib module otherwise crashes the process at exit).
+ARG NIXL_PACKAGES="nixl-cu12==1.5.1 nixl==1.5.1"
 RUN pip install "/src${EXTRAS:+[${EXTRAS}]}" ${EXTRA_PACKAGES} \
+ && if [ -n "${NIXL_PACKAGES}" ]; then pip install --no-deps ${NIXL_PACKAGES}; fi \
  && find /opt/kvd -name __pycache__ -prune -exec rm -rf {} + \
  && kvd serve --help >/dev/null
 

@@ -9,6 +9,10 @@ VENV      ?= .venv
 BIN        = $(VENV)/bin
 # The CPU build of torch that lies on these machines' disk; any other version pulls a CUDA build.
 TORCH_PIN ?= torch==2.13.0
+# The NIXL data plane (backend: nixl), without its dependencies: they would pull a CUDA torch and
+# the nvidia-* wheels (GBs). It needs only numpy, which kvd installs. GPU hosts with CUDA 13:
+# NIXL_PKGS="nixl-cu13==1.5.1 nixl==1.5.1".
+NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 
 .PHONY: venv demo demo-gpu demo-gpu2 serve test bench clean proto
 
@@ -17,6 +21,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
 	$(BIN)/pip install -q -e ".[dev,mooncake]"
+	$(BIN)/pip install -q --no-deps $(NIXL_PKGS)
 	touch $@
 
 venv: $(BIN)/.installed

@@ -3,7 +3,7 @@
     .venv/bin/python bench/transfer.py            # full run (a few minutes on a 2-core CPU)
     .venv/bin/python bench/transfer.py --quick    # smoke run (about 30 s)
 
-Per backend (``mooncake`` over TCP loopback, then ``local``), two daemons run as separate
+Per backend (``nixl`` over UCX on loopback, ``mooncake`` over TCP loopback, then ``local``), two daemons run as separate
 processes (``python -m kvd.cli serve --backend B --layout gemma-4-31b-it-tp2``): P (prefill) and
 D (decode). This process is both engines, through one :class:`kvd.client.Client` per daemon.
 
@@ -22,7 +22,9 @@ Measured, medians over ``--repeats`` (order kvd / raw alternating every repeat):
   for byte, page by page, and is not timed).
 * ``raw``: the same number of bytes as large contiguous blocks (``--piece-mib``, 64 MiB) --
   mooncake: a separate pair of TransferEngine processes (the daemons' engine settings),
-  ``batch_transfer_sync_write`` over tmpfs-backed buffers, timed inside the initiator; local: a
+  ``batch_transfer_sync_write`` over tmpfs-backed buffers, timed inside the initiator; nixl: a
+  separate pair of NIXL agent processes with the settings of kvd's backend (one WRITE request
+  per batch, the initiator progressing it, the target's 1 ms progress loop); local: a
   plain memcpy (numpy slice assignment) between two tmpfs-backed buffers in this process.
   Buffers are ``--raw-buffer-mib`` each; bytes beyond that cycle through them.
 * ``raw@kvd blocks`` (diagnostic): the raw engine moving kvd's own block sizes in kvd's batches
@@ -143,29 +145,101 @@ def raw_peer(role: str, nbytes: int) -> None:
     te.unregister_memory(addr)
 
 
+def raw_nixl_peer(role: str, nbytes: int) -> None:
+    """The raw NIXL pair: one agent each, the settings kvd's nixl backend uses (UCX backend, no
+    busy progress thread, a 1 ms progress loop), one transfer request per batch, timed inside the
+    initiator."""
+    import threading
+
+    import numpy as np
+
+    from kvd.backends import nixl as kvd_nixl
+
+    api = kvd_nixl._nixl()  # kvd's environment defaults first, as the daemons get them
+    out = sys.stdout
+    agent = api.nixl_agent(f"raw-{role}", api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+    lock = threading.Lock()
+    mm, addr = _shm_buffer(nbytes, 0 if role == "target" else None)
+    agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+
+    def progress() -> None:
+        while True:
+            time.sleep(1e-3)
+            with lock:
+                agent.get_new_notifs()
+
+    threading.Thread(target=progress, daemon=True).start()
+    out.write(json.dumps({"meta": agent.get_agent_metadata().hex(), "addr": addr}) + "\n")
+    out.flush()
+    peer = name = None
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd["op"] == "peer":
+            peer = cmd
+            with lock:
+                name = agent.add_remote_agent(bytes.fromhex(cmd["meta"])).decode()
+            out.write("{}\n")
+            out.flush()
+            continue
+        lens = np.asarray(cmd["lens"], dtype=np.uint64)
+        offs = np.asarray(_layout_items(cmd["lens"], nbytes), dtype=np.uint64)
+        batch = cmd["batch"]
+        zeros = np.zeros(len(lens), np.uint64)
+        t0 = time.perf_counter()
+        for i in range(0, len(lens), batch):
+            j = i + batch
+            local = np.stack([offs[i:j] + addr, lens[i:j], zeros[i:j]], axis=1)
+            remote = np.stack([offs[i:j] + peer["addr"], lens[i:j], zeros[i:j]], axis=1)
+            with lock:
+                h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM"), name)
+                st = agent.transfer(h)
+            while st == "PROC":
+                with lock:
+                    st = agent.check_xfer_state(h)
+                time.sleep(0)
+            with lock:
+                agent.release_xfer_handle(h)
+            if st != "DONE":
+                out.write(json.dumps({"error": f"nixl transfer ended {st}"}) + "\n")
+                out.flush()
+                break
+        else:
+            out.write(json.dumps({"seconds": time.perf_counter() - t0}) + "\n")
+            out.flush()
+    os._exit(0)  # the progress thread holds the agent
+
+
 class RawMooncake:
     """Two engine processes (initiator, target); the initiator writes, timing itself."""
 
     name = "mooncake"
+    flag = "--raw-peer"
 
-    def __init__(self, nbytes: int) -> None:
+    def _env(self) -> dict[str, str]:
         from kvd.backends import mooncake as kvd_mc
 
         env = {**os.environ}
         for k, v in kvd_mc._ENV_DEFAULTS.items():  # the daemons' engine settings, exactly
             env.setdefault(k, v)
+        return env
+
+    def __init__(self, nbytes: int) -> None:
+        env = self._env()
         self.nbytes = nbytes
         self.procs = []
         info = []
         for role in ("target", "initiator"):
-            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--raw-peer", role, str(nbytes)],
+            p = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.flag, role, str(nbytes)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
             self.procs.append(p)
         for p in self.procs:
             line = p.stdout.readline()
             if not line:
                 self.close()
-                raise RuntimeError("raw mooncake peer did not start (see its stderr)")
+                raise RuntimeError(f"raw {self.name} peer did not start (see its stderr)")
             info.append(json.loads(line))
         self.init = self.procs[1]
         self._rpc({"op": "peer", **info[0]})
@@ -191,6 +265,16 @@ class RawMooncake:
                 except (OSError, subprocess.TimeoutExpired, ValueError):
                     p.kill()
                     p.wait()
+
+
+class RawNixl(RawMooncake):
+    """Two NIXL agent processes (initiator, target), as kvd's nixl backend sets them up."""
+
+    name = "nixl"
+    flag = "--raw-nixl-peer"
+
+    def _env(self) -> dict[str, str]:
+        return {**os.environ}  # raw_nixl_peer applies kvd's defaults itself
 
 
 class RawLocal:
@@ -417,7 +501,7 @@ def run_backend(backend: str, args, log) -> list[Row]:
     raw = None
     rows: list[Row] = []
     try:
-        raw = RawMooncake(raw_buf) if backend == "mooncake" else RawLocal(raw_buf)  # starts while the daemons do
+        raw = {"mooncake": RawMooncake, "nixl": RawNixl}.get(backend, RawLocal)(raw_buf)  # starts while the daemons do
         P.wait_ready()
         D.wait_ready()
         pc = Client.connect(P.unix, name="bench-prefill", timeout=120)
@@ -565,9 +649,16 @@ def machine() -> str:
         mc = version("mooncake-transfer-engine-non-cuda")
     except Exception:  # noqa: BLE001
         mc = "?"
+    try:
+        from importlib.metadata import version
+
+        nx = version("nixl-cu12")
+    except Exception:  # noqa: BLE001
+        nx = "?"
     import torch
 
-    return f"{cpu_model()}, torch {torch.__version__}, mooncake-transfer-engine-non-cuda {mc}"
+    tls = os.environ.get("UCX_TLS", "default")
+    return f"{cpu_model()}, torch {torch.__version__}, mooncake-transfer-engine-non-cuda {mc}, nixl-cu12 {nx} (UCX_TLS {tls})"
 
 
 def table(rows: list[Row]) -> str:
@@ -605,7 +696,7 @@ def spread(xs: list[float], nbytes: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 4k and 128 tokens, one timed repeat (about 30 s)")
-    ap.add_argument("--backends", default="mooncake,local", help="comma-separated (default: %(default)s)")
+    ap.add_argument("--backends", default="nixl,mooncake,local", help="comma-separated (default: %(default)s)")
     ap.add_argument("--tokens", default=None, help="large request sizes (default 8192,32768; --quick 4096)")
     ap.add_argument("--small", default=None, help="small request sizes for the per-request overhead (default 128,512; --quick 128)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per large size (default 7; --quick 1)")
@@ -616,9 +707,13 @@ def main() -> None:
     ap.add_argument("--raw-buffer-mib", type=int, default=1024, help="raw baseline buffer per side (default: %(default)s MiB)")
     ap.add_argument("--arena-gib", type=int, default=None, help="arena size per daemon (default: computed; sparse)")
     ap.add_argument("--raw-peer", nargs=2, metavar=("ROLE", "BYTES"), help=argparse.SUPPRESS)
+    ap.add_argument("--raw-nixl-peer", nargs=2, metavar=("ROLE", "BYTES"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_peer:
         raw_peer(args.raw_peer[0], int(args.raw_peer[1]))
+        return
+    if args.raw_nixl_peer:
+        raw_nixl_peer(args.raw_nixl_peer[0], int(args.raw_nixl_peer[1]))
         return
     args.tokens = [int(x) for x in (args.tokens or ("4096" if args.quick else "8192,32768")).split(",")]
     args.small = [int(x) for x in (args.small or ("128" if args.quick else "128,512")).split(",") if x]

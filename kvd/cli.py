@@ -55,7 +55,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--requests", type=int, default=None, help="requests in the workload: 64, or 16 with --quick%(default).0s")
-    p.add_argument("--backend", choices=("auto", "mooncake", "local"), default="auto",
+    p.add_argument("--backend", choices=("auto", "mooncake", "nixl", "local"), default="auto",
                    help="data plane between the daemons; auto: Mooncake TCP when installed, else local")
     p.add_argument("--quick", action="store_true", help="a short run (16 requests, 32 tokens each) for CI")
     p.add_argument("--seed", type=int, default=0, help="workload seed")

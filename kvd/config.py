@@ -81,11 +81,13 @@ class Settings(BaseSettings):
     advertise: str | None = Field(None, description="address peers use to reach this daemon (default: the TCP address, else the Unix socket)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 picks one; unset disables)")
     metrics_host: str = Field("127.0.0.1", description="interface for the metrics endpoint")
-    backend: Literal["none", "local", "mooncake"] = Field(
+    backend: Literal["none", "local", "mooncake", "nixl"] = Field(
         "none",
-        description="data-plane backend for transfers: local (same host: maps the peer's arena, shm or cuda) or "
+        description="data-plane backend for transfers: local (same host: maps the peer's arena, shm or cuda), "
         "mooncake (Mooncake Transfer Engine: RDMA where it finds HCAs, else TCP; arena=cuda needs its CUDA build "
-        "`mooncake-transfer-engine`, checked at start-up, and MC_INTRANODE_NVLINK unset)",
+        "`mooncake-transfer-engine`, checked at start-up, and MC_INTRANODE_NVLINK unset) or "
+        "nixl (NIXL over UCX: cma on one host, tcp or RDMA across hosts; `pip install --no-deps nixl-cu12 nixl`); "
+        "docs/backends.md says which to pick",
     )
     speculative: bool = Field(False, description="the engine runs speculative decoding: draft vectors must travel separately")
     transfer_host: str = Field("127.0.0.1", description="host the data-plane backend binds and advertises (mooncake)")

@@ -9,6 +9,7 @@ Then serves one command per stdin line, one JSON reply per stdout line:
     hash OFFSET LEN   blake2b of arena bytes [OFFSET, OFFSET+LEN)   -> {"hash": "..."}
     fill              rewrite the pattern over the backed prefix      -> {"ok": true}
     grow BACKED       set_backed(BACKED) and register again           -> the start-up JSON, updated
+    meta AGENT        the nixl backend's agent metadata, hex          -> {"metadata": "..."} or {"error": "..."}
     quit              close backend and arena, exit 0                 -> {"bye": true}
 """
 
@@ -57,6 +58,11 @@ def main() -> None:
             arena.tensor()[old:].copy_(pattern(old, arena.backed))
             print(describe(backend.register(arena)), flush=True)
             continue
+        elif cmd == "meta":  # what Peer.TransferMetadata answers a daemon
+            try:
+                reply = {"metadata": backend.metadata(args[0]).hex()}  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 -- reported to the test, which raises it
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
         elif cmd == "quit":
             break
         else:

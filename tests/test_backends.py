@@ -24,6 +24,7 @@ import torch
 from kvd.arena import Arena, ArenaHandle, ShmArena
 from kvd.backends import Backend, PeerRegion, make_backend
 from kvd.backends.local import LocalBackend
+from kvd.backends.nixl import parse_endpoint
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 
 MiB = 1 << 20
@@ -41,10 +42,18 @@ def _mooncake_missing() -> str:
     return ""
 
 
+def _nixl_missing() -> str:
+    from kvd.backends.nixl import missing
+
+    return missing() or ""
+
+
 MOONCAKE_MISSING = _mooncake_missing()
+NIXL_MISSING = _nixl_missing()
 BACKENDS = [
     pytest.param("local", id="local"),
     pytest.param("mooncake", id="mooncake", marks=pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=MOONCAKE_MISSING)),
+    pytest.param("nixl", id="nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)),
 ]
 
 
@@ -57,6 +66,20 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.blake2b(t.contiguous().numpy(), digest_size=16).hexdigest()
 
 
+#: nixl peers by agent name: what the writer's metadata fetch asks (a daemon asks over Peer.TransferMetadata).
+PEERS: dict[str, Peer] = {}
+
+
+def fetch_from_peer(locator: str, agent: str) -> bytes:
+    peer = PEERS.get(agent)
+    if peer is None or peer.proc.poll() is not None:
+        raise Unavailable(f"no nixl peer {agent!r} (test registry); nothing was written")
+    reply = peer.cmd(f"meta {agent}")
+    if "error" in reply:
+        raise Unavailable(reply["error"])
+    return bytes.fromhex(reply["metadata"])
+
+
 class Peer:
     """A backend_peer.py process: its arena's region, and hashes of its bytes on request."""
 
@@ -66,6 +89,8 @@ class Peer:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
         )
         self.info = self._reply()
+        if backend == "nixl":
+            PEERS[parse_endpoint(self.info["endpoint"]).agent] = self
 
     def _reply(self) -> dict:
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
@@ -111,6 +136,10 @@ def writer_backend(name: str) -> Backend:
     """Small batches and blocks, so the tests cross batch and split boundaries."""
     if name == "local":
         return LocalBackend(max_batch=64)
+    if name == "nixl":
+        from kvd.backends.nixl import NixlBackend
+
+        return NixlBackend("test", fetch_from_peer, max_batch=64, max_block=1 * MiB)
     from kvd.backends.mooncake import MooncakeBackend
 
     return MooncakeBackend(max_batch=64, max_block=1 * MiB)
@@ -341,7 +370,7 @@ def test_a_peer_that_never_existed_is_unavailable(shared: tuple[Peer, Backend]) 
     _, backend = shared
     w = Writer(backend, MiB)
     try:
-        endpoint = "127.0.0.1:1" if backend.name == "mooncake" else "/dev/shm/kvd-no-such-arena"
+        endpoint = {"mooncake": "127.0.0.1:1", "nixl": "kvd-no-such-agent/1/DRAM@test"}.get(backend.name, "/dev/shm/kvd-no-such-arena")
         r = PeerRegion(endpoint, 1 << 40, MiB, "kvd-no-such-arena")
         with pytest.raises(Unavailable, match="nothing was written|does not exist"):
             backend.write(r, [w.arena.base], [r.base], [4096])
@@ -353,16 +382,48 @@ def test_a_peer_that_never_existed_is_unavailable(shared: tuple[Peer, Backend]) 
 
 
 def test_make_backend_refuses_unknown_names_and_names_the_choices() -> None:
-    with pytest.raises(Unavailable, match="'local'.*'mooncake'"):
-        make_backend("nixl")
+    with pytest.raises(Unavailable, match="'local'.*'mooncake'.*'nixl'"):
+        make_backend("ucx")
 
 
 def test_a_missing_mooncake_install_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # makes the import fail
+    monkeypatch.setattr("kvd.backends.mooncake._installed_wheel", lambda: None)
     with pytest.raises(Unavailable) as err:
         make_backend("mooncake")
     assert "pip install mooncake-transfer-engine-non-cuda" in str(err.value)
     assert "apt-get install -y libibverbs1" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "error,wheel,libs,says,not_says",
+    [
+        # A fresh host without libibverbs1: the wheel is there, the system library is not.
+        ("libibverbs.so.1: cannot open shared object file", "mooncake-transfer-engine-non-cuda", ["libibverbs.so.1"],
+         "apt-get install -y libibverbs1", "pip install mooncake"),
+        ("libnuma.so.1: cannot open shared object file", "mooncake-transfer-engine-non-cuda", ["libnuma.so.1", "libcurl.so.4"],
+         "apt-get install -y libnuma1 libcurl4", "pip install mooncake"),
+        ("No module named 'mooncake'", None, [], "pip install mooncake-transfer-engine-non-cuda", "is installed"),
+        ("libcuda.so.1: cannot open shared object file", "mooncake-transfer-engine", [], "pip install mooncake-transfer-engine-non-cuda", "apt-get"),
+        ("undefined symbol: foo", "mooncake-transfer-engine-non-cuda", [], "--force-reinstall", "apt-get"),
+    ],
+)
+def test_mooncake_install_check_names_what_is_actually_missing(error, wheel, libs, says, not_says) -> None:
+    from kvd.backends.mooncake import diagnose
+
+    msg = diagnose(ImportError(error), wheel, libs)
+    assert says in msg and not_says not in msg, msg
+    if libs:
+        assert all(lib in msg for lib in libs) and f"{wheel} is installed" in msg, msg
+
+
+def test_every_backend_class_says_what_it_misses() -> None:
+    from kvd.backends.base import BACKENDS, backend_class
+
+    assert backend_class("local").missing() is None
+    assert (backend_class("mooncake").missing() or "") == MOONCAKE_MISSING
+    assert (backend_class("nixl").missing() or "") == NIXL_MISSING
+    assert set(BACKENDS) == {"local", "mooncake", "nixl"}
 
 
 class _DeviceArena(Arena):
@@ -464,3 +525,66 @@ def test_local_backend_lets_go_of_dead_peers_arenas(lone_writer: Callable[[str, 
     finally:
         old.close()
         new.close()
+
+
+# -- nixl specifics ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+def test_a_killed_nixl_peer_is_unavailable_within_a_second(lone_writer: Callable[[str, int], Writer]) -> None:
+    """kill -9 of the receiver: the next write ends as Unavailable (UCX's peer failure, not the
+    stall deadline) well inside the 1 s budget, and the backend writes to a new peer afterwards."""
+    peer, w = Peer("nixl", 16 * MiB, 4 * MiB), lone_writer("nixl", 4 * MiB)
+    fresh = Peer("nixl", 16 * MiB, 4 * MiB)
+    try:
+        r = peer.region
+        w.backend.write(r, [w.arena.base], [r.base], [MiB])
+        peer.kill()
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="cannot be reached"):
+            w.backend.write(r, [w.arena.base], [r.base], [MiB])
+        took = time.monotonic() - t0
+        print(f"nixl: write to a killed peer refused after {took * 1e3:.1f} ms")
+        assert took < 1.5
+        f = fresh.region
+        w.backend.write(f, [w.arena.base], [f.base], [MiB])
+        assert fresh.hash(0, MiB) == digest(w.arena.tensor()[:MiB])
+    finally:
+        peer.close()
+        fresh.close()
+
+
+def test_nixl_applies_the_exit_crash_workaround_only_where_it_is_needed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvd.backends import nixl
+
+    monkeypatch.setattr(nixl, "_has_infiniband", lambda: False)
+    env: dict[str, str] = {}
+    nixl._apply_env(env)
+    assert env["UCX_MODULES"] == "^ib" and env["NIXL_LOG_LEVEL"] == "WARN"
+    env = {"UCX_MODULES": "", "NIXL_LOG_LEVEL": "DEBUG"}  # the operator's own settings win
+    nixl._apply_env(env)
+    assert env["UCX_MODULES"] == "" and env["NIXL_LOG_LEVEL"] == "DEBUG"
+    monkeypatch.setattr(nixl, "_has_infiniband", lambda: True)  # RDMA hosts keep UCX's ib module
+    env = {}
+    nixl._apply_env(env)
+    assert "UCX_MODULES" not in env
+
+
+@pytest.mark.skipif(bool(NIXL_MISSING), reason=NIXL_MISSING)
+def test_a_nixl_process_exits_cleanly() -> None:
+    """Without UCX_MODULES=^ib (kvd sets it before NIXL loads) a process that created a UCX
+    backend segfaults at exit on a host without InfiniBand."""
+    code = "from kvd.backends.nixl import NixlBackend; b = NixlBackend(); b.close()"
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_nixl_endpoints_are_parsed_or_refused() -> None:
+    from kvd.backends.nixl import parse_endpoint
+
+    ep = parse_endpoint("kvd-1-ab/3/VRAM@10.0.0.5:7000")
+    assert (ep.agent, ep.generation, ep.mem, ep.locator) == ("kvd-1-ab", 3, "VRAM", "10.0.0.5:7000")
+    for bad in ("127.0.0.1:17000", "/dev/shm/kvd-x", "a/1/HBM@x", "a/x/DRAM@y", "/1/DRAM@y"):
+        with pytest.raises(InvalidArgument, match="not a nixl endpoint"):
+            parse_endpoint(bad)

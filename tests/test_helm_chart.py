@@ -287,7 +287,7 @@ def _check_network_policies(values: dict, objs: dict[str, list[dict]], loaded: d
 @helm_only
 @pytest.mark.parametrize("overrides,phrase", [
     ({"kvd": {"config": {"role": "prefill"}}}, "additional properties 'role' not allowed"),
-    ({"kvd": {"config": {"backend": "ucx"}}}, "value must be one of 'none', 'local', 'mooncake'"),
+    ({"kvd": {"config": {"backend": "ucx"}}}, "value must be one of 'none', 'local', 'mooncake', 'nixl'"),
     ({"roles": {"decode": {"kvdConfig": {"arena_size": "1GiB"}}}}, "additional properties 'arena_size' not allowed"),
     ({"kvd": {"config": {"listen_tcp": "127.0.0.1:50051"}}}, "is loopback"),
     ({"kvd": {"config": {"listen_tcp": "0.0.0.0:0"}}}, "with a fixed port"),

@@ -38,6 +38,7 @@ with ``get_batch_transfer_status``); the shm local backend writes synchronously 
 from __future__ import annotations
 
 import abc
+import importlib
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +49,7 @@ import numpy as np
 from kvd.arena import Arena
 from kvd.errors import FailedPrecondition, InternalError, InvalidArgument, Unavailable
 
-__all__ = ["Backend", "PeerRegion", "Landed", "make_backend", "INSTALL_HINT"]
+__all__ = ["Backend", "PeerRegion", "Landed", "make_backend", "backend_class", "BACKENDS", "INSTALL_HINT"]
 
 #: What :meth:`Backend.write_async` returns: call it once; it returns when every byte landed.
 Landed = Callable[[], None]
@@ -57,9 +58,9 @@ Landed = Callable[[], None]
 def _nothing_left() -> None:
     """The waiter of a write that was complete when it was issued."""
 
-#: What to run when a backend's package or system library is missing (CPU hosts; GPU hosts
+#: What a CPU host runs to get Mooncake: the wheel and the system libraries it links (GPU hosts
 #: install ``mooncake-transfer-engine``, the CUDA build, instead).
-INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1"
+INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1 libnuma1 libcurl4"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,12 @@ class Backend(abc.ABC):
     """
 
     name: str = "abstract"
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """What this host lacks to run this backend: a sentence naming the missing Python package
+        or system library and the command that installs it; None when nothing is missing."""
+        return None
 
     def __init__(self) -> None:
         self.registration_seconds = 0.0
@@ -298,15 +305,44 @@ def _check_few(peer: PeerRegion, lo: int, size: int, srcs: list[int], dsts: list
                 raise InvalidArgument(f"block {i} (src {srcs[i]:#x}, dst {dsts[i]:#x}, len {lens[i]}) {why}; nothing was written")
 
 
-def make_backend(
-    name: str, *, host: str = "127.0.0.1", arena_kind: str = "shm", handle_endpoint: str = "", peer_token: str | None = None
-) -> Backend:
-    """A backend by name: ``"local"`` (same host) or ``"mooncake"`` (tcp, any host).
+#: Backend names, and the module and class of each (imported only when asked for).
+BACKENDS = {
+    "local": ("kvd.backends.local", "LocalBackend"),
+    "mooncake": ("kvd.backends.mooncake", "MooncakeBackend"),
+    "nixl": ("kvd.backends.nixl", "NixlBackend"),
+}
 
-    ``host`` is the address peers use to reach a mooncake backend (ignored by ``local``).
+
+def backend_class(name: str) -> type[Backend]:
+    """The class of backend ``name`` (importing its module needs none of its transport);
+    Unavailable naming the choices for an unknown name."""
+    if name not in BACKENDS:
+        raise Unavailable(
+            f"no transfer backend named {name!r}; choose 'local' (same host), 'mooncake' or 'nixl' (any host); "
+            "docs/backends.md says which to pick"
+        )
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_backend(
+    name: str,
+    *,
+    host: str = "127.0.0.1",
+    arena_kind: str = "shm",
+    handle_endpoint: str = "",
+    peer_token: str | None = None,
+    locator: str = "",
+    fetch_metadata: Callable[[str, str], bytes] | None = None,
+) -> Backend:
+    """A backend by name: ``"local"`` (same host), ``"mooncake"`` or ``"nixl"`` (any host).
+
+    ``host`` is the address peers use to reach a mooncake backend (ignored by the others).
     ``local`` depends on the kind of arena it will register (``Arena.handle().kind``): ``"shm"``
     maps peers' arena files; ``"cuda-vmm"`` imports peers' CUDA arenas over their handle sockets,
     advertising ``handle_endpoint`` (this daemon's handle socket) and presenting ``peer_token``.
+    ``nixl`` advertises ``locator`` (this daemon's peer address) and fetches peers' agent
+    metadata with ``fetch_metadata(locator, agent)`` (the daemon's peer link).
     Raises Unavailable for an unknown name or when the backend's packages are missing."""
     if name == "local":
         if arena_kind == "cuda-vmm":
@@ -322,4 +358,9 @@ def make_backend(
         from kvd.backends.mooncake import MooncakeBackend
 
         return MooncakeBackend(host=host)
-    raise Unavailable(f"no transfer backend named {name!r}; choose 'local' (same host) or 'mooncake' ({INSTALL_HINT})")
+    if name == "nixl":
+        from kvd.backends.nixl import NixlBackend
+
+        return NixlBackend(locator, fetch_metadata)
+    backend_class(name)  # Unavailable naming the choices
+    raise InternalError(f"backend {name!r} is listed but make_backend does not build it (a bug in kvd)")

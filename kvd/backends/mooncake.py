@@ -61,7 +61,9 @@ copy into device memory returned, so Commit (READY) follows bytes that landed.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import importlib.metadata
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -155,20 +157,57 @@ def _refusal(info: BuildInfo, cuda_arena: bool, env: Mapping[str, str]) -> KvdEr
 
 
 def _engine_module() -> Any:
-    """``mooncake.engine``, or Unavailable with the install command."""
+    """``mooncake.engine``, or Unavailable saying what is missing (:func:`diagnose`)."""
     for key, value in _ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
     try:
         return importlib.import_module("mooncake.engine")
     except ImportError as exc:
-        # Both wheels link libibverbs even for TCP, the CUDA one libcuda and libcudart too: the
-        # message names the missing .so.
-        if "libcuda" in str(exc):
-            raise Unavailable(
-                f"the mooncake backend does not load ({exc}): this is Mooncake's CUDA build, which needs a GPU driver "
-                f"(libcuda.so.1) and the CUDA 12 runtime (libcudart.so.12); on a host without them run: {INSTALL_HINT}"
-            ) from exc
-        raise Unavailable(f"the mooncake backend is not installed ({exc}); run: {INSTALL_HINT}") from exc
+        raise Unavailable(diagnose(exc, _installed_wheel(), [lib for lib in SYSTEM_LIBRARIES if not _loads(lib)])) from exc
+
+
+#: The system libraries both wheels link (even for TCP), and the Debian packages that hold them.
+SYSTEM_LIBRARIES = {"libibverbs.so.1": "libibverbs1", "libnuma.so.1": "libnuma1", "libcurl.so.4": "libcurl4"}
+_WHEELS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
+
+
+def _installed_wheel() -> str | None:
+    for dist in _WHEELS:
+        try:
+            importlib.metadata.version(dist)
+            return dist
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _loads(lib: str) -> bool:
+    try:
+        ctypes.CDLL(lib)
+        return True
+    except OSError:
+        return False
+
+
+def diagnose(exc: ImportError, wheel: str | None, missing_libs: list[str]) -> str:
+    """Why ``mooncake.engine`` did not import, and the command that fixes it. Pure: ``wheel`` is
+    the installed Mooncake wheel (None: none), ``missing_libs`` the :data:`SYSTEM_LIBRARIES` that
+    do not load."""
+    if wheel is None:
+        return f"the mooncake backend is not installed (no Mooncake wheel: {exc}); run: {INSTALL_HINT}"
+    if "libcuda" in str(exc) or "libcudart" in str(exc):
+        return (
+            f"the mooncake backend does not load ({exc}): {wheel} is Mooncake's CUDA build, which needs a GPU driver "
+            f"(libcuda.so.1) and the CUDA 12 runtime (libcudart.so.12); on a host without them run: "
+            f"pip uninstall -y {wheel} && pip install mooncake-transfer-engine-non-cuda"
+        )
+    if missing_libs:
+        pkgs = " ".join(SYSTEM_LIBRARIES[lib] for lib in missing_libs)
+        return (
+            f"the mooncake backend does not load: {wheel} is installed, but the system libraries it links are missing "
+            f"({', '.join(missing_libs)}; {exc}); run: apt-get install -y {pkgs}"
+        )
+    return f"the mooncake backend does not load: {wheel} is installed but mooncake.engine fails to import ({exc}); run: pip install --force-reinstall {wheel}"
 
 
 class MooncakeBackend(Backend):
@@ -186,6 +225,15 @@ class MooncakeBackend(Backend):
     with the CUDA build (see the module docstring)."""
 
     name = "mooncake"
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """What is missing for this backend (:func:`diagnose`), None when ``mooncake.engine`` imports."""
+        try:
+            _engine_module()
+        except Unavailable as exc:
+            return str(exc)
+        return None
 
     def __init__(
         self,

@@ -64,7 +64,7 @@ RESERVE_BYTES = 64 << 20  # the post-capture reservation (address space only)
 @dataclass(frozen=True)
 class DemoOptions:
     requests: int = 64
-    backend: str = "auto"  # auto | mooncake | local
+    backend: str = "auto"  # auto | mooncake | nixl | local
     quick: bool = False
     seed: int = 0
     spec_k: int = 3
@@ -76,8 +76,9 @@ class DemoOptions:
 
 
 def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
-    """``auto``: Mooncake when importable, else ``local`` with a notice saying why. An explicit
-    ``mooncake`` that is not importable is refused (Unavailable) before anything starts.
+    """``auto``: Mooncake when importable, else ``local`` with a notice saying what is missing. An
+    explicit ``mooncake`` or ``nixl`` that is not importable is refused (Unavailable, saying what
+    is missing: the Python package or a system library) before anything starts.
     With ``device="cuda"``: ``auto`` is ``local`` (GPU to GPU over the host's own links; Mooncake
     stages GPU memory through TCP where there is no RDMA); an explicit ``mooncake`` needs the
     CUDA build and is refused (Unavailable, or InvalidArgument for its environment) without it."""
@@ -93,18 +94,22 @@ def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
             except KvdError as exc:
                 raise type(exc)(f"--backend mooncake with --device cuda: {exc}; or use --backend local") from exc
             return "mooncake"
-        return "local"
-    try:
-        import mooncake.engine  # noqa: F401
-    except ImportError as exc:
+        if asked != "nixl":
+            return "local"
+    if asked == "nixl":  # a CUDA arena needs NIXL's VRAM support: the daemon refuses at start-up without it
+        from kvd.backends.nixl import NixlBackend
+
+        why = NixlBackend.missing()
+        if why is not None:
+            raise Unavailable(f"--backend nixl: {why}; or use --backend local")
+        return "nixl"
+    from kvd.backends.mooncake import MooncakeBackend
+
+    why = MooncakeBackend.missing()
+    if why is not None:
         if asked == "mooncake":
-            raise Unavailable(
-                f"--backend mooncake but the Mooncake Transfer Engine is not importable ({exc}); install it with "
-                "`pip install mooncake-transfer-engine-non-cuda` (and `apt-get install -y libibverbs1`), or use --backend local"
-            ) from exc
-        print(f"kvd demo: NOTICE: Mooncake Transfer Engine not importable ({exc}); falling back to the `local` "
-              "backend (same-host shared-memory copy). Install it with `pip install mooncake-transfer-engine-non-cuda`.",
-              file=err)
+            raise Unavailable(f"--backend mooncake: {why}; or use --backend local")
+        print(f"kvd demo: NOTICE: {why}; falling back to the `local` backend (same-host shared-memory copy).", file=err)
         return "local"
     return "mooncake"
 
@@ -397,7 +402,7 @@ def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineCo
     ]
     if opts.fault:
         print(f"\nkvd demo: FAULT INJECTED (test only): {opts.fault}", file=out)
-    print(f"\nkvd demo: prefill node -> decode node over {backend}{' (tcp)' if backend == 'mooncake' else ''}; "
+    print(f"\nkvd demo: prefill node -> decode node over {backend}{' (tcp)' if backend == 'mooncake' else ' (UCX)' if backend == 'nixl' else ''}; "
           f"layout {layout.name} ({layout.fingerprint}); chunked prefill {cfg.chunk} tokens; "
           f"post-capture budgets {PREFILL_BYTES >> 20} MiB / {DECODE_BYTES >> 20} MiB", file=out)
     for line in _device_lines(placement, device_names or {}, backend):

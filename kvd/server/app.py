@@ -51,7 +51,7 @@ __all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "validat
 log = logging.getLogger("kvd.server")
 
 #: Backends able to carry a separate draft index vector.
-_DRAFT_CAPABLE = {"mooncake", "local"}
+_DRAFT_CAPABLE = {"mooncake", "local", "nixl"}
 #: Exchanges the handle socket serves at once. A peer's local backend pings it before and after
 #: every write batch, so N concurrent senders hold up to N slots, and a finished exchange frees its
 #: slot only when its thread next gets the GIL (ms on a busy daemon): 8 concurrent senders were
@@ -85,6 +85,11 @@ def validate(settings: Settings, handle_path: str | None = None, peer_path: str 
 
         info = check_installed(cuda_arena=settings.arena == "cuda")
         log.info("mooncake backend: %s", info.describe())
+    if settings.backend == "nixl":
+        # Unavailable with the install command; sets UCX_MODULES=^ib (no InfiniBand) before NIXL loads.
+        from kvd.backends.nixl import check_installed as nixl_installed
+
+        log.info("nixl backend: %s", nixl_installed())
     if settings.arena == "cuda":
         _check_cuda(settings, handle_path or handle_socket_path(settings))
     return layout
@@ -285,19 +290,21 @@ class Daemon:
             caps.append("cuda-arena")
         backend = outbox = link = None
         if settings.backend != "none":
+            link = DaemonPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
+            _undo(undo, "the peer link", link.close)
             backend = make_backend(
                 settings.backend,
                 host=settings.transfer_host,
                 arena_kind=arena.handle().kind,
                 handle_endpoint=handle_server.path if handle_server else "",
                 peer_token=settings.peer_token,
+                locator=peer,
+                fetch_metadata=link.transfer_metadata,
             )
             _undo(undo, "the backend", backend.close)
             backend.register(arena)
             # Register the whole arena again whenever its backing changes (post-capture sizing).
             node.on_backing_change.append(lambda: backend.register(arena))
-            link = DaemonPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
-            _undo(undo, "the peer link", link.close)
             outbox = Outbox(node, backend, link, address=peer)
             metrics.collector.outbox = outbox
             metrics.collector.link = link
@@ -319,6 +326,14 @@ class Daemon:
             peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s).start()
             _undo(undo, "the peer socket", peer_server.stop)
             metrics.collector.peer_socket = peer_server
+        if backend is not None:
+            # Tickets name the current registration (nixl's endpoint changes with it), after the
+            # register hook above.
+            def _renamed(backend: Backend = backend) -> None:
+                endpoint.transfer_endpoint = backend.endpoint
+                tickets.issuer = endpoint.issuer
+
+            node.on_backing_change.append(_renamed)
         pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link, tickets), server)
         pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, calls), server)
         hs = health.HealthServicer()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 
-from kvd.errors import PermissionDenied
+from kvd.errors import FailedPrecondition, PermissionDenied
 from kvd.outbox import Outbox
 from kvd.node import Node
 from kvd.ticket import Issuer, Tickets
@@ -67,6 +67,18 @@ class PeerCalls:
         if self.outbox is not None:
             self.outbox.abort_remote(ref_from_pb(request.ref), request.reason or "no reason given")
         return pb.PeerAbortResponse()
+
+    def transfer_metadata(self, request: pb.TransferMetadataRequest) -> pb.TransferMetadataResponse:
+        """This daemon's backend metadata for a sender (backend=nixl); FailedPrecondition when
+        its backend has none to give."""
+        backend = self.outbox.backend if self.outbox is not None else None
+        metadata = getattr(backend, "metadata", None)
+        if metadata is None:
+            raise FailedPrecondition(
+                f"this daemon's backend ({backend.name if backend else 'none'}) has no transfer metadata to give; "
+                "configure both daemons with backend=nixl"
+            )
+        return pb.TransferMetadataResponse(metadata=metadata(request.agent))
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """The sender is alive; answers the transfers this daemon no longer accepts."""

@@ -103,6 +103,10 @@ class DaemonPeerLink:
         r = self._call(address, "Heartbeat", pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs]), via)
         return list(r.dead_lease_ids)
 
+    def transfer_metadata(self, address: str, agent: str) -> bytes:
+        """The receiver's data-plane metadata for ``agent`` (backend=nixl), over gRPC."""
+        return self._call(address, "TransferMetadata", pb.TransferMetadataRequest(agent=agent)).metadata
+
     def close(self) -> None:
         self.sockets.close()
         with self._lock:

@@ -400,3 +400,6 @@ class PeerService(_Base, pb_grpc.PeerServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context):
         return self._peer(context, self.calls.heartbeat, request)
+
+    def TransferMetadata(self, request: pb.TransferMetadataRequest, context):
+        return self._peer(context, self.calls.transfer_metadata, request)

@@ -1841,6 +1841,49 @@ class HeartbeatResponse(_message.Message):
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
+class TransferMetadataRequest(_message.Message):
+    """A data-plane backend's connection metadata (backend=nixl: the NIXL agent's, ~300-450 bytes),
+    fetched once per peer and registration instead of riding in every ticket.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    agent: _builtins.str
+    """the agent the ticket's transfer_endpoint names"""
+    def __init__(
+        self,
+        *,
+        agent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferMetadataRequest: _TypeAlias = TransferMetadataRequest  # noqa: Y015
+
+@_typing.final
+class TransferMetadataResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METADATA_FIELD_NUMBER: _builtins.int
+    metadata: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        metadata: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferMetadataResponse: _TypeAlias = TransferMetadataResponse  # noqa: Y015
+
+@_typing.final
 class PeerHello(_message.Message):
     """The peer socket (kvd/server/peer_socket.py): a same-host fast path for a sender's Peer calls
     (CheckTicket, Commit, Heartbeat, AbortReceive), carrying the same request and response messages

@@ -1121,6 +1121,11 @@ class PeerStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.TransferMetadata = channel.unary_unary(
+                '/kvd.v1.Peer/TransferMetadata',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.TransferMetadataRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.TransferMetadataResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServicer:
@@ -1163,6 +1168,13 @@ class PeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TransferMetadata(self, request, context):
+        """Sender -> receiver, once per receiver and registration: the backend's metadata (nixl).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1190,6 +1202,11 @@ def add_PeerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'TransferMetadata': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferMetadata,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.TransferMetadataRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.TransferMetadataResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1327,6 +1344,33 @@ class Peer:
             '/kvd.v1.Peer/Heartbeat',
             kvd_dot_v1_dot_kvd__pb2.HeartbeatRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferMetadata(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/TransferMetadata',
+            kvd_dot_v1_dot_kvd__pb2.TransferMetadataRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.TransferMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,

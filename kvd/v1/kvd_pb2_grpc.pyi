@@ -289,6 +289,8 @@ class PeerStub:
     """Receiver -> sender: the receiving side aborted; stop writing."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.HeartbeatRequest, _kvd_pb2.HeartbeatResponse]
     """Sender -> receiver, several times a second while a transfer is open."""
+    TransferMetadata: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.TransferMetadataRequest, _kvd_pb2.TransferMetadataResponse]
+    """Sender -> receiver, once per receiver and registration: the backend's metadata (nixl)."""
 
 @_typing.type_check_only
 class PeerAsyncStub(PeerStub):
@@ -306,6 +308,8 @@ class PeerAsyncStub(PeerStub):
     """Receiver -> sender: the receiving side aborted; stop writing."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_kvd_pb2.HeartbeatRequest, _kvd_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Sender -> receiver, several times a second while a transfer is open."""
+    TransferMetadata: _aio.UnaryUnaryMultiCallable[_kvd_pb2.TransferMetadataRequest, _kvd_pb2.TransferMetadataResponse]  # type: ignore[assignment]
+    """Sender -> receiver, once per receiver and registration: the backend's metadata (nixl)."""
 
 class PeerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -350,5 +354,13 @@ class PeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvd_pb2.HeartbeatResponse, _abc.Awaitable[_kvd_pb2.HeartbeatResponse]]:
         """Sender -> receiver, several times a second while a transfer is open."""
+
+    @_abc_1.abstractmethod
+    def TransferMetadata(
+        self,
+        request: _kvd_pb2.TransferMetadataRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.TransferMetadataResponse, _abc.Awaitable[_kvd_pb2.TransferMetadataResponse]]:
+        """Sender -> receiver, once per receiver and registration: the backend's metadata (nixl)."""
 
 def add_PeerServicer_to_server(servicer: PeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -123,7 +123,7 @@ def test_config_file_refusals(tmp_path):
         (dict(arena_bytes=0), ["arena_bytes must be positive"]),
         (dict(arena_bytes="4 gigs"), ["is not understood; write e.g. 4GiB"]),
         (dict(listen_tcp="localhost"), ["must be host:port, e.g. 127.0.0.1:50051"]),
-        (dict(backend="rdma"), ["backend", "'none', 'local' or 'mooncake'"]),
+        (dict(backend="rdma"), ["backend", "'none', 'local', 'mooncake' or 'nixl'"]),
         (dict(session_ttl_s=0), ["session_ttl_s", "greater than 0"]),
     ],
     ids=["no-listener", "reserve-below-arena", "zero-arena", "bad-size", "tcp-without-port", "unknown-backend", "zero-ttl"],

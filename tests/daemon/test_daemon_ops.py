@@ -61,7 +61,7 @@ def test_health_and_reflection(target, via):
     assert fd.name == "kvd/v1/kvd.proto" and fd.package == "kvd.v1"
     served = {s.name: [m.name for m in s.method] for s in fd.service}
     assert served["Kvd"] == [m.name for m in pb.DESCRIPTOR.services_by_name["Kvd"].methods]
-    assert served["Peer"] == ["CheckTicket", "Commit", "AbortReceive", "AbortSend", "Heartbeat"]
+    assert served["Peer"] == ["CheckTicket", "Commit", "AbortReceive", "AbortSend", "Heartbeat", "TransferMetadata"]
 
 
 @pytest.fixture(params=["inproc", "subproc"])

@@ -2,8 +2,8 @@
 playing both engines.
 
 * ``pair`` -- one long-lived pair per variant, shared by every test of the variant:
-  ``local`` and ``mooncake`` run both daemons as ``python -m kvd.cli serve`` subprocesses on
-  loopback (Mooncake over TCP); ``inproc`` runs both in this process (backend ``local``) so
+  ``local``, ``mooncake`` and ``nixl`` run both daemons as ``python -m kvd.cli serve``
+  subprocesses on loopback (Mooncake over TCP, NIXL over UCX: cma with tcp for wire-up); ``inproc`` runs both in this process (backend ``local``) so
   that ``node.check()`` can run after every scenario. Tests that kill a daemon restart it on
   the same socket and port; a test that left one dead gets it restarted before the next test.
 * ``hp`` -- per test: one engine session on each daemon. At the end the sessions are closed
@@ -40,7 +40,12 @@ T = TypeVar("T")
 from kvd.errors import Unavailable  # noqa: E402
 from kvd.layout import GroupKind, Layout  # noqa: E402
 
-VARIANTS = {"local": ("subproc", "local"), "mooncake": ("subproc", "mooncake"), "inproc": ("inproc", "local")}
+VARIANTS = {
+    "local": ("subproc", "local"),
+    "mooncake": ("subproc", "mooncake"),
+    "nixl": ("subproc", "nixl"),
+    "inproc": ("inproc", "local"),
+}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,6 +65,11 @@ def pair(request, tmp_path_factory) -> hk.Pair:
             check_installed()
         except Unavailable as exc:
             pytest.skip(f"mooncake backend not usable here: {exc}")
+    if backend == "nixl":
+        from kvd.backends.nixl import missing
+
+        if missing():
+            pytest.skip(f"nixl backend not usable here: {missing()}")
     p = hk.make_pair(tmp_path_factory.mktemp(f"handoff-{request.param}"), backend, mode)
     yield p
     rcs = {s.role: s.stop() for s in p.sides}

@@ -127,6 +127,10 @@ over it. The only place the chart writes kvd settings from; the sidecar reads po
           name: {{ $v.kvd.peerToken.secretName }}
           key: {{ $v.kvd.peerToken.key }}
     {{- end }}
+    {{- if eq ($cfg.backend | default "none") "nixl" }}
+    - name: UCX_TCP_PORT_RANGE
+      value: {{ printf "%v-%v" $v.kvd.nixlPorts.min $v.kvd.nixlPorts.max | quote }}
+    {{- end }}
     {{- if $mooncake }}
     - name: MC_MIN_RPC_PORT
       value: {{ $v.kvd.mooncakePorts.min | quote }}
