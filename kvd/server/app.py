@@ -40,10 +40,9 @@ from kvd.server.metrics import Metrics
 from kvd.server.peer_calls import PeerCalls
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
-from kvd.server.service import Endpoint, KvdService, PeerService
+from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
 from kvd.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 __all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "validate"]
 
@@ -314,8 +313,8 @@ class Daemon:
             handle_socket=handle_server.path if handle_server else "",
             peer_socket=peer_server.path if peer_server else "",
         )
-        pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link), server)
-        pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, calls), server)
+        add_to_server(server, KvdService(node, endpoint, outbox, link), "Kvd")
+        add_to_server(server, PeerService(node, endpoint, calls), "Peer")
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         names = (
