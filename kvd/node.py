@@ -33,6 +33,7 @@ from kvd.errors import (
 )
 from kvd.handoff import Inbox
 from kvd.layout import Layout
+from kvd.limits import quote
 from kvd.leases import Lease, LeaseKind, LeaseTable
 from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
 from kvd.stats import PoolStats
@@ -133,7 +134,7 @@ class Node:
             s = self._sessions.get(session_id)
             if s is None:
                 raise NotFound(
-                    f"session {session_id!r} is unknown or expired (no call within its TTL); open a new session"
+                    f"session {quote(session_id)} is unknown or expired (no call within its TTL); open a new session"
                 )
             s.last_seen = self.clock()
             return s
@@ -219,15 +220,15 @@ class Node:
     def _own(self, session_id: str, rid: str) -> None:
         owner = self._owner.get(rid)
         if owner is None:
-            raise NotFound(f"request {rid!r} is not allocated on this node (freed, expired, or never allocated)")
+            raise NotFound(f"request {quote(rid)} is not allocated on this node (freed, expired, or never allocated)")
         if owner != session_id:
-            raise PermissionDenied(f"request {rid!r} belongs to another client session; only its creator may use it")
+            raise PermissionDenied(f"request {quote(rid)} belongs to another client session; only its creator may use it")
 
     def _no_leases(self, rid: str, what: str) -> None:
         held = self.leases.for_rid(rid)
         if held:
             names = ", ".join(lease.label() for lease in held)
-            raise FailedPrecondition(f"{what} {rid!r}: pinned by {names}; release the lease(s) first")
+            raise FailedPrecondition(f"{what} {quote(rid)}: pinned by {names}; release the lease(s) first")
 
     # ---- requests ---------------------------------------------------------------------------
     def allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> list[IndexVectors]:
@@ -295,7 +296,7 @@ class Node:
                 self._fresh(rid, epoch, boot_id)
             vec = known if known is not None and self.pool.unchanged(known) else self.pool.vectors(rid)
             if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
-                raise FailedPrecondition(f"request {rid!r} already has a live RECV lease: one sender per request")
+                raise FailedPrecondition(f"request {quote(rid)} already has a live RECV lease: one sender per request")
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
             if kind is LeaseKind.RECV:
                 self.inbox.expect(rid, lease.lease_id)
@@ -335,7 +336,7 @@ class Node:
             if claim.boot_id != self.pool.boot_id:
                 self.stale_refusals += 1
                 raise StaleEpoch(
-                    f"ticket from boot {claim.boot_id!r}, but this daemon is boot {self.pool.boot_id!r} (it restarted); "
+                    f"ticket from boot {quote(claim.boot_id)}, but this daemon is boot {self.pool.boot_id!r} (it restarted); "
                     "the decode side must allocate again and issue a new ticket"
                 )
             if claim.layout_fingerprint != self.pool.layout.fingerprint:
@@ -346,8 +347,8 @@ class Node:
             lease = self.leases.get(claim.lease_id)
             if lease.kind is not LeaseKind.RECV or lease.rid != claim.rid:
                 raise InvalidArgument(
-                    f"ticket names lease {claim.lease_id} for {claim.rid!r}, but that lease is a "
-                    f"{lease.kind.value} lease on {lease.rid!r}"
+                    f"ticket names lease {claim.lease_id} for {quote(claim.rid)}, but that lease is a "
+                    f"{lease.kind.value} lease on {quote(lease.rid)}"
                 )
             self._fresh(claim.rid, claim.epoch, claim.boot_id)
             return lease
@@ -406,7 +407,7 @@ class Node:
             for rid, sid in self._owner.items():
                 s = self._sessions.get(sid)
                 if s is None or rid not in s.rids:
-                    raise InternalError(f"node invariant broken: {rid!r} not listed by its session")
+                    raise InternalError(f"node invariant broken: {quote(rid)} not listed by its session")
             now = self.clock()
             for lease in self.leases.all():
                 if lease.expires_at > now and lease.rid not in rids:

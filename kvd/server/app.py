@@ -32,6 +32,7 @@ from kvd.fdpass import HandleServer
 from kvd.handoff import run_every
 from kvd.outbox import Outbox
 from kvd.layout import GroupKind, Layout
+from kvd.limits import MAX_ID_BYTES, too_long
 from kvd.node import Node
 from kvd.pool import Pool
 from kvd.presets import load_layout
@@ -277,6 +278,8 @@ class Daemon:
             host = settings.listen_tcp.rsplit(":", 1)[0]
             addresses.append(f"{host}:{port}")
         peer = settings.advertise or (addresses[-1] if settings.listen_tcp else addresses[0])
+        if n := too_long(peer, MAX_ID_BYTES):  # it is the sender's name in every Peer call, held to that bound
+            raise InvalidArgument(f"this daemon's peer address is {n:,d} bytes, over the limit of {MAX_ID_BYTES}: set advertise to a shorter address")
         caps = ["post-capture", "offload", "compaction-around-pins", "draft-vectors"]
         if handle_server is not None:
             caps.append("cuda-arena")
