@@ -181,8 +181,9 @@ _BY_NAME: dict[str, type[KvdError]] = {cls.__name__: cls for cls in CODES}
 _BY_CODE: dict[int, type[KvdError]] = {
     code: cls for cls, code in CODES.items() if code != Code.RESOURCE_EXHAUSTED
 } | {Code.CANCELLED: Aborted}
-#: Bytes of a Pinned error's holders in its metadata; whole labels only, the rest counted.
-MAX_HOLDERS_BYTES = 2048
+#: Bytes of a Pinned error's holders in its metadata; whole labels only, the rest counted. With
+#: a message of MAX_MESSAGE_BYTES (percent-encoded: up to 3x) the status stays under gRPC's 8 KiB.
+MAX_HOLDERS_BYTES = 1024
 
 
 class Status(NamedTuple):
@@ -213,13 +214,16 @@ def to_status(exc: BaseException) -> Status:
 
 def _holders(holders: tuple[str, ...]) -> str:
     """``holders`` joined by ';', as many whole labels as fit :data:`MAX_HOLDERS_BYTES`, then
-    ``…N more``."""
+    ``...N more``. Printable ASCII only: gRPC refuses any other byte in a metadata value (the
+    whole call then fails as INTERNAL "Invalid metadata"), so a label's other characters (a
+    request id's) are escaped as Python does (``\\xe9``)."""
     kept: list[str] = []
     size = 0
     for i, h in enumerate(holders):
-        size += len(h.encode("utf-8", "surrogatepass")) + 1
+        h = h if h.isascii() and h.isprintable() else h.encode("unicode_escape").decode("ascii")
+        size += len(h) + 1
         if size > MAX_HOLDERS_BYTES:
-            kept.append(f"…{len(holders) - i} more")
+            kept.append(f"...{len(holders) - i} more")
             break
         kept.append(h)
     return ";".join(kept)

@@ -127,7 +127,10 @@ def test_status_messages_and_holders_are_bounded():
     joined = dict(md)["kvd-holders"]
     assert len(joined.encode()) <= E.MAX_HOLDERS_BYTES + 16 and joined.endswith(" more")
     back = from_rpc_error(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "compaction refused", md))
-    assert back.holders[0] == holders[0] and back.holders[-1].startswith("…")
+    assert back.holders[0] == holders[0] and back.holders[-1].startswith("...")
+    # Printable ASCII only (gRPC refuses anything else in a metadata value): other characters escaped.
+    _, _, md = to_status(E.Pinned("compaction refused", ("lease 1 (recv on 'é\x01')",)))
+    assert dict(md)["kvd-holders"] == "lease 1 (recv on '\\xe9\\x01')"
     short = ("lease 3 (recv on 'a')", "lease 9 (send on 'b')")
     assert dict(to_status(E.Pinned("x", short))[2])["kvd-holders"] == ";".join(short)  # nothing cut when it fits
 
