@@ -268,43 +268,49 @@ def _plan(d: Descriptor) -> _Plan:
     return plan
 
 
-def _check(where: str, msg: Message, plan: _Plan) -> None:
+def _over(msg: Message, plan: _Plan) -> tuple[str, str, int, int] | None:
+    """The first string of ``msg`` over its bound: (its path, the string, its length, the
+    bound), or None. The path is built only for that one (this runs on every call)."""
     for f, limit, repeated, entry, sub in plan:
-        name = f"{where}{f.name}"
+        value = getattr(msg, f.name)
         if entry is not None:
-            key, value, vplan = entry
-            for k, v in getattr(msg, f.name).items():
-                if key.type == FieldDescriptor.TYPE_STRING:
-                    _bound(f"{name}[{quote(k)}] (key)", k, limit)
-                if value.type == FieldDescriptor.TYPE_STRING:
-                    _bound(f"{name}[{quote(k)}]", v, limit)
-                elif vplan:
-                    _check(f"{name}[{quote(k)}].", v, vplan)
-            continue
-        if not repeated:
-            if sub is None:
-                _bound(name, getattr(msg, f.name), limit)
-            elif msg.HasField(f.name):
-                _check(f"{name}.", getattr(msg, f.name), sub)
-            continue
-        for i, x in enumerate(getattr(msg, f.name)):
-            if sub is None:
-                _bound(f"{name}[{i}]", x, limit)
+            key, vfield, vplan = entry
+            for k, v in value.items():
+                if key.type == FieldDescriptor.TYPE_STRING and (n := too_long(k, limit)):
+                    return f"{f.name}[{quote(k)}] (key)", k, n, limit
+                if vfield.type == FieldDescriptor.TYPE_STRING and (n := too_long(v, limit)):
+                    return f"{f.name}[{quote(k)}]", v, n, limit
+                if vplan and (hit := _over(v, vplan)):
+                    return (f"{f.name}[{quote(k)}].{hit[0]}", *hit[1:])
+        elif sub is None:
+            # len(s) * 4 first: no string of that many characters is longer in UTF-8 (the common case, inline)
+            if not repeated:
+                if len(value) * 4 > limit and (n := too_long(value, limit)):
+                    return f.name, value, n, limit
             else:
-                _check(f"{name}[{i}].", x, sub)
-
-
-def _bound(what: str, value: str, limit: int) -> None:
-    n = too_long(value, limit)
-    if n:
-        raise InvalidArgument(f"{what} is {n:,d} bytes of UTF-8, over the limit of {limit:,d}: use a shorter one (it begins {value[:QUOTE_CHARS]!r})")
+                for i, x in enumerate(value):
+                    if len(x) * 4 > limit and (n := too_long(x, limit)):
+                        return f"{f.name}[{i}]", x, n, limit
+        elif not repeated:
+            if msg.HasField(f.name) and (hit := _over(value, sub)):
+                return (f"{f.name}.{hit[0]}", *hit[1:])
+        else:
+            for i, x in enumerate(value):
+                if hit := _over(x, sub):
+                    return (f"{f.name}[{i}].{hit[0]}", *hit[1:])
+    return None
 
 
 def check_strings(method: str, msg: Message) -> None:
     """InvalidArgument unless every string field of request ``msg`` (nested and repeated ones too)
     is within its bound (:data:`STRING_LIMITS`, else :data:`~kvd.limits.MAX_ID_BYTES`). The
     message names ``method``, the field's path, its length and the limit. Changes nothing."""
-    _check(f"{method}: ", msg, _plan(msg.DESCRIPTOR))
+    hit = _over(msg, _plan(msg.DESCRIPTOR))
+    if hit is not None:
+        path, value, n, limit = hit
+        raise InvalidArgument(
+            f"{method}: {path} is {n:,d} bytes of UTF-8, over the limit of {limit:,d}: use a shorter one (it begins {value[:QUOTE_CHARS]!r})"
+        )
 
 
 def parse_request(method: str, cls: type[M], data: bytes) -> M:
