@@ -33,6 +33,8 @@ import enum
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from kvd.limits import MAX_MESSAGE_BYTES, clip
+
 # The exception tree, which ``kvd`` re-exports. The status table (Code, CODES, Status, to_status,
 # from_status) is for the transports and stays out of the package namespace.
 __all__ = [
@@ -172,8 +174,16 @@ ERROR_KEY, SHORTFALL_KEY, HOLDERS_KEY = "kvd-error", "kvd-shortfall-bytes", "kvd
 
 _BY_NAME: dict[str, type[KvdError]] = {cls.__name__: cls for cls in CODES}
 # A code with no class named (e.g. a status gRPC itself raised) maps to the most general class
-# with that code: CODES lists subclasses before their bases, so the last one listed wins.
-_BY_CODE: dict[int, type[KvdError]] = {code: cls for cls, code in CODES.items()} | {Code.CANCELLED: Aborted}
+# with that code: CODES lists subclasses before their bases, so the last one listed wins. Except
+# RESOURCE_EXHAUSTED: without kvd's metadata it is gRPC's own (a message or metadata over its
+# limit, a server out of threads), not the pool's capacity -- a CapacityError would make an
+# engine wait for memory that is not the problem. It stays the general class, named by its code.
+_BY_CODE: dict[int, type[KvdError]] = {
+    code: cls for cls, code in CODES.items() if code != Code.RESOURCE_EXHAUSTED
+} | {Code.CANCELLED: Aborted}
+#: Bytes of a Pinned error's holders in its metadata; whole labels only, the rest counted. With
+#: a message of MAX_MESSAGE_BYTES (percent-encoded: up to 3x) the status stays under gRPC's 8 KiB.
+MAX_HOLDERS_BYTES = 1024
 
 
 class Status(NamedTuple):
@@ -187,23 +197,44 @@ class Status(NamedTuple):
 
 def to_status(exc: BaseException) -> Status:
     """The status of an exception raised below a transport's edge. Anything but a KvdError was
-    not raised on purpose: INTERNAL, saying it is a bug (never a traceback as INVALID_ARGUMENT)."""
+    not raised on purpose: INTERNAL, saying it is a bug (never a traceback as INVALID_ARGUMENT).
+    The message is cut to :data:`~kvd.limits.MAX_MESSAGE_BYTES` and a Pinned error's holders to
+    :data:`MAX_HOLDERS_BYTES`, so the status always fits gRPC's metadata limit."""
     if not isinstance(exc, KvdError):
-        return Status(Code.INTERNAL, f"internal error (a bug in kvd): {type(exc).__name__}: {exc}", ((ERROR_KEY, "InternalError"),))
+        msg = clip(f"internal error (a bug in kvd): {type(exc).__name__}: {exc}", MAX_MESSAGE_BYTES)
+        return Status(Code.INTERNAL, msg, ((ERROR_KEY, "InternalError"),))
     cls = next(c for c in type(exc).__mro__ if c in CODES)
     md: list[tuple[str, str]] = [(ERROR_KEY, cls.__name__)]
     if isinstance(exc, CapacityError):
         md.append((SHORTFALL_KEY, str(exc.shortfall_bytes)))
     if isinstance(exc, Pinned):
-        md.append((HOLDERS_KEY, ";".join(exc.holders)))
-    return Status(CODES[cls], str(exc), tuple(md))
+        md.append((HOLDERS_KEY, _holders(exc.holders)))
+    return Status(CODES[cls], clip(str(exc), MAX_MESSAGE_BYTES), tuple(md))
+
+
+def _holders(holders: tuple[str, ...]) -> str:
+    """``holders`` joined by ';', as many whole labels as fit :data:`MAX_HOLDERS_BYTES`, then
+    ``...N more``. Printable ASCII only: gRPC refuses any other byte in a metadata value (the
+    whole call then fails as INTERNAL "Invalid metadata"), so a label's other characters (a
+    request id's) are escaped as Python does (``\\xe9``)."""
+    kept: list[str] = []
+    size = 0
+    for i, h in enumerate(holders):
+        h = h if h.isascii() and h.isprintable() else h.encode("unicode_escape").decode("ascii")
+        size += len(h) + 1
+        if size > MAX_HOLDERS_BYTES:
+            kept.append(f"...{len(holders) - i} more")
+            break
+        kept.append(h)
+    return ";".join(kept)
 
 
 def from_status(code: int, message: str, metadata: Mapping[str, str]) -> KvdError:
     """The exception a status stands for (the inverse of :func:`to_status`): the class the
     metadata names, with the same message and extras; without a class it knows, the most general
     class of ``code``, its message prefixed with the code's name where the class alone would not
-    say what happened (UNAVAILABLE, or a code kvd never sends)."""
+    say what happened (UNAVAILABLE, or a code kvd never sends). RESOURCE_EXHAUSTED without a class
+    is a transport limit, not the pool's capacity: a plain KvdError, never CapacityError."""
     named = _BY_NAME.get(metadata.get(ERROR_KEY, ""))
     cls = named or _BY_CODE.get(code, KvdError)
     if cls is CapacityError:
@@ -215,5 +246,7 @@ def from_status(code: int, message: str, metadata: Mapping[str, str]) -> KvdErro
             name = Code(code).name
         except ValueError:
             name = f"status {code}"
+        if code == Code.RESOURCE_EXHAUSTED:
+            message += " (gRPC's own status, without kvd's error metadata: a transport limit, not the pool's capacity)"
         return cls(f"{name}: {message}")
     return cls(message)

@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 from kvd import errors as E
 from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
+from kvd.limits import MAX_ID_BYTES, clip, quote, too_long
 from kvd.unix_socket import MAX_PATH, UnixServer, check_path, stirred
 from kvd.unix_socket import recv_exact as _recv_exact
 
@@ -286,15 +287,18 @@ class HandleServer(UnixServer):
         raw = _recv_exact(conn, n)
         try:
             d = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidArgument(f"handle request is not JSON: {exc}") from exc
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:  # RecursionError: "[[[[..."
+            raise InvalidArgument(f"handle request is not JSON: {clip(str(exc), 200)}") from exc
         if not isinstance(d, dict):
             raise InvalidArgument("handle request must be a JSON object with op, session and token")
         op, session, token = d.get("op"), d.get("session", ""), d.get("token", "")
         if op not in _OPS:
-            raise InvalidArgument(f"handle request op {op!r} is unknown; use one of {list(_OPS)}")
+            shown = quote(op) if isinstance(op, str) else f"of type {type(op).__name__}"
+            raise InvalidArgument(f"handle request op {shown} is unknown; use one of {list(_OPS)}")
         if not isinstance(session, str) or not isinstance(token, str):
             raise InvalidArgument("handle request session and token must be strings")
+        if n := too_long(session, MAX_ID_BYTES):
+            raise InvalidArgument(f"handle request session is {n:,d} bytes, over the limit of {MAX_ID_BYTES}: send the id OpenSession returned")
         return HandleRequest(op, session, token)
 
     @staticmethod

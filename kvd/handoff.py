@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, StaleEpoch
+from kvd.limits import quote
 from kvd.pool import Envelope, IndexVectors
 
 if TYPE_CHECKING:
@@ -198,14 +199,14 @@ class Inbox:
     def _find(self, ref: TransferRef) -> _Inbound:
         if ref.boot_id != self.node.pool.boot_id:
             self.node.stale_refusals += 1
-            raise StaleEpoch(f"transfer names boot {ref.boot_id!r}; this daemon is boot {self.node.pool.boot_id!r} (it restarted)")
+            raise StaleEpoch(f"transfer names boot {quote(ref.boot_id)}; this daemon is boot {self.node.pool.boot_id!r} (it restarted)")
         ib = self._match(ref)
         if ib is None:
-            raise NotFound(f"no transfer of {ref.rid!r} under lease {ref.lease_id} here (released, aborted or never issued)")
+            raise NotFound(f"no transfer of {quote(ref.rid)} under lease {ref.lease_id} here (released, aborted or never issued)")
         if ib.state is TransferState.FAILED:
-            raise Aborted(f"transfer of {ref.rid!r} was aborted here: {ib.reason}")
+            raise Aborted(f"transfer of {quote(ref.rid)} was aborted here: {ib.reason}")
         if ib.state is TransferState.READY:
-            raise FailedPrecondition(f"transfer of {ref.rid!r} is already complete")
+            raise FailedPrecondition(f"transfer of {quote(ref.rid)} is already complete")
         return ib
 
     def begin(self, ref: TransferRef, sender: str) -> None:
@@ -267,7 +268,7 @@ class Inbox:
     def status(self, rid: str) -> Status:
         ib = self._by_rid.get(rid)
         if ib is None:
-            raise NotFound(f"no inbound transfer for {rid!r}: acquire a RECV lease first")
+            raise NotFound(f"no inbound transfer for {quote(rid)}: acquire a RECV lease first")
         return Status(ib.state, ib.reason, ib.nbytes)
 
     def wait(self, rid: str, timeout: float) -> Status:
@@ -280,7 +281,7 @@ class Inbox:
             while True:
                 ib = self._by_rid.get(rid)
                 if ib is None:
-                    raise NotFound(f"no inbound transfer for {rid!r}: acquire a RECV lease first")
+                    raise NotFound(f"no inbound transfer for {quote(rid)}: acquire a RECV lease first")
                 if ib.state in (TransferState.READY, TransferState.FAILED):
                     return Status(ib.state, ib.reason, ib.nbytes)
                 if ib.state is TransferState.WAITING:
@@ -299,7 +300,7 @@ class Inbox:
         with self._cond:
             ib = self._by_rid.get(rid)
             if ib is None:
-                raise NotFound(f"no inbound transfer for {rid!r}")
+                raise NotFound(f"no inbound transfer for {quote(rid)}")
             if ib.state in (TransferState.READY, TransferState.FAILED):
                 return None
             sender = ib.sender

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd.errors import InvalidArgument, NotFound
+from kvd.limits import quote
 
 __all__ = ["LeaseKind", "Lease", "LeaseTable"]
 
@@ -39,7 +40,7 @@ class Lease:
     expires_at: float  # on the table's clock
 
     def label(self) -> str:
-        return f"lease {self.lease_id} ({self.kind.value} on {self.rid!r})"
+        return f"lease {self.lease_id} ({self.kind.value} on {quote(self.rid)})"
 
 
 class LeaseTable:

@@ -32,6 +32,7 @@ from kvd.errors import (
 )
 from kvd.handoff import Inbox
 from kvd.layout import Layout
+from kvd.limits import quote
 from kvd.leases import Lease, LeaseKind, LeaseTable
 from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
 from kvd.stats import PoolStats
@@ -121,7 +122,7 @@ class Node:
             s = self._sessions.get(session_id)
             if s is None:
                 raise NotFound(
-                    f"session {session_id!r} is unknown or expired (no call within its TTL); open a new session"
+                    f"session {quote(session_id)} is unknown or expired (no call within its TTL); open a new session"
                 )
             s.last_seen = self.clock()
             return s
@@ -207,15 +208,15 @@ class Node:
     def _own(self, session_id: str, rid: str) -> None:
         owner = self._owner.get(rid)
         if owner is None:
-            raise NotFound(f"request {rid!r} is not allocated on this node (freed, expired, or never allocated)")
+            raise NotFound(f"request {quote(rid)} is not allocated on this node (freed, expired, or never allocated)")
         if owner != session_id:
-            raise PermissionDenied(f"request {rid!r} belongs to another client session; only its creator may use it")
+            raise PermissionDenied(f"request {quote(rid)} belongs to another client session; only its creator may use it")
 
     def _no_leases(self, rid: str, what: str) -> None:
         held = self.leases.for_rid(rid)
         if held:
             names = ", ".join(lease.label() for lease in held)
-            raise FailedPrecondition(f"{what} {rid!r}: pinned by {names}; release the lease(s) first")
+            raise FailedPrecondition(f"{what} {quote(rid)}: pinned by {names}; release the lease(s) first")
 
     # ---- requests ---------------------------------------------------------------------------
     def allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> list[IndexVectors]:
@@ -283,7 +284,7 @@ class Node:
                 self._fresh(rid, epoch, boot_id)
             vec = known if known is not None and self.pool.unchanged(known) else self.pool.vectors(rid)
             if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
-                raise FailedPrecondition(f"request {rid!r} already has a live RECV lease: one sender per request")
+                raise FailedPrecondition(f"request {quote(rid)} already has a live RECV lease: one sender per request")
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
             if kind is LeaseKind.RECV:
                 self.inbox.expect(rid, lease.lease_id)
@@ -370,7 +371,7 @@ class Node:
             for rid, sid in self._owner.items():
                 s = self._sessions.get(sid)
                 if s is None or rid not in s.rids:
-                    raise InternalError(f"node invariant broken: {rid!r} not listed by its session")
+                    raise InternalError(f"node invariant broken: {quote(rid)} not listed by its session")
             now = self.clock()
             for lease in self.leases.all():
                 if lease.expires_at > now and lease.rid not in rids:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, NamedTuple, cast
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch, PermissionDenied
 from kvd.handoff import PeerLink, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.leases import LeaseKind
+from kvd.limits import quote
 from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
 
 if TYPE_CHECKING:
@@ -288,7 +289,7 @@ class Outbox:
                 f"ticket asks for backend {ticket.backend!r} but this daemon runs {self.backend.name!r}; configure both the same"
             )
         if ticket.rid != rid:
-            raise InvalidArgument(f"ticket is for request {ticket.rid!r}, not {rid!r}")
+            raise InvalidArgument(f"ticket is for request {quote(ticket.rid)}, not {quote(rid)}")
 
     def _enter(self, session: str, rid: str, ticket: TicketInfo, raw: bytes) -> _Outbound:
         """The ticket's transfer (registered if new), counted active; Aborted if it was aborted.
@@ -306,7 +307,7 @@ class Outbox:
                     "the bytes of the decode daemon's RECV lease unchanged, the same in every Send"
                 )
             if ob.aborted:
-                raise Aborted(f"transfer of {rid!r} was aborted: {ob.aborted}")
+                raise Aborted(f"transfer of {quote(rid)} was aborted: {ob.aborted}")
             ob.active += 1
             return ob
 
@@ -377,13 +378,13 @@ class Outbox:
 
         ob, ticket = f.ob, f.item.ticket
         if ob is None or f.plan is None:
-            raise InternalError(f"send of {f.item.rid!r}: writes issued before the transfer was prepared")
+            raise InternalError(f"send of {quote(f.item.rid)}: writes issued before the transfer was prepared")
         env = ticket.envelopes[0]
         peer = PeerRegion(ticket.transfer_endpoint, env.base, env.backed_bytes, env.region_id)
         srcs, dsts, lens = f.plan.as_lists()
         for i in range(0, len(srcs), self.batch_blocks):
             if ob.aborted:
-                raise Aborted(f"transfer of {ob.rid!r} aborted after {f.issued:,d} bytes: {ob.aborted}")
+                raise Aborted(f"transfer of {quote(ob.rid)} aborted after {f.issued:,d} bytes: {ob.aborted}")
             j = i + self.batch_blocks
             f.waits.append(self.backend.write_async(peer, srcs[i:j], dsts[i:j], lens[i:j]))
             f.issued += sum(lens[i:j])
@@ -539,7 +540,7 @@ def _refuse_duplicates(items: Sequence[SendItem | KvdError]) -> None:
             continue
         j, k = by_rid.setdefault(it.rid, i), by_ticket.setdefault((it.ticket.boot_id, it.ticket.lease_id), i)
         if j != i:
-            dups.append(f"items {j} and {i} both send request {it.rid!r}")
+            dups.append(f"items {j} and {i} both send request {quote(it.rid)}")
         elif k != i:
             dups.append(f"items {k} and {i} carry the same ticket (lease {it.ticket.lease_id} of receiver boot {it.ticket.boot_id!r})")
     if dups:

@@ -62,6 +62,7 @@ from kvd.errors import (
     StaleEpoch,
 )
 from kvd.layout import GroupKind, GroupSpec, Layout
+from kvd.limits import quote
 from kvd.runs import coalesce, copy_runs
 from kvd.stats import GroupStats, PoolStats
 
@@ -521,7 +522,7 @@ class Pool:
             self._live(rid)
             _check_tokens("extend", add)
             if rid in seen:
-                raise InvalidArgument(f"extend: request {rid!r} appears twice in one batch; merge the token counts")
+                raise InvalidArgument(f"extend: request {quote(rid)} appears twice in one batch; merge the token counts")
             seen.add(rid)
         steps = [self._extend_step(self._requests[rid], add) for rid, add in items]
         plan = self._fit(steps, f"extension of {len(items)} request(s)")
@@ -631,7 +632,7 @@ class Pool:
                 raise InvalidArgument(f"allocate: request id must be a non-empty string, got {s.rid!r}")
             _check_tokens("allocate", s.tokens)
             if s.rid in self._requests or s.rid in self._offloaded or s.rid in seen:
-                raise AlreadyExists(f"allocate: request {s.rid!r} already exists; free it first or pick a new id")
+                raise AlreadyExists(f"allocate: request {quote(s.rid)} already exists; free it first or pick a new id")
             seen.add(s.rid)
         if not self.finalized:
             raise NotFinalized("allocate before finalize: this pool uses post-capture sizing; call finalize(bytes) first")
@@ -640,8 +641,8 @@ class Pool:
         r = self._requests.get(rid)
         if r is None:
             if rid in self._offloaded:
-                raise FailedPrecondition(f"request {rid!r} is offloaded to host memory; restore it first")
-            raise NotFound(f"request {rid!r} is not allocated in this pool (freed, or never allocated)")
+                raise FailedPrecondition(f"request {quote(rid)} is offloaded to host memory; restore it first")
+            raise NotFound(f"request {quote(rid)} is not allocated in this pool (freed, or never allocated)")
         return r
 
     # =========================================================================================
@@ -688,11 +689,11 @@ class Pool:
         """Refuse (StaleEpoch) vectors of ``rid`` quoted at ``epoch`` of boot ``boot_id`` if the
         request's pages moved since, or the pool is another boot."""
         if boot_id != self.boot_id:
-            raise StaleEpoch(f"boot id {boot_id!r} is not this pool's ({self.boot_id!r}): the daemon restarted; fetch new vectors")
+            raise StaleEpoch(f"boot id {quote(boot_id)} is not this pool's ({quote(self.boot_id)}): the daemon restarted; fetch new vectors")
         r = self._live(rid)
         if epoch < r.moved_epoch or epoch > self.epoch:
             raise StaleEpoch(
-                f"request {rid!r}: epoch {epoch} is stale (its pages moved at epoch {r.moved_epoch}, pool is at "
+                f"request {quote(rid)}: epoch {epoch} is stale (its pages moved at epoch {r.moved_epoch}, pool is at "
                 f"{self.epoch}); fetch new vectors"
             )
         return r
@@ -723,7 +724,7 @@ class Pool:
         labels = dict(pinned) if isinstance(pinned, Mapping) else {rid: rid for rid in pinned}
         for rid in labels:
             if rid not in self._requests and rid not in self._offloaded:
-                raise NotFound(f"compact: pinned request {rid!r} is not allocated in this pool")
+                raise NotFound(f"compact: pinned request {quote(rid)} is not allocated in this pool")
         pinned_reqs = [self._requests[r] for r in labels if r in self._requests]
         moves: dict[GroupKind, tuple[torch.Tensor, torch.Tensor]] = {}
         blockers: set[str] = set()
@@ -888,12 +889,12 @@ class Pool:
         off = self._offloaded.get(rid)
         if off is None:
             if rid in self._requests:
-                raise FailedPrecondition(f"restore: request {rid!r} is not offloaded (it is live)")
-            raise NotFound(f"restore: request {rid!r} is not offloaded in this pool")
+                raise FailedPrecondition(f"restore: request {quote(rid)} is not offloaded (it is live)")
+            raise NotFound(f"restore: request {quote(rid)} is not offloaded in this pool")
         if not self.finalized:
             raise NotFinalized("restore before finalize: call finalize(bytes) first")
         step = self._alloc_step(off.tokens, receive=False, base_tokens=off.base_tokens)
-        plan = self._fit([step], f"restore of {rid!r}")
+        plan = self._fit([step], f"restore of {quote(rid)}")
         r = _Request(rid, self._new_handle(), off.tokens, off.base_tokens, torch.empty(0, dtype=IDX),
                      self._swa_first(off.base_tokens), -1, torch.empty(0, dtype=IDX), 0)
         self._bind_step(r, step, plan)

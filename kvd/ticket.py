@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
 from kvd.handoff import TicketInfo
 from kvd.leases import Lease, LeaseKind
+from kvd.limits import quote
 from kvd.node import Node
 from kvd.pool import IndexVectors
 from kvd.v1 import kvd_pb2 as pb
@@ -161,12 +162,12 @@ class Tickets:
             with self.node.lock:
                 self.node.stale_refusals += 1
             raise StaleEpoch(
-                f"ticket from boot {t.boot_id!r}, but this daemon is boot {boot!r} (it restarted, or another daemon "
+                f"ticket from boot {quote(t.boot_id)}, but this daemon is boot {boot!r} (it restarted, or another daemon "
                 "issued the ticket); the decode side must allocate again and issue a new ticket"
             )
         if not hmac.compare_digest(self._mac(body), seal):
             raise PermissionDenied(
-                f"ticket for {t.rid[:64]!r} does not carry this daemon's seal: its bytes were changed after it was issued "
+                f"ticket for {quote(t.rid)} does not carry this daemon's seal: its bytes were changed after it was issued "
                 "(or it was truncated, or sealed by another daemon); pass the bytes of the RECV lease unchanged"
             )
         _complete(t)
@@ -202,17 +203,17 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
             lease = node.leases.get(info.lease_id)
         except NotFound:
             raise NotFound(
-                f"ticket for {info.rid!r}: lease {info.lease_id} is not live here (the transfer ended, or the "
+                f"ticket for {quote(info.rid)}: lease {info.lease_id} is not live here (the transfer ended, or the "
                 "request was freed or its lease released or expired); the decode side must issue a new ticket"
             ) from None
         if lease.kind is not LeaseKind.RECV or lease.rid != info.rid:
             raise InvalidArgument(
-                f"ticket names lease {info.lease_id} for {info.rid!r}, but that lease is a {lease.kind.value} lease on {lease.rid!r}"
+                f"ticket names lease {info.lease_id} for {quote(info.rid)}, but that lease is a {lease.kind.value} lease on {quote(lease.rid)}"
             )
         if info.epoch != lease.epoch:
             node.stale_refusals += 1
             raise StaleEpoch(
-                f"ticket for {info.rid!r}: epoch {info.epoch} is stale (its lease was granted at epoch {lease.epoch}); "
+                f"ticket for {quote(info.rid)}: epoch {info.epoch} is stale (its lease was granted at epoch {lease.epoch}); "
                 "the decode side must issue a new ticket"
             )
         try:
@@ -222,13 +223,13 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
             raise
         if info.envelopes != pool.envelopes():
             raise FailedPrecondition(
-                f"ticket for {info.rid!r} names envelopes {info.envelopes} but this arena's are {pool.envelopes()}; "
+                f"ticket for {quote(info.rid)} names envelopes {info.envelopes} but this arena's are {pool.envelopes()}; "
                 "the decode side must issue a new ticket"
             )
         wrong = _vectors_differ(info.vectors, pool.vectors(info.rid), info)
         if wrong:
             raise FailedPrecondition(
-                f"ticket's destination vectors are not request {info.rid!r}'s pages: {wrong}; the decode side must "
+                f"ticket's destination vectors are not request {quote(info.rid)}'s pages: {wrong}; the decode side must "
                 "acquire a new RECV lease (a new ticket) for the request's current pages"
             )
         return lease

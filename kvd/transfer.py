@@ -25,6 +25,7 @@ import torch
 
 from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.layout import GroupKind, Layout
+from kvd.limits import quote
 from kvd.pool import Envelope, IndexVectors
 from kvd.runs import coalesce_np
 
@@ -114,7 +115,7 @@ def plan_chunk(
     check_range(t0, t1, src.tokens)
     if src.tokens != dst.tokens:
         raise InvalidArgument(
-            f"request {src.rid!r} has {src.tokens} tokens here but the receiver allocated {dst.tokens}; allocate the same length"
+            f"request {quote(src.rid)} has {src.tokens} tokens here but the receiver allocated {dst.tokens}; allocate the same length"
         )
     pairs = pair_envelopes(layout, src_env, dst_env)
     plan = Plan([], [], [], {})
@@ -126,7 +127,7 @@ def plan_chunk(
             if not last:
                 continue
             if src.state is None or dst.state is None:
-                raise InvalidArgument(f"request {src.rid!r}: a state slot is missing on one side")
+                raise InvalidArgument(f"request {quote(src.rid)}: a state slot is missing on one side")
             s_ids = np.array([src.state], dtype=np.int64)
             d_ids = np.array([dst.state], dtype=np.int64)
         elif g.kind is GroupKind.SWA:
@@ -136,7 +137,7 @@ def plan_chunk(
                 continue
             if p0 < src.swa_first_page:
                 raise InvalidArgument(
-                    f"request {src.rid!r}: the receiver needs SWA page {p0} but the sender released pages before "
+                    f"request {quote(src.rid)}: the receiver needs SWA page {p0} but the sender released pages before "
                     f"{src.swa_first_page}; send each chunk before extending past it"
                 )
             s_ids = _ids(src.swa)[p0 - src.swa_first_page : p1 - src.swa_first_page]

@@ -1,18 +1,25 @@
 """Conversions between core records and the v1 wire messages, shared by server and client.
 
 Index vectors travel as packed int32; the client turns them back into torch tensors. Tickets are
-minted, sealed, read and checked in :mod:`kvd.ticket`.
+minted, sealed, read and checked in :mod:`kvd.ticket`. Every request a daemon
+serves is parsed by :func:`parse_request`, whichever transport brought it: bytes that do not
+parse, or a string over its bound (:mod:`kvd.limits`), are INVALID_ARGUMENT naming the method.
 """
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import torch
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
 
 from kvd import errors as E
 from kvd.errors import InvalidArgument, KvdError
 from kvd.handoff import SEND_PHASES, SendResult, TransferRef, TransferState
 from kvd.leases import LeaseKind
+from kvd.limits import MAX_ID_BYTES, MAX_REASON_BYTES, QUOTE_CHARS, quote, too_long
 from kvd.node import NodeStats
 from kvd.pool import Envelope, IndexVectors
 from kvd.stats import GroupStats, PoolStats
@@ -36,8 +43,12 @@ __all__ = [
     "send_result_from_pb",
     "status_to_pb",
     "status_from_pb",
+    "parse_request",
+    "check_strings",
+    "STRING_LIMITS",
 ]
 
+M = TypeVar("M", bound=Message)
 #: metadata key carrying the client session id on every Kvd call but OpenSession
 SESSION_KEY = "kvd-session"
 #: metadata key carrying the shared peer token on Peer calls (when configured)
@@ -179,3 +190,97 @@ def status_to_pb(exc: BaseException) -> pb.PeerStatus:
 def status_from_pb(m: pb.PeerStatus) -> KvdError:
     """The kvd exception a status message stands for (the inverse of :func:`status_to_pb`)."""
     return E.from_status(m.code, m.message, dict(m.metadata))
+
+
+# ---- requests: parsed and bounded in one place -------------------------------------------------
+
+#: The bound (bytes of UTF-8) of a request's string field, by field name; every other string
+#: field of a request (request ids, session names, boot ids, senders): MAX_ID_BYTES.
+STRING_LIMITS: dict[str, int] = {"reason": MAX_REASON_BYTES}
+
+# Per message type: (field, bound or 0, repeated, map entry's value plan or None, nested plan or
+# None) for each field that holds a string somewhere below it.
+_Plan = tuple[tuple[FieldDescriptor, int, bool, "tuple | None", "tuple | None"], ...]
+_PLANS: dict[str, _Plan] = {}
+
+
+def _plan(d: Descriptor) -> _Plan:
+    got = _PLANS.get(d.full_name)
+    if got is not None:
+        return got
+    _PLANS[d.full_name] = ()  # while it is planned: a type that contains itself is checked one level deep
+    rows = []
+    for f in d.fields:
+        repeated = f.is_repeated
+        if f.type == FieldDescriptor.TYPE_STRING:
+            rows.append((f, STRING_LIMITS.get(f.name, MAX_ID_BYTES), repeated, None, None))
+        elif f.type == FieldDescriptor.TYPE_MESSAGE:
+            if f.message_type.GetOptions().map_entry:  # keys and values: both bounded
+                key, value = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+                vplan = _plan(value.message_type) if value.type == FieldDescriptor.TYPE_MESSAGE else None
+                if key.type == FieldDescriptor.TYPE_STRING or value.type == FieldDescriptor.TYPE_STRING or vplan:
+                    rows.append((f, STRING_LIMITS.get(f.name, MAX_ID_BYTES), False, (key, value, vplan), None))
+            else:
+                sub = _plan(f.message_type)
+                if sub:
+                    rows.append((f, 0, repeated, None, sub))
+    plan = _PLANS[d.full_name] = tuple(rows)
+    return plan
+
+
+def _over(msg: Message, plan: _Plan) -> tuple[str, str, int, int] | None:
+    """The first string of ``msg`` over its bound: (its path, the string, its length, the
+    bound), or None. The path is built only for that one (this runs on every call)."""
+    for f, limit, repeated, entry, sub in plan:
+        value = getattr(msg, f.name)
+        if entry is not None:
+            key, vfield, vplan = entry
+            for k, v in value.items():
+                if key.type == FieldDescriptor.TYPE_STRING and (n := too_long(k, limit)):
+                    return f"{f.name}[{quote(k)}] (key)", k, n, limit
+                if vfield.type == FieldDescriptor.TYPE_STRING and (n := too_long(v, limit)):
+                    return f"{f.name}[{quote(k)}]", v, n, limit
+                if vplan and (hit := _over(v, vplan)):
+                    return (f"{f.name}[{quote(k)}].{hit[0]}", *hit[1:])
+        elif sub is None:
+            # len(s) * 4 first: no string of that many characters is longer in UTF-8 (the common case, inline)
+            if not repeated:
+                if len(value) * 4 > limit and (n := too_long(value, limit)):
+                    return f.name, value, n, limit
+            else:
+                for i, x in enumerate(value):
+                    if len(x) * 4 > limit and (n := too_long(x, limit)):
+                        return f"{f.name}[{i}]", x, n, limit
+        elif not repeated:
+            if msg.HasField(f.name) and (hit := _over(value, sub)):
+                return (f"{f.name}.{hit[0]}", *hit[1:])
+        else:
+            for i, x in enumerate(value):
+                if hit := _over(x, sub):
+                    return (f"{f.name}[{i}].{hit[0]}", *hit[1:])
+    return None
+
+
+def check_strings(method: str, msg: Message) -> None:
+    """InvalidArgument unless every string field of request ``msg`` (nested and repeated ones too)
+    is within its bound (:data:`STRING_LIMITS`, else :data:`~kvd.limits.MAX_ID_BYTES`). The
+    message names ``method``, the field's path, its length and the limit. Changes nothing."""
+    hit = _over(msg, _plan(msg.DESCRIPTOR))
+    if hit is not None:
+        path, value, n, limit = hit
+        raise InvalidArgument(
+            f"{method}: {path} is {n:,d} bytes of UTF-8, over the limit of {limit:,d}: use a shorter one (it begins {value[:QUOTE_CHARS]!r})"
+        )
+
+
+def parse_request(method: str, cls: type[M], data: bytes) -> M:
+    """The request of rpc ``method`` in ``data``, a serialised ``cls``: InvalidArgument naming
+    the method when the bytes do not parse as one, or a string in it is over its bound
+    (:func:`check_strings`). Every transport a daemon serves parses its requests here."""
+    try:
+        msg = cls.FromString(data)
+    except DecodeError as exc:
+        name = cls.DESCRIPTOR.full_name
+        raise InvalidArgument(f"{method}: the request did not parse as {name} ({exc}); send a serialized {name}") from exc
+    check_strings(method, msg)
+    return msg

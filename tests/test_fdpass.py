@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import random
 import socket
 import struct
 import threading
@@ -186,8 +187,13 @@ def test_authorization_is_asked_and_its_refusal_reaches_the_client(tmp_path):
         (_framed([1, 2]), "must be a JSON object"),
         (_framed({"op": "steal"}), "op 'steal' is unknown"),
         (_framed({"op": "export", "session": 5}), "must be strings"),
+        (struct.pack(">I", 4000) + b"[" * 4000, "not JSON"),  # json's RecursionError: was INTERNAL
+        (struct.pack(">I", 8) + b"\xff\xfe\x00\x01\x80\x81\xc0\xc1", "not JSON"),
+        (_framed({"op": "export", "session": "s" * 257}), "session is 257 bytes, over the limit of 256"),
+        (_framed({"op": "x" * 3000}), "is unknown"),
     ],
-    ids=["oversized", "not-json", "not-an-object", "unknown-op", "bad-types"],
+    ids=["oversized", "not-json", "not-an-object", "unknown-op", "bad-types", "deep-nesting", "not-utf8", "long-session",
+         "long-op"],
 )
 def test_garbage_requests_are_refused_with_invalid_argument(served, payload, phrase):
     srv, exp = served
@@ -196,6 +202,25 @@ def test_garbage_requests_are_refused_with_invalid_argument(served, payload, phr
     assert phrase in reply["message"]
     assert exp.calls == 0
     h, fds = fetch(srv.path)  # the server is still there
+    for fd in fds:
+        os.close(fd)
+
+
+def test_random_bytes_get_a_clean_refusal_and_the_server_serves_the_next_caller(served):
+    """Whatever arrives, the handle socket answers a refusal header (never INTERNAL: a client's
+    bytes are never a bug in kvd) or, for a length it cannot follow, closes; the next caller is
+    served. Messages quote a bounded part of what came."""
+    srv, exp = served
+    rng = random.Random(13)
+    for i in range(60):
+        body = rng.randbytes(rng.randrange(1, 200))
+        # Framed junk, or four bytes of junk that are an impossible length (answered unread).
+        blob = struct.pack(">I", len(body)) + body if i % 2 else bytes([rng.randrange(1, 256)]) + body[:3].ljust(3, b"\0")
+        reply = _raw(srv.path, blob)
+        assert reply is not None and reply["ok"] is False and _refused_as(reply) == "InvalidArgument", (blob, reply)
+        assert len(reply["message"]) < 400, reply["message"]
+    assert exp.calls == 0
+    h, fds = fetch(srv.path)
     for fd in fds:
         os.close(fd)
 

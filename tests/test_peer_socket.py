@@ -183,12 +183,42 @@ def test_unknown_method_is_refused_and_the_connection_goes_on(node, server):
     s.close()
 
 
-def test_a_body_that_does_not_parse_is_refused(server):
+def test_a_body_that_does_not_parse_is_refused(node, server):
+    """In the words gRPC refuses it in (kvd.wire.parse_request), and the connection stays in step."""
     s, _, _ = _raw(server)
     s.sendall(struct.pack(">IB", 3, COMMIT) + b"\xff\xff\xff")
     status, body = _reply(s)
     exc = _refusal(body)
-    assert status == REFUSED and type(exc) is E.InvalidArgument and "does not parse as CommitRequest" in str(exc)
+    assert status == REFUSED and type(exc) is E.InvalidArgument
+    assert "Commit: the request did not parse as kvd.v1.CommitRequest" in str(exc)
+    raw, _ = _ticket(node)
+    s.sendall(frame(CHECK, pb.CheckTicketRequest(ticket=raw)))
+    status, body = _reply(s)
+    assert status == OK and pb.CheckTicketResponse.FromString(body).expires_in_seconds > 0
+    s.close()
+
+
+@pytest.mark.parametrize("request_", [
+    pb.CheckTicketRequest(ticket=b"x", sender="s" * 257),
+    pb.CommitRequest(ref=pb.TransferRef(boot_id="b", lease_id=1, rid="r" * (1 << 20))),
+    pb.HeartbeatRequest(sender="s", refs=[pb.TransferRef(boot_id="b" * 300, lease_id=1, rid="r")]),
+    pb.PeerAbortRequest(ref=pb.TransferRef(boot_id="b", lease_id=1, rid="r"), reason="x" * 1025),
+], ids=["check-sender", "commit-rid", "heartbeat-boot", "abort-reason"])
+def test_a_string_over_its_bound_is_refused_before_the_handler(node, server, request_):
+    """The bounds of kvd.limits hold on the peer socket as on gRPC: INVALID_ARGUMENT naming the
+    method and the field, nothing changed, the connection still in step."""
+    method = {pb.CheckTicketRequest: "CheckTicket", pb.CommitRequest: "Commit", pb.HeartbeatRequest: "Heartbeat",
+              pb.PeerAbortRequest: "AbortReceive"}[type(request_)]
+    before = node.stats()
+    s, _, _ = _raw(server)
+    s.sendall(frame(METHOD_IDS[method], request_))
+    status, body = _reply(s)
+    exc = _refusal(body)
+    assert status == REFUSED and type(exc) is E.InvalidArgument and str(exc).startswith(f"{method}: ") and "over the limit of" in str(exc)
+    assert len(str(exc)) < 400, "the refusal quotes a bounded prefix"
+    assert node.stats() == before
+    s.sendall(frame(METHOD_IDS["Heartbeat"], pb.HeartbeatRequest(sender="s")))
+    assert _reply(s)[0] == OK
     s.close()
 
 

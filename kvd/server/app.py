@@ -32,6 +32,7 @@ from kvd.fdpass import HandleServer
 from kvd.handoff import run_every
 from kvd.outbox import Outbox
 from kvd.layout import GroupKind, Layout
+from kvd.limits import MAX_ID_BYTES, too_long
 from kvd.node import Node
 from kvd.pool import Pool
 from kvd.presets import load_layout
@@ -41,10 +42,9 @@ from kvd.server.peer_calls import PeerCalls
 from kvd.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
-from kvd.server.service import Endpoint, KvdService, PeerService
+from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
 from kvd.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
-from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
 __all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "validate"]
 
@@ -285,6 +285,8 @@ class Daemon:
             host = settings.listen_tcp.rsplit(":", 1)[0]
             addresses.append(f"{host}:{port}")
         peer = settings.advertise or (addresses[-1] if settings.listen_tcp else addresses[0])
+        if n := too_long(peer, MAX_ID_BYTES):  # it is the sender's name in every Peer call, held to that bound
+            raise InvalidArgument(f"this daemon's peer address is {n:,d} bytes, over the limit of {MAX_ID_BYTES}: set advertise to a shorter address")
         caps = ["post-capture", "offload", "compaction-around-pins", "draft-vectors"]
         if handle_server is not None:
             caps.append("cuda-arena")
@@ -334,8 +336,8 @@ class Daemon:
                 tickets.issuer = endpoint.issuer
 
             node.on_backing_change.append(_renamed)
-        pb_grpc.add_KvdServicer_to_server(KvdService(node, endpoint, outbox, link, tickets), server)
-        pb_grpc.add_PeerServicer_to_server(PeerService(node, endpoint, calls), server)
+        add_to_server(server, KvdService(node, endpoint, outbox, link, tickets), "Kvd")
+        add_to_server(server, PeerService(node, endpoint, calls), "Peer")
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
         names = (

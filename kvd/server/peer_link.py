@@ -17,6 +17,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvd.handoff import SocketRoute, TransferRef
+from kvd.limits import MAX_REASON_BYTES, clip
 from kvd.server.peer_conns import PeerConnections
 from kvd.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
@@ -93,11 +94,14 @@ class DaemonPeerLink:
     def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None:
         self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes), via)
 
+    # A reason is often an error's message (up to MAX_MESSAGE_BYTES) behind a prefix: cut to the
+    # bound the peer holds it to, or the peer refuses the abort and never learns of it.
     def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool, via: SocketRoute | None = None) -> None:
-        self._call(address, "AbortReceive", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=reason, drained=drained), via)
+        request = pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES), drained=drained)
+        self._call(address, "AbortReceive", request, via)
 
     def abort_send(self, address: str, ref: TransferRef, reason: str) -> None:
-        self._call(address, "AbortSend", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=reason))
+        self._call(address, "AbortSend", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES)))
 
     def heartbeat(self, address: str, sender: str, refs: list[TransferRef], via: SocketRoute | None = None) -> list[int]:
         r = self._call(address, "Heartbeat", pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs]), via)

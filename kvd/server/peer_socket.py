@@ -62,7 +62,7 @@ from kvd.server.peer_calls import PeerCalls
 from kvd.status import code_from_int
 from kvd.unix_socket import UnixServer, recv_exact
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import status_to_pb
+from kvd.wire import parse_request, status_to_pb
 
 __all__ = [
     "HELLO", "OK", "REFUSED", "MAX_FRAME", "MAX_HELLO", "MAX_CONNECTIONS", "METHODS", "METHOD_IDS", "Method",
@@ -262,10 +262,7 @@ class PeerSocketServer(UnixServer):
             if m is None:
                 served = ", ".join(f"{x.id} ({x.name})" for x in METHODS.values())
                 raise InvalidArgument(f"peer socket: unknown method id {kind}; this daemon serves {served} (and {HELLO}: hello)")
-            try:
-                request = m.request.FromString(body)
-            except DecodeError as exc:
-                raise InvalidArgument(f"peer socket: a {m.name} frame does not parse as {m.request.__name__} ({exc})") from exc
+            request = parse_request(m.name, m.request, body)  # the words gRPC refuses it in
             reply, code = frame(OK, m.handler(self.calls, request)), "OK"
         except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place
             reply, status = _refusal(exc)

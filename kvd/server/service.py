@@ -2,7 +2,10 @@
 
 No policy lives here. Every handler runs through :meth:`_Base._run`, which reads the session
 from metadata, maps any exception to a status in one place (:func:`kvd.status.to_status`), and
-aborts the call with the kvd error class in the trailing metadata.
+aborts the call with the kvd error class in the trailing metadata. :func:`add_to_server`
+registers a servicer with every request parsed by :func:`kvd.wire.parse_request`: bytes that do
+not parse and strings over their bounds are refused through the same ``_run``, as
+INVALID_ARGUMENT naming the method, before the handler runs.
 """
 
 from __future__ import annotations
@@ -10,13 +13,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import grpc
 
 from kvd import __version__
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
 from kvd.handoff import PeerLink
+from kvd.limits import MAX_ID_BYTES, quote, too_long
 from kvd.outbox import Outbox, SendItem, check_batch_size
 from kvd.node import Node
 from kvd.pool import AllocSpec
@@ -30,6 +34,7 @@ from kvd.wire import (
     TOKEN_KEY,
     envelope_to_pb,
     lease_kind_from_pb,
+    parse_request,
     lease_kind_to_pb,
     send_result_to_pb,
     state_to_pb,
@@ -38,7 +43,7 @@ from kvd.wire import (
     vectors_to_pb,
 )
 
-__all__ = ["KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint"]
+__all__ = ["KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint", "add_to_server"]
 
 log = logging.getLogger("kvd.server")
 T = TypeVar("T")
@@ -99,6 +104,8 @@ class _Base:
         sid = self._meta(context, SESSION_KEY)
         if not sid:
             raise InvalidArgument(f"no session: call OpenSession first and send its id as metadata {SESSION_KEY!r}")
+        if n := too_long(sid, MAX_ID_BYTES):
+            raise InvalidArgument(f"metadata {SESSION_KEY!r} is {n:,d} bytes, over the limit of {MAX_ID_BYTES}: send the id OpenSession returned")
         return sid
 
 
@@ -358,7 +365,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             except NotFound:
                 target = None
                 if not notified:
-                    raise NotFound(f"abort: request {request.rid!r} has no transfer in progress on this daemon") from None
+                    raise NotFound(f"abort: request {quote(request.rid)} has no transfer in progress on this daemon") from None
             if target is not None and self.link is not None:
                 sender, ref = target
                 try:
@@ -403,3 +410,55 @@ class PeerService(_Base, pb_grpc.PeerServicer):
 
     def TransferMetadata(self, request: pb.TransferMetadataRequest, context):
         return self._peer(context, self.calls.transfer_metadata, request)
+
+# ---- registration: every request parsed in one place ------------------------------------------
+
+
+class _Refused(NamedTuple):
+    """What the deserializer hands the handler for a request it refused: gRPC answers a
+    deserializer that raises with its own INTERNAL, so the refusal travels as a value."""
+
+    error: BaseException
+
+
+def _deserializer(method: str, cls: type) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return parse_request(method, cls, data)
+        except Exception as exc:  # noqa: BLE001 -- answered by the handler, through _run
+            return _Refused(exc)
+
+    return parse
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+def _guarded(servicer: _Base, handler: Callable) -> Callable:
+    def handle(request, context):
+        if isinstance(request, _Refused):
+            return servicer._run(context, lambda: _raise(request.error))
+        return handler(request, context)
+
+    return handle
+
+
+def add_to_server(server: grpc.Server, servicer: _Base, service: str) -> None:
+    """Serve ``servicer`` as ``kvd.v1.<service>`` on ``server`` (what the generated
+    ``add_<service>Servicer_to_server`` does), every request parsed by
+    :func:`kvd.wire.parse_request`. The methods are read from the service descriptor, so a
+    method added to the proto is served this way too (a streaming one is refused here: kvd has
+    none, and its requests would need the same guard per message)."""
+    desc = pb.DESCRIPTOR.services_by_name[service]
+    handlers = {}
+    for m in desc.methods:
+        if m.client_streaming or m.server_streaming:
+            raise TypeError(f"{desc.full_name}/{m.name} streams; add_to_server serves unary methods only")
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            _guarded(servicer, getattr(servicer, m.name)),
+            request_deserializer=_deserializer(m.name, getattr(pb, m.input_type.name)),
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+    server.add_registered_method_handlers(desc.full_name, handlers)

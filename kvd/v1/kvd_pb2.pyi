@@ -14,6 +14,11 @@ Conventions
   class (e.g. "StaleEpoch"), and "kvd-shortfall-bytes" carries a CapacityError's shortfall.
 * Physical index vectors are always tagged with the pool's boot id and epoch; a call that
   quotes a stale pair is refused with FAILED_PRECONDITION, never acted on.
+* Bounds: every string in a request (request ids, session names, boot ids, sender names; in
+  repeated and nested fields too) is at most 256 bytes of UTF-8, except a reason: at most 1024.
+  Longer is INVALID_ARGUMENT naming the field, its length and the limit. So is a request whose
+  bytes do not parse as the method's message. Error messages quote at most 64 characters of any
+  caller's string and are at most 2048 bytes. A whole message is at most 64 MiB.
 """
 
 from collections import abc as _abc
@@ -256,7 +261,7 @@ class OpenSessionRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """a label for humans (engine name, pid)"""
+    """a label for humans (engine name, pid); at most 256 bytes"""
     ttl_seconds: _builtins.float
     """0: the daemon's default. Without a call for this long, the"""
     def __init__(
@@ -386,6 +391,7 @@ class AllocSpec(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     RECEIVE_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
+    """the caller's request id: 1 to 256 bytes of UTF-8"""
     tokens: _builtins.int
     """int64 so a negative count reaches the server and gets a clear error"""
     receive: _builtins.bool
@@ -1564,6 +1570,7 @@ class AbortRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
     reason: _builtins.str
+    """at most 1024 bytes of UTF-8"""
     def __init__(
         self,
         *,
@@ -1761,6 +1768,7 @@ class PeerAbortRequest(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
+    """at most 1024 bytes of UTF-8"""
     drained: _builtins.bool
     """the sender has no write in flight for this transfer"""
     @_builtins.property

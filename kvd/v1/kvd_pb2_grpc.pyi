@@ -14,6 +14,11 @@ Conventions
   class (e.g. "StaleEpoch"), and "kvd-shortfall-bytes" carries a CapacityError's shortfall.
 * Physical index vectors are always tagged with the pool's boot id and epoch; a call that
   quotes a stale pair is refused with FAILED_PRECONDITION, never acted on.
+* Bounds: every string in a request (request ids, session names, boot ids, sender names; in
+  repeated and nested fields too) is at most 256 bytes of UTF-8, except a reason: at most 1024.
+  Longer is INVALID_ARGUMENT naming the field, its length and the limit. So is a request whose
+  bytes do not parse as the method's message. Error messages quote at most 64 characters of any
+  caller's string and are at most 2048 bytes. A whole message is at most 64 MiB.
 """
 
 from collections import abc as _abc

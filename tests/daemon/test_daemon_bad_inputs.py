@@ -120,6 +120,68 @@ CASES = [
     ("resize-eager", lambda w: w.c.resize(1 << 20), E.FailedPrecondition, C.FAILED_PRECONDITION, "post_capture=True", {}),
 ]
 
+# Client-chosen strings are bounded on every RPC (kvd.limits, checked by kvd.wire.parse_request
+# before any handler runs): a 1 MiB request id used to be allocated, and a refusal quoting it
+# overflowed gRPC's metadata limit (a bare RESOURCE_EXHAUSTED the client took for CapacityError).
+MiB_ID, LONG_ID = "m" * (1 << 20), "x" * 257
+WIDE_ID = "é" * 128 + "x"  # 129 characters, 257 bytes of UTF-8: the bound counts bytes
+
+
+def _over(method: str, field: str, n: int = 1 << 20, limit: int = 256) -> str:
+    return f"{method}: {field} is {n:,d} bytes of UTF-8, over the limit of {limit:,d}"
+
+
+BOUNDS = [
+    ("alloc-1MiB-id", lambda w: w.c.allocate(MiB_ID, 8), _over("Allocate", "requests[0].rid")),
+    ("alloc-257-id", lambda w: w.c.allocate(LONG_ID, 8), _over("Allocate", "requests[0].rid", 257)),
+    ("alloc-257-byte-wide-id", lambda w: w.c.allocate(WIDE_ID, 8), _over("Allocate", "requests[0].rid", 257)),
+    ("alloc-many-second-id", lambda w: w.c.allocate_many([(rid(), 4), (MiB_ID, 4)]), _over("Allocate", "requests[1].rid")),
+    ("shortfall-id", lambda w: w.c.shortfall([(MiB_ID, 4)]), _over("CanAllocate", "requests[0].rid")),
+    ("extend-id", lambda w: w.c.extend_many([(w.live, 4), (MiB_ID, 4)]), _over("Extend", "items[1].rid")),
+    ("free-id", lambda w: w.c.free(w.live, MiB_ID), _over("Free", "rids[1]")),
+    ("vectors-id", lambda w: w.c.vectors_many([w.live, MiB_ID]), _over("GetVectors", "rids[1]")),
+    ("lease-id", lambda w: w.c.acquire_lease(MiB_ID, "recv"), _over("AcquireLease", "rid")),
+    ("lease-boot-id", lambda w: w.c.acquire_lease(w.live, "recv", vectors=w.vec._replace(boot_id=LONG_ID)),
+     _over("AcquireLease", "boot_id", 257)),
+    ("offload-id", lambda w: w.c.offload(MiB_ID), _over("Offload", "rid")),
+    ("restore-id", lambda w: w.c.restore(MiB_ID), _over("Restore", "rid")),
+    ("begin-send-id", lambda w: w.c.begin_send(MiB_ID, w.lease.ticket), _over("BeginSend", "rid")),
+    ("send-id", lambda w: w.c.send(MiB_ID, w.lease.ticket), _over("Send", "rid")),
+    ("send-many-id", lambda w: w.c.send_many([(w.live, w.lease.ticket), (MiB_ID, w.lease.ticket)]), _over("SendMany", "items[1].rid")),
+    ("wait-id", lambda w: w.c.wait_ready(MiB_ID, timeout=0), _over("WaitReady", "rid")),
+    ("abort-id", lambda w: w.c.abort(MiB_ID), _over("Abort", "rid")),
+    ("abort-reason", lambda w: w.c.abort(w.leased, "y" * 1025), _over("Abort", "reason", 1025, 1024)),
+    ("session-name", lambda w: w.t.connect(name=MiB_ID), _over("OpenSession", "name")),
+]
+
+
+@pytest.mark.parametrize("call,phrase", [b[1:] for b in BOUNDS], ids=[b[0] for b in BOUNDS])
+def test_client_strings_are_bounded_on_every_rpc(world, call, phrase):
+    """Over its bound, a string is INVALID_ARGUMENT naming the method, the field, its length and
+    the limit, quoting a bounded prefix of it; nothing changes."""
+    before = world.snapshot()
+    with expect(E.InvalidArgument, C.INVALID_ARGUMENT, phrase) as info:
+        call(world)
+    assert len(str(info.value)) < 300, "the refusal quotes a bounded prefix, not the string"
+    unchanged(world, before)
+
+
+def test_strings_at_their_bound_are_accepted(world):
+    """256 bytes of UTF-8 is a request id (wide characters count as their bytes), a session name;
+    1024 bytes a reason. A refusal naming such an id quotes 64 characters of it."""
+    c = world.c
+    for r in ("a" * 256, "é" * 128):
+        assert c.allocate(r, 8).rid == r
+        assert c.vectors(r).rid == r
+        assert c.free(r) == 1
+        with expect(E.NotFound, C.NOT_FOUND, f"{r[:64]!r}…(256 bytes) is not allocated") as info:
+            c.extend(r, 4)
+        assert len(str(info.value)) < 200
+    named = world.t.connect(name="n" * 256)
+    assert named.allocate(rid(), 4)
+    with expect(E.NotFound, C.NOT_FOUND, "has no transfer in progress"):
+        c.abort(world.live, "z" * 1024)  # the reason passed its bound: the request has no transfer
+
 
 @pytest.mark.parametrize("call,cls,code,phrase,bumped", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_refused_pool_unchanged(world, call, cls, code, phrase, bumped):

@@ -86,7 +86,7 @@ def test_unplanned_exceptions_are_internal_and_say_bug():
         (grpc.StatusCode.INVALID_ARGUMENT, E.InvalidArgument),
         (grpc.StatusCode.NOT_FOUND, E.NotFound),
         (grpc.StatusCode.FAILED_PRECONDITION, E.FailedPrecondition),
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, E.CapacityError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, E.KvdError),  # gRPC's limit, not the pool's: never CapacityError
         (grpc.StatusCode.UNAVAILABLE, E.Unavailable),
         (grpc.StatusCode.DEADLINE_EXCEEDED, E.DeadlineExceeded),
         (grpc.StatusCode.CANCELLED, E.Aborted),
@@ -97,6 +97,42 @@ def test_codes_without_kvd_metadata_map_to_the_general_class(code, cls):
     """Errors raised by gRPC itself (no kvd-error metadata): the class for the code."""
     back = from_rpc_error(FakeRpcError(code, "transport said no"))
     assert type(back) is cls and "transport said no" in str(back)
+
+
+@pytest.mark.parametrize("details", ["Stream removed", "Received message larger than max (67108869 vs. 67108864)"])
+def test_bare_resource_exhausted_is_a_transport_error_not_capacity(details):
+    """gRPC's own RESOURCE_EXHAUSTED (metadata or a message over its limit, no kvd-error) is not
+    the pool's capacity: an engine that caught CapacityError would wait for memory in vain. Only
+    the status kvd itself sends, with its metadata, is a CapacityError."""
+    back = from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, details))
+    assert type(back) is E.KvdError and not isinstance(back, E.CapacityError)
+    assert str(back).startswith(f"RESOURCE_EXHAUSTED: {details}") and "not the pool's capacity" in str(back)
+    code, msg, md = to_status(E.CapacityError("does not fit: 4,096 bytes short", 4096))
+    kvd_own = from_rpc_error(FakeRpcError(code, msg, md))
+    assert type(kvd_own) is E.CapacityError and kvd_own.shortfall_bytes == 4096
+
+
+def test_status_messages_and_holders_are_bounded():
+    """A status fits gRPC's metadata limit whatever the exception says: the message is cut to
+    MAX_MESSAGE_BYTES (whole characters, saying how long it was), a Pinned error's holders to
+    whole labels within MAX_HOLDERS_BYTES and a count of the rest."""
+    from kvd.limits import MAX_MESSAGE_BYTES
+
+    for text in ("x" * (1 << 20), "é" * (1 << 19)):
+        exc = E.NotFound(f"request {text} is not allocated")
+        _, msg, _ = to_status(exc)
+        assert len(msg.encode()) <= MAX_MESSAGE_BYTES and msg.startswith("request ") and f"{len(str(exc).encode()):,d} bytes in all" in msg
+    holders = tuple(f"lease {i} (recv on {'r' * 200!r})" for i in range(1000))
+    _, _, md = to_status(E.Pinned("compaction refused", holders))
+    joined = dict(md)["kvd-holders"]
+    assert len(joined.encode()) <= E.MAX_HOLDERS_BYTES + 16 and joined.endswith(" more")
+    back = from_rpc_error(FakeRpcError(grpc.StatusCode.FAILED_PRECONDITION, "compaction refused", md))
+    assert back.holders[0] == holders[0] and back.holders[-1].startswith("...")
+    # Printable ASCII only (gRPC refuses anything else in a metadata value): other characters escaped.
+    _, _, md = to_status(E.Pinned("compaction refused", ("lease 1 (recv on 'é\x01')",)))
+    assert dict(md)["kvd-holders"] == "lease 1 (recv on '\\xe9\\x01')"
+    short = ("lease 3 (recv on 'a')", "lease 9 (send on 'b')")
+    assert dict(to_status(E.Pinned("x", short))[2])["kvd-holders"] == ";".join(short)  # nothing cut when it fits
 
 
 def test_unknown_class_name_in_metadata_falls_back_to_the_code():

@@ -1,0 +1,197 @@
+"""What reaches a daemon as bytes, not as the client library's messages (DESIGN §7): bytes that do
+not parse are INVALID_ARGUMENT naming the method, on every method of both gRPC services and on
+the peer socket; a status always fits gRPC's metadata limit; gRPC's own RESOURCE_EXHAUSTED is
+never taken for kvd's CapacityError. Each refusal leaves the pool as it was and the daemon
+serving the next caller. (The client-chosen strings' bounds per field are in
+test_daemon_bad_inputs.py; the handle socket's refusals in tests/test_fdpass.py.)"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+
+import grpc
+import pytest
+from daemon_kit import Target, expect, expect_rpc, rid, start_inproc, stop_inproc
+from google.protobuf.message import DecodeError
+
+from kvd import errors as E
+from kvd.handoff import SocketRoute
+from kvd.server.peer_conns import PeerConnections
+from kvd.server.peer_socket import HELLO, METHODS, OK, REFUSED, frame, read_head
+from kvd.status import from_rpc_error
+from kvd.unix_socket import recv_exact
+from kvd.v1 import kvd_pb2 as pb
+from kvd.wire import SESSION_KEY, status_from_pb
+
+C = grpc.StatusCode
+#: Bytes no request message parses from: a field tag whose wire type (7) does not exist.
+JUNK = b"\xff\xff\xff\xff\x0f"
+METHODS_OF = [(svc.name, m) for svc in pb.DESCRIPTOR.services_by_name.values() for m in svc.methods]
+
+
+def _raw_call(t: Target, service: str, method: str, body: bytes, md=()):
+    """``body`` as the request of ``/kvd.v1.<service>/<method>``, sent as it is (no serializer)."""
+    with grpc.insecure_channel(t.tcp) as ch:
+        return ch.unary_unary(f"/kvd.v1.{service}/{method}")(body, metadata=md, timeout=5)
+
+
+@pytest.mark.parametrize("service,method", METHODS_OF, ids=[f"{s}.{m.name}" for s, m in METHODS_OF])
+def test_bytes_that_do_not_parse_are_invalid_argument_naming_the_method(target, service, method):
+    """Every method of Kvd and Peer (read from the descriptor: a method added later is covered):
+    INVALID_ARGUMENT with kvd's error metadata, naming the method and its message type -- not
+    gRPC's INTERNAL "Exception deserializing request!". Nothing changes."""
+    with pytest.raises(DecodeError):
+        getattr(pb, method.input_type.name).FromString(JUNK)  # the bytes really do not parse
+    c = target.connect(name="junk")
+    r = rid()
+    c.allocate(r, 8)
+    before = target.snapshot(c)
+    phrase = f"{method.name}: the request did not parse as {method.input_type.full_name}"
+    with expect_rpc(C.INVALID_ARGUMENT, phrase, "InvalidArgument") as info:
+        _raw_call(target, service, method.name, JUNK, ((SESSION_KEY, c.session_id),))
+    assert type(from_rpc_error(info.value)) is E.InvalidArgument
+    assert target.snapshot(c) == before
+    target.check()
+    assert c.vectors(r).rid == r  # the daemon serves the next call
+
+
+def test_a_session_id_over_its_bound_is_invalid_argument(inproc):
+    c = inproc.connect(name="md")
+    before = inproc.snapshot(c)
+    with expect_rpc(C.INVALID_ARGUMENT, f"metadata {SESSION_KEY!r} is 4,000 bytes, over the limit of 256", "InvalidArgument"):
+        _raw_call(inproc, "Kvd", "GetVectors", pb.GetVectorsRequest(rids=["x"]).SerializeToString(), ((SESSION_KEY, "s" * 4000),))
+    assert inproc.snapshot(c) == before
+
+
+# ---- the peer socket of a real daemon ---------------------------------------------------------
+
+
+@pytest.fixture
+def with_peer_socket(tmp_path):
+    t = start_inproc(tmp_path, backend="local")
+    assert t.daemon.peer_socket is not None
+    yield t
+    stop_inproc(t)
+
+
+def _replies(s: socket.socket) -> list[tuple[int, bytes]]:
+    """Every frame the daemon sends until it closes (or stops sending for a second)."""
+    out = []
+    s.settimeout(1.0)
+    try:
+        while (head := read_head(s)) is not None:
+            out.append((head[1], recv_exact(s, head[0])))
+    except (TimeoutError, ConnectionError):
+        pass
+    return out
+
+
+def _hello(t: Target) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(t.daemon.peer_socket.path)
+    s.sendall(frame(HELLO, pb.PeerHello(boot_id=t.node.pool.boot_id)))
+    head = read_head(s)
+    assert head is not None and head[1] == OK
+    recv_exact(s, head[0])
+    return s
+
+
+def test_the_peer_socket_refuses_random_bytes_and_serves_the_next_caller(with_peer_socket):
+    """The frame protocol (kvd/server/peer_socket.py): garbage gets an InvalidArgument refusal,
+    and where the stream can no longer be followed the connection closes; a first frame that
+    parses as a hello for another boot learns who answered, then closes. Never INTERNAL; the
+    daemon serves the next caller over the socket."""
+    t = with_peer_socket
+    before = t.node.stats()
+    rng = random.Random(7)
+    for i in range(40):
+        body = rng.randbytes(rng.randrange(1, 300))
+        # A frame head that fits the body, or random bytes taken for a head.
+        blob = struct.pack(">IB", len(body), rng.choice([0, 0, *METHODS])) + body if i % 2 else body
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(t.daemon.peer_socket.path)
+            s.sendall(blob)
+            s.shutdown(socket.SHUT_WR)  # a head that promises more than came: the daemon sees EOF
+            for kind, reply in _replies(s):
+                if kind == REFUSED:
+                    exc = status_from_pb(pb.PeerStatus.FromString(reply))
+                    assert type(exc) is E.InvalidArgument, (blob, exc)
+                else:
+                    assert pb.PeerHelloResponse.FromString(reply).boot_id == t.node.pool.boot_id
+    # After a hello: a junk body of each method is that method's INVALID_ARGUMENT, the connection in step.
+    s = _hello(t)
+    for m in METHODS.values():
+        s.sendall(struct.pack(">IB", len(JUNK), m.id) + JUNK)
+        head = read_head(s)
+        assert head is not None and head[1] == REFUSED
+        exc = status_from_pb(pb.PeerStatus.FromString(recv_exact(s, head[0])))
+        assert type(exc) is E.InvalidArgument and str(exc).startswith(f"{m.name}: the request did not parse as kvd.v1.{m.request.__name__}")
+    s.close()
+    assert t.node.stats() == before
+    pc = PeerConnections(token=None, timeout=5.0)
+    try:
+        r = pc.call(pc.checkout(SocketRoute(t.daemon.peer_socket.path, t.node.pool.boot_id)), "Heartbeat", pb.HeartbeatRequest(sender="me"))
+        assert list(r.dead_lease_ids) == []
+    finally:
+        pc.close()
+    answered = t.daemon.peer_socket.answered()
+    assert not any(code == "INTERNAL" for _, code in answered), answered
+
+
+# ---- statuses that fit, and gRPC's own RESOURCE_EXHAUSTED -------------------------------------
+
+
+def test_a_pinned_refusal_naming_a_non_ascii_request_reaches_the_client(target):
+    """A Pinned error's holders ride in metadata, which gRPC allows only printable ASCII: a lease
+    on 'é…' made the whole status INTERNAL "Invalid metadata". Now the label is escaped."""
+    c = target.connect(name="compactor")
+    rs = [rid(f"é{i}") for i in range(4)]
+    vs = c.allocate_many([(r, 16) for r in rs])
+    c.free(rs[0], rs[1])  # holes at every group's anchor end: rs[2] and rs[3] must move
+    lease = c.acquire_lease(rs[2], "recv", ttl=60, vectors=vs[2])
+    with expect(E.Pinned, C.FAILED_PRECONDITION, f"pinned by lease {lease.lease_id}") as info:
+        c.compact()
+    assert info.value.holders == (f"lease {lease.lease_id} (recv on {ascii(rs[2])})",)
+    c.release_lease(lease.lease_id)
+
+
+def test_refusals_quoting_long_strings_stay_under_the_metadata_limit(inproc):
+    """The largest strings a caller may send (256-byte ids, 1 KiB reasons, of 2-byte characters)
+    in the refusals that quote them: each arrives as its own kvd class, its message bounded."""
+    c = inproc.connect(name="q")
+    wide = "é" * 128  # 256 bytes
+    c.allocate(wide, 8)
+    for call, cls in [
+        (lambda: c.allocate(wide, 8), E.AlreadyExists),
+        (lambda: c.free("ü" * 128), E.NotFound),
+        (lambda: c.abort(wide, "ß" * 512), E.NotFound),
+        (lambda: c.extend_many([(wide, 4), (wide, 4)]), E.InvalidArgument),
+    ]:
+        with pytest.raises(E.KvdError) as info:
+            call()
+        assert type(info.value) is cls and len(str(info.value).encode()) < 400, info.value
+    assert c.free(wide) == 1
+
+
+def test_grpc_own_resource_exhausted_is_a_transport_error_not_capacity(inproc):
+    """A message over the 64 MiB limit: the client's gRPC refuses to send it, the daemon's refuses
+    to read it. Both are RESOURCE_EXHAUSTED without kvd's metadata: a plain KvdError naming the
+    code, never CapacityError (an engine would wait for memory). The daemon serves on."""
+    c = inproc.connect(name="big")
+    big = b"\0" * ((64 << 20) + 1)
+    with pytest.raises(E.KvdError) as info:
+        c.echo(big)  # refused by the client's own channel
+    assert type(info.value) is E.KvdError and str(info.value).startswith("RESOURCE_EXHAUSTED: ")
+    assert isinstance(info.value.__cause__, grpc.RpcError) and info.value.__cause__.code() == C.RESOURCE_EXHAUSTED
+    with grpc.insecure_channel(inproc.tcp, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
+        echo = ch.unary_unary("/kvd.v1.Kvd/Echo", request_serializer=pb.EchoRequest.SerializeToString)
+        with pytest.raises(grpc.RpcError) as raw:
+            echo(pb.EchoRequest(payload=big), timeout=30)  # refused by the daemon's server
+    err = raw.value
+    assert err.code() == C.RESOURCE_EXHAUSTED and "kvd-error" not in dict(err.trailing_metadata() or ())
+    back = from_rpc_error(err)
+    assert type(back) is E.KvdError and not isinstance(back, E.CapacityError) and "not the pool's capacity" in str(back)
+    assert c.echo(b"still here") == b"still here"
