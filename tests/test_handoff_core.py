@@ -263,20 +263,26 @@ def test_a_request_compacted_after_begin_is_planned_again_at_the_send(pair):
     ob.backend.close()
 
 
-def test_a_request_freed_and_allocated_again_after_begin_is_planned_again(pair):
-    """Same rid, same length, other pages: the versions differ though tokens and epoch may not."""
+def test_a_request_freed_after_begin_ends_its_transfer_at_both_ends(pair):
+    """Issue 13 part 3: a sending request freed before its last Send aborts the open transfer
+    toward the receiver (told drained: nothing is in flight, so no fence), and the same rid
+    allocated again (other pages) cannot resume it with the old ticket: refused, nothing written."""
     p, ps, d, _, rid, ticket = pair
-    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
     ob.begin(ps, rid, ticket, raw)
-    before = pk.phys_key(p.pool.vectors(rid))
+    assert d.inbox.status(rid).state is TransferState.RECEIVING
     p.free(ps, [rid])
+    st = d.inbox.wait(rid, 2.0)  # the abort goes out on the outbox's notice thread
+    assert st.state is TransferState.FAILED and "ended at the sender" in st.reason and "freed it" in st.reason, st
+    assert link.aborts == [(rid, link.aborts[0][1], True)]
+    assert ob.open_count() == 0 and len(d.leases) == 0  # drained: the receiver's pages are free to reuse
     p.allocate(ps, [AllocSpec("filler", TOKENS)])  # takes the freed pages
     p.allocate(ps, [AllocSpec(rid, TOKENS)])
-    assert pk.phys_key(p.pool.vectors(rid)) != before
-    keys = _keyed(p, d, rid)
-    ob.send(ps, rid, ticket, raw, 0, None, last=True)
-    assert ob.planned_ahead_total == 0
-    keys.verify(d.pool.vectors(rid))
+    # The transfer is gone at the sender too: the Send asks the receiver again, which refuses it.
+    with pytest.raises(NotFound, match="not live"):
+        ob.send(ps, rid, ticket, raw, 0, None, last=True)
+    assert ("commit", rid) not in link.events and len(p.leases) == 0
+    ob.close()
     ob.backend.close()
 
 

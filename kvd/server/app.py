@@ -297,6 +297,7 @@ class Daemon:
             link = DaemonPeerLink(token=settings.peer_token, timeout=settings.peer_timeout_s)
             _undo(undo, "the peer link", link.close)
             outbox = Outbox(node, backend, link, address=peer)
+            _undo(undo, "the outbox's notice threads", outbox.close)
             metrics.collector.outbox = outbox
             metrics.collector.link = link
             caps.append("handoff")
@@ -370,6 +371,8 @@ class Daemon:
             self.peer_socket.stop()  # callers see EOF and use gRPC, which is stopped too: Unavailable
         if self.metrics:
             self.metrics.close()
+        if self.outbox is not None:
+            self.outbox.close()
         if self.link is not None:
             self.link.close()
         if self.backend is not None:
