@@ -97,7 +97,7 @@ def _assert_sender_clean(hp, p_used: dict[str, int]) -> None:
 def _assert_failed_fast(hp, rid: str, t_event: float, what: str, *phrases: str) -> float:
     st = hp.d.c.wait_ready(rid, 5.0)
     dt = time.monotonic() - t_event
-    print(f"\n[{hp.pair.backend}/{hp.pair.mode}] {what}: decode wait_ready FAILED {dt * 1000:.0f} ms after it ({st.reason})")
+    print(f"\n[{hp.pair.backend}/{hp.pair.mode}] {what}: decode wait_ready {st.state.value} {dt * 1000:.0f} ms after it ({st.reason})")
     assert st.state is FAILED, f"{what}: the decode side still says {st.state.value} after 5 s"
     for p in phrases:
         assert p in st.reason, st.reason
