@@ -32,6 +32,7 @@ receiving side.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -279,6 +280,12 @@ class Inbox:
             for ref in refs:
                 ib = self._match(ref)
                 if ib is None or ib.state in (TransferState.FAILED, TransferState.READY):
+                    if ib is not None and ib.fence_until is not None:
+                        # A failed transfer the sender still names has writes in flight (it
+                        # drains them, then says so): the fence must not run out meanwhile.
+                        ib.fence_until = max(ib.fence_until, now + self.fence_s)
+                        with contextlib.suppress(NotFound):
+                            self.node.leases.renew(ib.lease_id, self.fence_s + 1.0)
                     dead.append(ref.lease_id)
                     continue
                 # Only CheckTicket begins a transfer: a heartbeat naming a WAITING one (a sender

@@ -552,7 +552,9 @@ class Outbox:
             by_peer: dict[tuple[str, SocketRoute | None], list[_Outbound]] = {}
             for ob in self._open.values():
                 # A Send still validating its ticket has not begun: nothing to keep alive yet.
-                if ob.began and not ob.aborted:
+                # An aborted one with a Send still in it is named too: its writes are in flight,
+                # and the receiver keeps its fence while it hears of them.
+                if ob.began and (not ob.aborted or ob.active):
                     by_peer.setdefault((ob.ticket.peer_address, ob.ticket.via), []).append(ob)
         for (address, via), obs in by_peer.items():
             try:
