@@ -15,6 +15,10 @@ Receiving side (:class:`Inbox`, owned by the decode node)::
   * A sender that stopped answering may still have writes in flight (a partition, not a
     crash), so its lease is kept for ``fence_s`` more seconds before the pages can be reused;
     an engine that frees the request meanwhile gets the free deferred, not refused.
+  * A receiving request that ends while its sender is mid-way (its session closed or reaped,
+    its RECV lease released: :meth:`Inbox.end`) fails the same way, fenced, and its sender is
+    told (``AbortSend``, off the node's lock: :class:`Ends`) so that its next Send is refused
+    before it writes.
 
 Sending side (:class:`kvd.outbox.Outbox`, owned by the prefill daemon): ``send`` validates the ticket with
 the receiver before the first byte, pins its own pages with a SEND lease, plans the blocks
@@ -28,6 +32,7 @@ receiving side.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import threading
@@ -43,7 +48,10 @@ from kvd.pool import Envelope, IndexVectors
 if TYPE_CHECKING:
     from kvd.node import Node
 
-__all__ = ["TransferState", "TransferRef", "SocketRoute", "TicketInfo", "SendResult", "SEND_PHASES", "PeerLink", "Inbox", "Status", "run_every"]
+__all__ = [
+    "TransferState", "TransferRef", "SocketRoute", "TicketInfo", "SendResult", "SEND_PHASES", "PeerLink", "Inbox", "Status",
+    "Ends", "run_every",
+]
 
 log = logging.getLogger("kvd.handoff")
 
@@ -139,6 +147,24 @@ class PeerLink(Protocol):
     def abort_send(self, address: str, ref: TransferRef, reason: str) -> None: ...
 
     def heartbeat(self, address: str, sender: str, refs: list[TransferRef], via: SocketRoute | None = None) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ends:
+    """What ended on a node in one step, for other daemons to hear of (the node's ``on_ended``
+    hooks get it under the node's lock and must not block: the daemon's Outbox makes the peer
+    calls on a thread of its own).
+
+    ``rids``: requests of ``session`` that ended (freed, their session closed or reaped): a
+    transfer one of them still sends is aborted toward its receiver. ``senders``: inbound
+    transfers given up mid-way because their receiving request or RECV lease ended, as
+    ``(sender address, ref)``: each sender is told (AbortSend) and stops before its next write.
+    ``reason``: why, for both."""
+
+    session: str
+    reason: str
+    rids: tuple[str, ...] = ()
+    senders: tuple[tuple[str, TransferRef], ...] = ()
 
 
 class Status(NamedTuple):
@@ -255,6 +281,12 @@ class Inbox:
             for ref in refs:
                 ib = self._match(ref)
                 if ib is None or ib.state in (TransferState.FAILED, TransferState.READY):
+                    if ib is not None and ib.fence_until is not None:
+                        # A failed transfer the sender still names has writes in flight (it
+                        # drains them, then says so): the fence must not run out meanwhile.
+                        ib.fence_until = max(ib.fence_until, now + self.fence_s)
+                        with contextlib.suppress(NotFound):
+                            self.node.leases.renew(ib.lease_id, self.fence_s + 1.0)
                     dead.append(ref.lease_id)
                     continue
                 # Only CheckTicket begins a transfer: a heartbeat naming a WAITING one (a sender
@@ -307,6 +339,21 @@ class Inbox:
             # A sender that began may have writes in flight: fence; one that never began has none.
             self._fail(ib, f"aborted by the decode engine: {reason}", drained=not sender)
             return (sender, TransferRef(self.node.pool.boot_id, ib.lease_id, rid)) if sender else None
+
+    def end(self, rid: str, reason: str) -> tuple[bool, tuple[str, TransferRef] | None]:
+        """The receiving request ``rid``, or its RECV lease, ends (its engine's session closed or
+        reaped, the lease released). Returns ``(fenced, tell)``: ``fenced`` when a sender may
+        still write its pages (they must not be reused until the fence ends: the RECV lease,
+        kept), ``tell`` the ``(sender address, ref)`` to notify when this ended a transfer in
+        progress. A transfer RECEIVING fails (``reason``) and is fenced; one that already
+        failed keeps its fence; one WAITING or READY has no writer: nothing to keep."""
+        ib = self._by_rid.get(rid)
+        if ib is None or ib.state in (TransferState.WAITING, TransferState.READY):
+            return False, None
+        if ib.state is TransferState.RECEIVING:
+            self._fail(ib, f"the receiving request ended mid-transfer: {reason}", drained=False)
+            return True, (ib.sender, TransferRef(self.node.pool.boot_id, ib.lease_id, rid))
+        return self.fenced(rid), None
 
     # -- housekeeping ---------------------------------------------------------------------------
     def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:

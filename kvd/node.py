@@ -16,6 +16,7 @@ Rules it enforces on top of the pool:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -30,7 +31,7 @@ from kvd.errors import (
     PermissionDenied,
     StaleEpoch,
 )
-from kvd.handoff import Inbox
+from kvd.handoff import Ends, Inbox, TransferRef
 from kvd.layout import Layout
 from kvd.limits import quote
 from kvd.leases import Lease, LeaseKind, LeaseTable
@@ -41,6 +42,8 @@ __all__ = ["Node", "NodeStats", "SessionInfo", "MAX_SESSION_TTL"]
 
 #: Upper bound of a client-chosen session TTL (the same cap as the session_ttl_s setting).
 MAX_SESSION_TTL = 3600.0
+
+log = logging.getLogger("kvd.node")
 
 
 @dataclass(slots=True)
@@ -94,6 +97,9 @@ class Node:
         self.inbox = Inbox(self, peer_timeout=peer_timeout, fence_s=fence_s)
         #: called (under the lock) after finalize/resize changed the backed size: re-registration
         self.on_backing_change: list[Callable[[], None]] = []
+        #: called (under the lock; must not block) when requests ended or inbound transfers were
+        #: given up (:meth:`_end`): the Outbox tells the other daemons
+        self.on_ended: list[Callable[[Ends], None]] = []
 
     @property
     def lock(self) -> threading.RLock:
@@ -130,41 +136,64 @@ class Node:
     def close_session(self, session_id: str, free_requests: bool = True) -> tuple[int, int]:
         """End a session: release its leases and free its requests. Returns (freed, released).
         A request fenced after a failed transfer keeps its RECV lease until the fence ends and
-        is freed then (see :meth:`_reap`).
+        is freed then (see :meth:`_end`), and so does one still receiving: its transfer is
+        aborted toward the sender first.
 
         With ``free_requests=False`` the requests are kept, and so is the session record that
         owns them, until the session's TTL runs out from now; then :meth:`sweep` frees them as
-        for a dead client. A request never outlives every session that could free it."""
+        for a dead client. A request never outlives every session that could free it. Its RECV
+        leases are released all the same: one under a transfer in progress ends it as
+        :meth:`release_lease` does (aborted toward the sender, fenced)."""
         with self._lock:
             s = self.touch(session_id)
             if free_requests or not s.rids:
-                return self._reap(s)
-            leases = [lease for lease in self.leases.for_session(session_id) if not self.inbox.fenced(lease.rid)]
-            for lease in leases:
-                self.leases.drop(lease.lease_id)
-            return 0, len(leases)
+                return self._reap(s, "its engine closed its session")
+            released = 0
+            senders = []
+            for lease in self.leases.for_session(session_id):
+                fenced, tell = self._end_lease(lease, "its engine closed its session")
+                released += not fenced
+                senders += [tell] if tell else []
+            self._announce(session_id, "its engine closed its session", (), senders)
+            return 0, released
 
-    def _reap(self, s: SessionInfo) -> tuple[int, int]:
-        """Release a session's leases and free its requests. A request whose failed sender may
-        still be writing keeps its fencing lease and is freed when the fence ends (as by
-        :meth:`free`)."""
-        fenced = {rid for rid in s.rids if self.inbox.fenced(rid)}
-        leases = [lease for lease in self.leases.for_session(s.session_id) if lease.rid not in fenced]
-        for lease in leases:
-            self.leases.drop(lease.lease_id)
-        # Also drop leases other sessions hold on these requests' pages: the pages are going away.
-        for rid in s.rids - fenced:
+    def _reap(self, s: SessionInfo, reason: str) -> tuple[int, int]:
+        """End a session and every request it holds (:meth:`_end`); its leases on requests not
+        fenced go with them. Returns (requests freed, leases released)."""
+        rids = sorted(s.rids)
+        held = {lease.lease_id for lease in self.leases.for_session(s.session_id)}
+        self._end(s, rids, reason)
+        for lease in self.leases.for_session(s.session_id):
+            if not self.inbox.fenced(lease.rid):
+                self.leases.drop(lease.lease_id)
+        kept = {lease.lease_id for lease in self.leases.for_session(s.session_id)}
+        del self._sessions[s.session_id]
+        return len(rids), len(held - kept)
+
+    def _end(self, s: SessionInfo, rids: Sequence[str], reason: str) -> None:
+        """The one way requests of session ``s`` end -- its engine's free, its session closed with
+        its requests, or reaped after its TTL -- and what each end owes the transfers in
+        progress:
+
+        * receiving: a request whose sender is mid-way is not freed outright. Its transfer fails
+          and is aborted toward the sender (:meth:`Inbox.end`); its pages stay pinned (fenced by
+          its RECV lease) until the sender says its writes drained or the fence runs out, and
+          the request is freed then (:meth:`_bury`). The others are freed now, with every lease
+          on them (a session's own, or another's: the pages are going away);
+        * sending: the hooks hear of every ended request (:class:`~kvd.handoff.Ends`) and the
+          Outbox aborts the transfers it still sends toward their receivers."""
+        fenced: set[str] = set()
+        senders = []
+        for rid in rids:
+            fence, tell = self.inbox.end(rid, reason)
+            if fence:
+                fenced.add(rid)
+            if tell:
+                senders.append(tell)
+        now = [rid for rid in rids if rid not in fenced]
+        for rid in now:
             for lease in self.leases.for_rid(rid):
                 self.leases.drop(lease.lease_id)
-        freed = len(s.rids)
-        self._drop_requests(s, sorted(s.rids), fenced)
-        del self._sessions[s.session_id]
-        return freed, len(leases)
-
-    def _drop_requests(self, s: SessionInfo, rids: Sequence[str], fenced: set[str]) -> None:
-        """Free ``rids`` of session ``s`` now, except the ``fenced`` ones (a failed sender may
-        still write them): those are freed when their fence ends (:meth:`_bury`)."""
-        now = [rid for rid in rids if rid not in fenced]
         if now:  # freeing bumps the pool's epoch: not for nothing
             self.pool.free_many(now)
         self._doomed.update(fenced)
@@ -173,6 +202,29 @@ class Node:
             s.rids.discard(rid)
             if rid not in fenced:
                 self.inbox.forget(rid)
+        self._announce(s.session_id, reason, rids, senders)
+
+    def _end_lease(self, lease: Lease, reason: str) -> tuple[bool, tuple[str, TransferRef] | None]:
+        """Release ``lease`` on behalf of its holder. A RECV lease under a transfer in progress
+        is the fence of its pages: the transfer fails (:meth:`Inbox.end`) and the lease stays
+        until the fence ends. Returns ``(fenced, the sender to tell)``."""
+        if lease.kind is LeaseKind.RECV:
+            fenced, tell = self.inbox.end(lease.rid, reason)
+            if fenced:
+                return True, tell
+            self.inbox.forget(lease.rid)  # a later commit under this lease finds nothing
+        self.leases.drop(lease.lease_id)
+        return False, None
+
+    def _announce(self, session_id: str, reason: str, rids: Sequence[str], senders: Sequence[tuple[str, TransferRef]]) -> None:
+        if not (rids or senders):
+            return
+        ends = Ends(session_id, reason, tuple(rids), tuple(senders))
+        for fn in self.on_ended:
+            try:
+                fn(ends)
+            except Exception:  # a hook's bug must not leave the node half-changed
+                log.exception("on_ended hook")
 
     def sweep(self) -> tuple[list[Lease], list[str]]:
         """Expire leases past their TTL and reap sessions silent for longer than theirs.
@@ -184,7 +236,7 @@ class Node:
             now = self.clock()
             dead = [s for s in self._sessions.values() if now - s.last_seen > s.ttl]
             for s in dead:
-                self._reap(s)
+                self._reap(s, f"its session expired (no call for {s.ttl:g} s)")
             self.sessions_expired += len(dead)
             return expired, [s.session_id for s in dead]
 
@@ -251,7 +303,7 @@ class Node:
                 if not self.inbox.fenced(rid):
                     self._no_leases(rid, "free")
             # A request whose failed sender may still write it is freed once the fence ends.
-            self._drop_requests(s, rids, {rid for rid in rids if self.inbox.fenced(rid)})
+            self._end(s, rids, "its engine freed it")
             return len(rids)
 
     def vectors(self, session_id: str, rids: Sequence[str]) -> list[IndexVectors]:
@@ -300,9 +352,11 @@ class Node:
         with self._lock:
             self.touch(session_id)
             lease = self._lease_of(session_id, lease_id)
-            if lease.kind is LeaseKind.RECV:
-                self.inbox.forget(lease.rid)  # a later commit under this lease finds nothing
-            return self.leases.release(lease_id)
+            reason = "its engine released the RECV lease"
+            fenced, tell = self._end_lease(lease, reason)
+            if tell:
+                self._announce(session_id, reason, (), [tell])
+            return lease
 
     def _lease_of(self, session_id: str, lease_id: int) -> Lease:
         lease = self.leases.get(lease_id)

@@ -7,7 +7,9 @@ too), writes them in bounded batches checking for an abort between batches, comm
 releases the lease only after its writes landed. ``send_many`` does the same for many independent requests at once, pipelined: one
 request's copies run while the daemon commits the one before and prepares the one after
 (``send`` is ``send_many`` of one). ``heartbeat_once`` tells each receiver this sender is alive
-and learns of aborts on the receiving side. The states, records and the receiving side are in
+and learns of aborts on the receiving side. ``ended`` (the node's hook) hears of every request
+of this node that ended -- freed, its session closed or reaped -- and aborts what it still sends
+toward the receiver, and tells the senders of inbound transfers given up mid-way. The states, records and the receiving side are in
 :mod:`kvd.handoff`.
 """
 
@@ -18,11 +20,12 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch, PermissionDenied
-from kvd.handoff import PeerLink, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.handoff import Ends, PeerLink, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.leases import LeaseKind
 from kvd.limits import quote
 from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
@@ -145,6 +148,17 @@ class Outbox:
         self.calls_total = 0  # send / send_many calls (each item also counts as a Send above)
         self.items_total = 0  # items those calls carried
         self.planned_ahead_total = 0  # items whose plan begin made (still valid at the Send)
+        # Peer calls that the end of a request owes (ended): made here, never under the node's
+        # lock; a few threads, so that one unreachable peer (its call's deadline) delays no other.
+        self._notices = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvd-notice")
+        node.on_ended.append(self.ended)
+
+    def close(self) -> None:
+        """Stop the notice threads (notices not yet sent are dropped: the peers' heartbeats and
+        timeouts stand in for them)."""
+        with contextlib.suppress(ValueError):
+            self.node.on_ended.remove(self.ended)
+        self._notices.shutdown(wait=False, cancel_futures=True)
 
     def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
         """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver: :meth:`send_many` of one
@@ -253,6 +267,9 @@ class Outbox:
             pair_envelopes(self.node.layout, env, ticket.envelopes)
             self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
             ob.began = True
+            if ob.aborted:  # the request ended (or was aborted) while the receiver checked
+                self._tell_receiver(ticket, ob.aborted)
+                raise Aborted(f"transfer of {quote(rid)} was aborted: {ob.aborted}")
             ob.ahead = self._plan_ahead(session, rid, ticket, env, chunk_tokens)
             return True
         finally:
@@ -303,7 +320,7 @@ class Outbox:
                 ob = self._open[key] = _Outbound(rid, ticket, raw, session)
             elif ob.raw != raw:
                 raise PermissionDenied(
-                    f"ticket for {rid!r} under lease {ticket.lease_id} differs from the ticket its transfer began with; pass "
+                    f"ticket for {quote(rid)} under lease {ticket.lease_id} differs from the ticket its transfer began with; pass "
                     "the bytes of the decode daemon's RECV lease unchanged, the same in every Send"
                 )
             if ob.aborted:
@@ -408,6 +425,10 @@ class Outbox:
             if err is not None:
                 raise err
             f.step("write")
+            if f.ob is not None and f.ob.aborted:
+                # Stopped meanwhile (its request ended, an abort): never committed, even when
+                # every byte was written -- the request's pages may be gone already.
+                raise Aborted(f"transfer of {quote(f.item.rid)} aborted before its commit: {f.ob.aborted}")
             ticket = f.item.ticket
             self.link.commit(ticket.peer_address, ticket.ref, f.item.last, f.issued, ticket.via)
             f.step("commit")
@@ -458,6 +479,48 @@ class Outbox:
         except KvdError as exc:
             log.info("could not tell %s about the abort of %s: %s", ticket.peer_address, ticket.rid, exc)
 
+    def ended(self, e: Ends) -> None:
+        """The node's hook (under its lock; never blocks): requests ended or inbound transfers
+        were given up (:meth:`kvd.node.Node._end`).
+
+        * Each transfer that a request of ``e.rids`` (of ``e.session``) still sends is aborted:
+          an idle one (between chunks, or begun and no Send yet) is forgotten here and its
+          receiver is told now, drained (nothing of it is in flight), so the decode engine's
+          wait fails at once; a Send in progress stops at its next batch, or before its commit,
+          waits for its writes and then tells the receiver itself.
+        * Each sender of ``e.senders`` is told (AbortSend): its next Send is refused before it
+          writes.
+
+        The peer calls run on the outbox's notice threads, each within the link's deadline."""
+        rids = set(e.rids)
+        tell = []
+        with self._lock:
+            for key, ob in list(self._open.items()):
+                if ob.session != e.session or ob.rid not in rids:
+                    continue
+                if not ob.aborted:
+                    ob.aborted = f"request {quote(ob.rid)} ended at the sender before its last Send: {e.reason}"
+                    if ob.began and ob.active == 0:
+                        tell.append(ob)
+                if ob.active == 0:
+                    del self._open[key]  # it names a request that is gone
+        for ob in tell:
+            self._notify(self._tell_receiver, ob.ticket, ob.aborted)
+        for address, ref in e.senders:
+            self._notify(self._tell_sender, address, ref, f"the receiving request ended mid-transfer: {e.reason}")
+
+    def _notify(self, fn, *args) -> None:
+        try:
+            self._notices.submit(fn, *args)
+        except RuntimeError:  # shut down: the daemon stops, its peers see it gone
+            log.info("not sent (the outbox is closed): %s%r", fn.__name__, args)
+
+    def _tell_sender(self, address: str, ref: TransferRef, reason: str) -> None:
+        try:
+            self.link.abort_send(address, ref, reason)
+        except KvdError as exc:  # a sender gone: its receiver's fence runs out by itself
+            log.info("could not tell sender %s about the abort of %s: %s", address, ref.rid, exc)
+
     def abort_local(self, session: str, rid: str, reason: str) -> bool:
         """The prefill engine aborts its transfer(s) of ``rid``. Returns whether one was open."""
         with self._lock:
@@ -498,7 +561,9 @@ class Outbox:
             by_peer: dict[tuple[str, SocketRoute | None], list[_Outbound]] = {}
             for ob in self._open.values():
                 # A Send still validating its ticket has not begun: nothing to keep alive yet.
-                if ob.began and not ob.aborted:
+                # An aborted one with a Send still in it is named too: its writes are in flight,
+                # and the receiver keeps its fence while it hears of them.
+                if ob.began and (not ob.aborted or ob.active):
                     by_peer.setdefault((ob.ticket.peer_address, ob.ticket.via), []).append(ob)
         for (address, via), obs in by_peer.items():
             try:

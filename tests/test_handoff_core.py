@@ -263,20 +263,26 @@ def test_a_request_compacted_after_begin_is_planned_again_at_the_send(pair):
     ob.backend.close()
 
 
-def test_a_request_freed_and_allocated_again_after_begin_is_planned_again(pair):
-    """Same rid, same length, other pages: the versions differ though tokens and epoch may not."""
+def test_a_request_freed_after_begin_ends_its_transfer_at_both_ends(pair):
+    """Issue 13 part 3: a sending request freed before its last Send aborts the open transfer
+    toward the receiver (told drained: nothing is in flight, so no fence), and the same rid
+    allocated again (other pages) cannot resume it with the old ticket: refused, nothing written."""
     p, ps, d, _, rid, ticket = pair
-    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
+    ob, link, ticket, raw = _writing_outbox(p, d, ticket)
     ob.begin(ps, rid, ticket, raw)
-    before = pk.phys_key(p.pool.vectors(rid))
+    assert d.inbox.status(rid).state is TransferState.RECEIVING
     p.free(ps, [rid])
+    st = d.inbox.wait(rid, 2.0)  # the abort goes out on the outbox's notice thread
+    assert st.state is TransferState.FAILED and "ended at the sender" in st.reason and "freed it" in st.reason, st
+    assert link.aborts == [(rid, link.aborts[0][1], True)]
+    assert ob.open_count() == 0 and len(d.leases) == 0  # drained: the receiver's pages are free to reuse
     p.allocate(ps, [AllocSpec("filler", TOKENS)])  # takes the freed pages
     p.allocate(ps, [AllocSpec(rid, TOKENS)])
-    assert pk.phys_key(p.pool.vectors(rid)) != before
-    keys = _keyed(p, d, rid)
-    ob.send(ps, rid, ticket, raw, 0, None, last=True)
-    assert ob.planned_ahead_total == 0
-    keys.verify(d.pool.vectors(rid))
+    # The transfer is gone at the sender too: the Send asks the receiver again, which refuses it.
+    with pytest.raises(NotFound, match="not live"):
+        ob.send(ps, rid, ticket, raw, 0, None, last=True)
+    assert ("commit", rid) not in link.events and len(p.leases) == 0
+    ob.close()
     ob.backend.close()
 
 
@@ -313,3 +319,48 @@ def test_too_many_chunks_to_plan_are_refused_before_the_receiver_hears(pair, mon
         ob.begin(ps, rid, ticket, raw, chunk_tokens=3)
     assert link.events == [] and d.inbox.status(rid).state is TransferState.WAITING and ob.open_count() == 0
     assert ob.begin(ps, rid, ticket, raw, chunk_tokens=5) is True  # 4 chunks: planned
+
+
+def _clocked_receiver() -> tuple[Node, str, list[float], TransferRef, list]:
+    """A decode node on a hand-driven clock with one transfer RECEIVING from "prefill", and the
+    Ends its hook heard."""
+    s = pk.sizings()["two-group"]
+    now = [0.0]
+    d = Node(Pool(s.layout, pk.arena_for(s)), fence_s=1.0, peer_timeout=10.0, clock=lambda: now[0])
+    heard: list = []
+    d.on_ended.append(heard.append)
+    ds = d.open_session("decode").session_id
+    d.allocate(ds, [AllocSpec("r", TOKENS, receive=True)])
+    lease, _ = d.acquire_lease(ds, "r", LeaseKind.RECV)
+    ref = TransferRef(d.pool.boot_id, lease.lease_id, "r")
+    d.inbox.begin(ref, "prefill")
+    return d, ds, now, ref, heard
+
+
+@pytest.mark.parametrize("how", ["close", "release"])
+def test_a_receiving_request_ended_mid_transfer_is_fenced_and_its_sender_told(how):
+    """Issue 13 part 3b: closing the session (or releasing the RECV lease) of a request still
+    receiving fails the transfer, keeps its pages (the RECV lease is the fence) and names the
+    sender to tell; a sender heartbeat naming it (a Send still draining) extends the fence; with
+    no word from the sender the fence runs out and the pages are free."""
+    d, ds, now, ref, heard = _clocked_receiver()
+    if how == "close":
+        assert d.close_session(ds) == (1, 0)  # freed (deferred), no lease released: it is the fence
+    else:
+        d.release_lease(ds, ref.lease_id)
+    st = d.inbox.status("r")
+    assert st.state is TransferState.FAILED and "ended mid-transfer" in st.reason
+    assert [e.senders for e in heard] == [(("prefill", ref),)]
+    assert d.leases.live(ref.lease_id) and "r" in d.pool.request_ids
+    now[0] = 0.9
+    assert d.inbox.heartbeat("prefill", [ref]) == [ref.lease_id]  # dead to the sender, fence kept
+    now[0] = 1.5
+    d.sweep()
+    assert "r" in d.pool.request_ids, "the fence ran out while the sender still named the transfer"
+    now[0] = 2.0
+    d.sweep()
+    if how == "release":
+        assert "r" in d.pool.request_ids  # released, not freed: the engine frees it, at once now
+        d.free(ds, ["r"])
+    assert "r" not in d.pool.request_ids and len(d.leases) == 0
+    d.check()

@@ -308,6 +308,7 @@ class Daemon:
             # Register the whole arena again whenever its backing changes (post-capture sizing).
             node.on_backing_change.append(lambda: backend.register(arena))
             outbox = Outbox(node, backend, link, address=peer)
+            _undo(undo, "the outbox's notice threads", outbox.close)
             metrics.collector.outbox = outbox
             metrics.collector.link = link
             caps.append("handoff")
@@ -392,6 +393,8 @@ class Daemon:
             self.peer_socket.stop()  # callers see EOF and use gRPC, which is stopped too: Unavailable
         if self.metrics:
             self.metrics.close()
+        if self.outbox is not None:
+            self.outbox.close()
         if self.link is not None:
             self.link.close()
         if self.backend is not None:
