@@ -534,9 +534,9 @@ def test_fuzz_raw_grpc(world):
             md = () if sid is None else ((SESSION_KEY, sid),)
             own_only = False
         # body
-        kind = rnd.choices(["random", "plausible", "extreme", "mutated", "wrong", "ticket"], [15, 30, 15, 25, 7, 8])[0]
-        if kind == "ticket" and m.name not in ticket_methods:
-            kind = "plausible"
+        # a method that takes a ticket gets tampered tickets a third of the time
+        weights = [10, 20, 10, 20, 5, 35] if m.name in ticket_methods else [15, 35, 15, 27, 8, 0]
+        kind = rnd.choices(["random", "plausible", "extreme", "mutated", "wrong", "ticket"], weights)[0]
         if kind == "random":
             body = rnd.randbytes(rnd.choice([0, 1, 2, 5, 16, 64, 300, 4096]))
         elif kind == "wrong":
@@ -549,7 +549,7 @@ def test_fuzz_raw_grpc(world):
             elif m.name == "SendMany":
                 msg = pb.SendManyRequest(items=[pb.SendRequest(rid=pb.Ticket.FromString(tk).rid if how == "edit" else w.own_rid, ticket=tk, last=True)])
             else:
-                rid = rnd.choice([w.own_rid, f"{VICTIM}-a"])
+                rid = rnd.choice([w.own_rid, w.own_rid, w.own_rid, f"{VICTIM}-a"])
                 msg = msg_class(m.input_type)(rid=rid, ticket=tk)
             body = msg.SerializeToString()
         else:

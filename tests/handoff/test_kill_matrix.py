@@ -63,7 +63,7 @@ for line in sys.stdin:
             out = c.begin_send(rid, tk)
         elif op == "send":
             print(json.dumps({"issued": True}), flush=True)
-            out = c.send(rid, tk, start=cmd["start"], end=cmd["end"], last=cmd["last"]).bytes
+            out = c.send(rid, tk, start=cmd["start"], end=cmd["end"], last=cmd["last"]).nbytes
         elif op == "wait":
             st = c.wait_ready(rid, cmd["timeout"])
             out = [st.state.name, st.reason]
