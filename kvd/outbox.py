@@ -17,7 +17,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
@@ -144,6 +144,9 @@ class Outbox:
         self.calls_total = 0  # send / send_many calls (each item also counts as a Send above)
         self.items_total = 0  # items those calls carried
         self.planned_ahead_total = 0  # items whose plan begin made (still valid at the Send)
+        # Test only, never configured (kvd.engine.faults): edits the destination vectors this
+        # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
+        self.dest_fault: Callable[[IndexVectors], IndexVectors] | None = None
 
     def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
         """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver: :meth:`send_many` of one
@@ -268,13 +271,17 @@ class Outbox:
             plans = {}
             for t0 in range(0, n, step):
                 key = (t0, min(n, t0 + step), t0 + step >= n)
-                plans[key] = plan_chunk(self.node.layout, src, ticket.vectors, env, ticket.envelopes, *key)
+                plans[key] = plan_chunk(self.node.layout, src, self._dest(ticket), env, ticket.envelopes, *key)
         except KvdError:
             return None
         except Exception:  # a bug: the Send plans for itself (and meets it there, reported)
             log.exception("planning the sends of %s ahead failed", rid)
             return None
         return _Ahead(src, env, plans)
+
+    def _dest(self, ticket: TicketInfo) -> IndexVectors:
+        """The destination vectors to plan from: the ticket's (unless a test set :attr:`dest_fault`)."""
+        return ticket.vectors if self.dest_fault is None else self.dest_fault(ticket.vectors)
 
     def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
         """What this daemon alone can refuse in a ticket: another layout, backend or request."""
@@ -356,7 +363,7 @@ class Outbox:
                 with self._lock:
                     self.planned_ahead_total += 1
             else:
-                f.plan = plan_chunk(self.node.layout, src, ticket.vectors, own_env, ticket.envelopes, t0, end, f.item.last)
+                f.plan = plan_chunk(self.node.layout, src, self._dest(ticket), own_env, ticket.envelopes, t0, end, f.item.last)
             f.step("plan")
         except BaseException:
             if pending is not None:
