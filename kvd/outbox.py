@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
@@ -152,6 +152,9 @@ class Outbox:
         # lock; a few threads, so that one unreachable peer (its call's deadline) delays no other.
         self._notices = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvd-notice")
         node.on_ended.append(self.ended)
+        # Test only, never configured (kvd.engine.faults): edits the destination vectors this
+        # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
+        self.dest_fault: Callable[[IndexVectors], IndexVectors] | None = None
 
     def close(self) -> None:
         """Stop the notice threads (notices not yet sent are dropped: the peers' heartbeats and
@@ -286,13 +289,17 @@ class Outbox:
             plans = {}
             for t0 in range(0, n, step):
                 key = (t0, min(n, t0 + step), t0 + step >= n)
-                plans[key] = plan_chunk(self.node.layout, src, ticket.vectors, env, ticket.envelopes, *key)
+                plans[key] = plan_chunk(self.node.layout, src, self._dest(ticket), env, ticket.envelopes, *key)
         except KvdError:
             return None
         except Exception:  # a bug: the Send plans for itself (and meets it there, reported)
             log.exception("planning the sends of %s ahead failed", rid)
             return None
         return _Ahead(src, env, plans)
+
+    def _dest(self, ticket: TicketInfo) -> IndexVectors:
+        """The destination vectors to plan from: the ticket's (unless a test set :attr:`dest_fault`)."""
+        return ticket.vectors if self.dest_fault is None else self.dest_fault(ticket.vectors)
 
     def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
         """What this daemon alone can refuse in a ticket: another layout, backend or request."""
@@ -374,7 +381,7 @@ class Outbox:
                 with self._lock:
                     self.planned_ahead_total += 1
             else:
-                f.plan = plan_chunk(self.node.layout, src, ticket.vectors, own_env, ticket.envelopes, t0, end, f.item.last)
+                f.plan = plan_chunk(self.node.layout, src, self._dest(ticket), own_env, ticket.envelopes, t0, end, f.item.last)
             f.step("plan")
         except BaseException:
             if pending is not None:

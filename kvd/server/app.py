@@ -409,9 +409,16 @@ class Daemon:
         self._stop.wait()
 
 
-def serve(settings: Settings) -> None:
-    """Run a daemon in the foreground until SIGTERM or SIGINT."""
+def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None) -> None:
+    """Run a daemon in the foreground until SIGTERM or SIGINT. ``on_start`` (test launchers only,
+    :mod:`kvd.engine.faults`) sees the started daemon before it announces itself."""
     d = Daemon.start(settings)
+    if on_start is not None:
+        try:
+            on_start(d)
+        except BaseException:
+            d.stop(0)
+            raise
     done = threading.Event()
 
     def on_signal(signum, frame):  # noqa: ARG001

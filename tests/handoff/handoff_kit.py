@@ -237,6 +237,15 @@ def make_pair(
     return pair
 
 
+def sibling(side: Side, root: Path, role: str, **opts: Any) -> Side:
+    """Another daemon like ``side`` (its backend, mode, layout and settings) in ``root / role``, on
+    a TCP port of its own, with ``opts`` on top (``peer_socket=""``: a decode daemon that serves no
+    peer socket, whose tickets take gRPC), started. The caller stops it (:meth:`Side.stop`)."""
+    s = Side(role, side.mode, root / role, {**side.opts, "listen_tcp": f"127.0.0.1:{free_port()}", **opts})
+    s.start()
+    return s
+
+
 # ---- the engines' view ----------------------------------------------------------------------
 
 
