@@ -13,7 +13,8 @@ whatever the client would refuse reaches the server. Generators, one seeded ``ra
   inserted bytes;
 * ``wrong``     -- another message type of the proto sent to the method;
 * ``ticket``    -- Send / BeginSend / SendMany / CheckTicket with a real ticket tampered: bits
-  flipped, or fields changed (the victim's destination pages, its lease id, other envelopes).
+  flipped, or fields of its body changed under the original seal (the victim's destination pages,
+  its lease id, other envelopes).
 
 Every Kvd call carries no session, the fuzzer's own session, a made-up one, a closed one or the
 other daemon's; every Peer call no token, a wrong one or the right one (the right one only with
@@ -137,7 +138,7 @@ class World:
         c.allocate(self.own_rid, 24, receive=True)
         lease = c.acquire_lease(self.own_rid, "recv")
         self.tickets["own"] = lease.ticket
-        t = pb.Ticket.FromString(lease.ticket)
+        t = hk.ticket_body(lease.ticket)
         self.own_refs = [pb.TransferRef(boot_id=t.boot_id, lease_id=t.lease_id, rid=t.rid)]
         self.lease_ids = sorted({*self.lease_ids, lease.lease_id})
 
@@ -304,8 +305,10 @@ class Gen:
         if r.random() < 0.5:
             out = self.mutate(raw)
             return ("flip", out if out != raw else raw + b"\x00")
-        t = pb.Ticket.FromString(raw)
-        other = pb.Ticket.FromString(w.tickets["victim" if name == "own" else "own"])
+        # The body edited, under the original seal: what a carrier of the ticket can forge.
+        seal = pb.SealedTicket.FromString(raw).seal
+        t = hk.ticket_body(raw)
+        other = hk.ticket_body(w.tickets["victim" if name == "own" else "own"])
         edit = r.randrange(10)
         if edit == 0:  # another request's destination pages
             t.vectors.CopyFrom(other.vectors)
@@ -333,7 +336,7 @@ class Gen:
         else:
             t.epoch += r.choice([1, 2**40])
             t.vectors.epoch = t.epoch
-        out = t.SerializeToString()
+        out = pb.SealedTicket(body=t.SerializeToString(), seal=seal).SerializeToString()
         return ("edit", out if out != raw else raw + b"\x00")
 
 
@@ -452,7 +455,7 @@ def _setup_victim(w: World) -> None:
     vd.allocate(c, 30)
     recv = vd.acquire_lease(a, "recv")
     w.tickets["victim"] = recv.ticket
-    t = pb.Ticket.FromString(recv.ticket)
+    t = hk.ticket_body(recv.ticket)
     w.victim_refs = [pb.TransferRef(boot_id=t.boot_id, lease_id=t.lease_id, rid=a)]
     leases = [recv.lease_id, vp.acquire_lease(a, "send").lease_id, vp.acquire_lease(b, "send").lease_id, vd.acquire_lease(c, "send").lease_id]
     for side, cl in (("prefill", vp), ("decode", vd)):
@@ -552,7 +555,7 @@ def test_fuzz_raw_grpc(world):
             if m.name == "CheckTicket":
                 msg = pb.CheckTicketRequest(ticket=tk, sender=rnd.choice(["", "fuzzer"]))
             elif m.name == "SendMany":
-                msg = pb.SendManyRequest(items=[pb.SendRequest(rid=pb.Ticket.FromString(tk).rid if how == "edit" else w.own_rid, ticket=tk, last=True)])
+                msg = pb.SendManyRequest(items=[pb.SendRequest(rid=hk.ticket_body(tk).rid if how == "edit" else w.own_rid, ticket=tk, last=True)])
             else:
                 rid = rnd.choice([w.own_rid, w.own_rid, w.own_rid, f"{VICTIM}-a"])
                 msg = msg_class(m.input_type)(rid=rid, ticket=tk)
