@@ -140,9 +140,14 @@ class PeerLink(Protocol):
         receiver's refusal). Call it exactly once: it returns the connection."""
         ...
 
-    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None: ...
+    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, sender: str, via: SocketRoute | None = None) -> None:
+        """``sender``: this daemon, named as in its CheckTicket (the receiver refuses a commit
+        from any other sender than the one that began the transfer)."""
+        ...
 
-    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool, via: SocketRoute | None = None) -> None: ...
+    def abort_receive(
+        self, address: str, ref: TransferRef, reason: str, drained: bool, sender: str, via: SocketRoute | None = None
+    ) -> None: ...
 
     def abort_send(self, address: str, ref: TransferRef, reason: str) -> None: ...
 
@@ -236,14 +241,41 @@ class Inbox:
         return ib
 
     def begin(self, ref: TransferRef, sender: str) -> None:
+        """A sender whose ticket checked begins (RECEIVING). One sender per transfer: the one that
+        began it may begin it again (it forgot the transfer: an unreachable receiver), another
+        is refused (FailedPrecondition), nothing changed."""
         with self._cond:
             ib = self._find(ref)
+            if ib.state is TransferState.RECEIVING and ib.sender != sender:
+                raise FailedPrecondition(
+                    f"transfer of {quote(ib.rid)} is being sent by {quote(ib.sender)}, not {quote(sender)}: one sender per "
+                    "request (the decode engine acquires another RECV lease for another)"
+                )
             ib.state, ib.sender, ib.last_seen = TransferState.RECEIVING, sender, self.node.clock()
             self.node.leases.renew(ib.lease_id)
 
-    def commit(self, ref: TransferRef, last: bool, nbytes: int) -> None:
+    def _begun_by(self, ib: _Inbound, sender: str, what: str) -> None:
+        """FailedPrecondition unless ``sender`` is the sender that began ``ib`` (CheckTicket with a
+        sender): only it can have written the pages, so only it may commit or abort them."""
+        if not ib.sender:
+            raise FailedPrecondition(
+                f"{what}: no sender has begun the transfer of {quote(ib.rid)} (it is {ib.state.value}); a sender begins "
+                "it with CheckTicket naming itself"
+            )
+        if ib.sender != sender:
+            raise FailedPrecondition(
+                f"{what}: the transfer of {quote(ib.rid)} was begun by sender {quote(ib.sender)}, not {quote(sender)}; only "
+                "the sender that began it may"
+            )
+
+    def commit(self, ref: TransferRef, last: bool, nbytes: int, sender: str) -> None:
+        """The writes of a chunk by ``sender`` have all returned; ``last`` makes the transfer
+        READY. Refused (FailedPrecondition, nothing changed) unless the transfer is RECEIVING,
+        begun by this very sender: a WAITING transfer has no data, and another sender's commit
+        would mark someone else's pages ready."""
         with self._cond:
             ib = self._find(ref)
+            self._begun_by(ib, sender, "commit")
             self.node.leases.get(ib.lease_id)  # the fence: a commit under a dead lease is refused
             ib.nbytes += nbytes
             self.bytes_total += nbytes
@@ -256,17 +288,23 @@ class Inbox:
             else:
                 self.node.leases.renew(ib.lease_id)
 
-    def abort(self, ref: TransferRef, reason: str, drained: bool) -> None:
+    def abort(self, ref: TransferRef, reason: str, drained: bool, sender: str) -> None:
         """The sender gave up. A transfer already over keeps its outcome and reason (READY stays
         READY); a FAILED one only learns that the sender's writes have drained, which ends its
         fence. A reference from another boot names nothing here, even if rid and lease id match
-        (lease ids start again at every boot)."""
+        (lease ids start again at every boot).
+
+        Only the sender that began the transfer may abort it (or end its fence): another
+        sender, or any peer for a transfer no sender began (WAITING: nothing can be in flight,
+        and its decode engine may still get a sender), is refused (FailedPrecondition),
+        nothing changed. A sender refused before it began has nothing to undo here."""
         with self._cond:
             ib = self._match(ref)
             if ib is None:
                 return  # nothing to abort: already gone
             if ib.state is TransferState.READY:
                 return
+            self._begun_by(ib, sender, "abort")
             if ib.state is TransferState.FAILED:
                 if drained and ib.fence_until is not None:
                     self.node.leases.drop(ib.lease_id)
@@ -280,6 +318,9 @@ class Inbox:
             now = self.node.clock()
             for ref in refs:
                 ib = self._match(ref)
+                if ib is not None and ib.sender and ib.sender != sender:
+                    dead.append(ref.lease_id)  # another sender's transfer: not this one's to keep
+                    continue
                 if ib is None or ib.state in (TransferState.FAILED, TransferState.READY):
                     if ib is not None and ib.fence_until is not None:
                         # A failed transfer the sender still names has writes in flight (it

@@ -319,12 +319,20 @@ class Outbox:
         """The ticket's transfer (registered if new), counted active; Aborted if it was aborted.
         PermissionDenied for other ticket bytes than the transfer's: a Send after the first skips
         the receiver's check, so it must carry the very ticket the receiver checked (and this
-        daemon planned from). Each call is matched by one :meth:`_leave`."""
+        daemon planned from). PermissionDenied, before anything of the transfer changes, for a
+        session other than the one that opened it (callers check :meth:`Node.own` first; this
+        holds even if the request changed hands meanwhile). Each call is matched by one
+        :meth:`_leave`."""
         key = (ticket.boot_id, ticket.lease_id)
         with self._lock:
             ob = self._open.get(key)
             if ob is None:
                 ob = self._open[key] = _Outbound(rid, ticket, raw, session)
+            elif ob.session != session or ob.rid != rid:
+                raise PermissionDenied(
+                    f"the transfer under lease {ticket.lease_id} of receiver boot {ticket.boot_id!r} belongs to another client "
+                    "session's request; only the session that began it may send in it"
+                )
             elif ob.raw != raw:
                 raise PermissionDenied(
                     f"ticket for {quote(rid)} under lease {ticket.lease_id} differs from the ticket its transfer began with; pass "
@@ -349,6 +357,9 @@ class Outbox:
         SEND lease and the plan."""
         rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
         self._check_ticket(rid, ticket)
+        # Ownership first: a caller that does not hold the request must be refused before it
+        # touches the open transfer at all (a failure below, once it began, aborts it).
+        self.node.own(session, rid)
         ob = f.ob = self._enter(session, rid, ticket, f.item.raw)
         # A transfer the receiver accepted before (an earlier chunk, begin) fails there too if
         # this Send fails, whatever step it fails in.
@@ -437,7 +448,7 @@ class Outbox:
                 # every byte was written -- the request's pages may be gone already.
                 raise Aborted(f"transfer of {quote(f.item.rid)} aborted before its commit: {f.ob.aborted}")
             ticket = f.item.ticket
-            self.link.commit(ticket.peer_address, ticket.ref, f.item.last, f.issued, ticket.via)
+            self.link.commit(ticket.peer_address, ticket.ref, f.item.last, f.issued, self.address, ticket.via)
             f.step("commit")
         except Exception as exc:  # noqa: BLE001 -- the item's outcome
             return self._fail(session, f, exc)
@@ -482,7 +493,7 @@ class Outbox:
 
     def _tell_receiver(self, ticket: TicketInfo, reason: str) -> None:
         try:
-            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, True, ticket.via)
+            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, True, self.address, ticket.via)
         except KvdError as exc:
             log.info("could not tell %s about the abort of %s: %s", ticket.peer_address, ticket.rid, exc)
 
@@ -540,19 +551,28 @@ class Outbox:
         for ob in obs:
             # In-flight sends stop at their next batch and then report drained=True themselves.
             try:
-                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, ob.active == 0, ob.ticket.via)
+                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, ob.active == 0, self.address, ob.ticket.via)
             except KvdError:
                 pass
         return bool(obs)
 
     def abort_remote(self, ref: TransferRef, reason: str) -> None:
         """The receiver aborted: stop writing at the next batch. An idle transfer (between
-        chunks) stays listed for ``lease_ttl`` so the engine's next Send gets the reason; the
-        heartbeat loop drops it after that."""
+        chunks, or begun and no Send yet) stays listed for ``lease_ttl`` so the engine's next
+        Send gets the reason; the heartbeat loop drops it after that.
+
+        An idle transfer has nothing in flight, and no Send can start in it any more (it is
+        aborted): the receiver hears so at once (AbortReceive, drained), so that the fence on
+        its pages ends now rather than ``fence_s`` later. A Send in progress says so itself
+        once its writes returned."""
         with self._lock:
             ob = self._open.get((ref.boot_id, ref.lease_id))
+            ack = False
             if ob is not None and (not ob.aborted or ob.presumed):
                 ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
+                ack = ob.began and ob.active == 0
+        if ack:
+            self._tell_receiver(ob.ticket, ob.aborted)
 
     def heartbeat_once(self) -> None:
         """Tell every receiver with an open transfer that this sender is alive; stop transfers

@@ -62,14 +62,14 @@ class CheckingLink:
     def start_check(self, address, ticket, sender, via=None):
         return lambda: self.check_ticket(address, ticket, sender, via)
 
-    def commit(self, address, ref, last, nbytes, via=None):
+    def commit(self, address, ref, last, nbytes, sender, via=None):
         self.events.append(("commit", ref.rid))
-        self.receiver.inbox.commit(ref, last, nbytes)
+        self.receiver.inbox.commit(ref, last, nbytes, sender)
 
-    def abort_receive(self, address, ref, reason, drained, via=None):
+    def abort_receive(self, address, ref, reason, drained, sender, via=None):
         self.events.append(("abort", ref.rid))
         self.aborts.append((ref.rid, reason, drained))
-        self.receiver.inbox.abort(ref, reason, drained)
+        self.receiver.inbox.abort(ref, reason, drained, sender)
 
     def abort_send(self, address, ref, reason):
         self.events.append(("abort_send", ref.rid))  # a receiver's call: a sender never makes it

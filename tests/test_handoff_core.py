@@ -131,7 +131,10 @@ def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_liste
     ob.abort_remote(ticket.ref, "aborted by the decode engine: engine preempted it")
     with pytest.raises(Aborted, match="receiver aborted: aborted by the decode engine: engine preempted it"):
         ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
-    assert link.events == [("check", rid), ("commit", rid), ("heartbeat", rid)]
+    # Idle (nothing in flight): the sender answers the receiver's abort with a drained one, which
+    # ends the receiver's fence at once.
+    assert link.events == [("check", rid), ("commit", rid), ("heartbeat", rid), ("abort", rid)]
+    assert link.aborts[-1][2] is True and len(d.leases) == 0
     assert len(p.leases) == 0
     ob.backend.close()
 

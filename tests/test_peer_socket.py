@@ -128,7 +128,7 @@ def test_check_ticket_and_commit_over_the_socket(node, server):
     r = pc.call(pc.checkout(via), "CheckTicket", pb.CheckTicketRequest(ticket=raw, sender="prefill"))
     assert r.expires_in_seconds > 0
     assert node.inbox.status("r1").state is TransferState.RECEIVING
-    pc.call(pc.checkout(via), "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=True, bytes=123))
+    pc.call(pc.checkout(via), "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=True, bytes=123, sender="prefill"))
     st = node.inbox.status("r1")
     assert (st.state, st.nbytes) == (TransferState.READY, 123)
     # One connection served both calls, and is held for the next.

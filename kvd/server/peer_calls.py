@@ -53,13 +53,15 @@ class PeerCalls:
         return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
 
     def commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
-        """A chunk's writes completed; the last one makes the transfer READY."""
-        self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes)
+        """A chunk's writes completed; the last one makes the transfer READY. Only from the
+        sender that began it (:meth:`kvd.handoff.Inbox.commit`)."""
+        self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes, request.sender)
         return pb.CommitResponse()
 
     def abort_receive(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:
-        """The sender gave up on a transfer into this daemon."""
-        self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained)
+        """The sender gave up on a transfer into this daemon (only the one that began it may:
+        :meth:`kvd.handoff.Inbox.abort`)."""
+        self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained, request.sender)
         return pb.PeerAbortResponse()
 
     def abort_send(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:

@@ -91,13 +91,15 @@ class DaemonPeerLink:
     def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], object]:
         return self._start(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender), via)
 
-    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None:
-        self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes), via)
+    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, sender: str, via: SocketRoute | None = None) -> None:
+        self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes, sender=sender), via)
 
     # A reason is often an error's message (up to MAX_MESSAGE_BYTES) behind a prefix: cut to the
     # bound the peer holds it to, or the peer refuses the abort and never learns of it.
-    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool, via: SocketRoute | None = None) -> None:
-        request = pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES), drained=drained)
+    def abort_receive(
+        self, address: str, ref: TransferRef, reason: str, drained: bool, sender: str, via: SocketRoute | None = None
+    ) -> None:
+        request = pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES), drained=drained, sender=sender)
         self._call(address, "AbortReceive", request, via)
 
     def abort_send(self, address: str, ref: TransferRef, reason: str) -> None:
