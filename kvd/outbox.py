@@ -344,11 +344,15 @@ class Outbox:
             return ob
 
     def _leave(self, ob: _Outbound, *, last: bool) -> None:
-        """Uncount one call of ``ob``; forget it when it is done (``last``), failed, or never
-        accepted by the receiver, and no other call is in it."""
+        """Uncount one call of ``ob``; forget it when it is done (``last``) or never accepted by
+        the receiver, and no other call is in it. An aborted one stays listed, as an idle abort
+        does (:meth:`abort_remote`), so that the engine's next Send hears why; the heartbeat loop
+        drops it after ``lease_ttl``."""
         with self._lock:
             ob.active -= 1
-            if (last or ob.aborted or not ob.began) and ob.active == 0:
+            if ob.aborted and not ob.aborted_at:
+                ob.aborted_at = time.monotonic()
+            if (last or not ob.began) and ob.active == 0:
                 self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
 
     def _prepare(self, session: str, f: _Flight) -> None:
