@@ -117,7 +117,7 @@ def cmd_serve(args: argparse.Namespace, on_start: Callable[[Daemon], None] | Non
 
 
 def format_status(st) -> str:
-    """A readable table of a :class:`kvd.node.NodeStats`."""
+    """A readable table of a :class:`kvd.records.NodeStats`."""
     p = st.pool
     lines = [
         f"kvd  layout={st.layout_name}  boot={p.boot_id}  epoch={p.epoch}  "

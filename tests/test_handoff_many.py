@@ -1,4 +1,4 @@
-"""Pure-core tests of :meth:`kvd.outbox.Outbox.send_many`: two in-process nodes whose shm arenas
+"""Pure-core tests of :meth:`kvd.handoff.outbox.Outbox.send_many`: two in-process nodes whose shm arenas
 the ``local`` backend really copies between, and a peer link that runs the receiver's own ticket
 check (``Node.check_ticket`` + ``Inbox.begin``, what ``PeerCalls.check_ticket`` does) in-process
 (``link_kit.CheckingLink``).
@@ -19,12 +19,13 @@ import pool_testkit as pk
 from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, KvdError, NotFound, StaleEpoch
-from kvd.handoff import SEND_PHASES, SendResult, TicketInfo, TransferState
-from kvd.outbox import MAX_SEND_ITEMS, Outbox, SendItem
-from kvd.leases import LeaseKind
-from kvd.node import Node
-from kvd.pool import AllocSpec, Pool
-from kvd.transfer import plan_chunk
+from kvd.records import SEND_PHASES, SendResult, TicketInfo, TransferState
+from kvd.handoff.outbox import MAX_SEND_ITEMS, Outbox, SendItem
+from kvd.records import LeaseKind
+from kvd.daemon.node import Node
+from kvd.records import AllocSpec
+from kvd.pool.pool import Pool
+from kvd.handoff.plan import plan_chunk
 
 READY, WAITING, FAILED = TransferState.READY, TransferState.WAITING, TransferState.FAILED
 #: Token counts of the batch's requests (two-group layout: 4 tokens a page, an 8-token window).

@@ -1,6 +1,6 @@
 """Test-only fault injection: KV placed in the wrong pages on the decode node, in known ways.
 
-Tickets are sealed by the decode daemon that mints them (:mod:`kvd.ticket`), so a ticket with
+Tickets are sealed by the decode daemon that mints them (:mod:`kvd.handoff.ticket`), so a ticket with
 rewritten destination vectors is refused at the seal before a byte moves: :func:`rewrite_vectors`
 builds such a ticket, and the tests show it lands nothing. To show that the accuracy check still
 catches misplaced KV, the fault sits where a bug could still put it -- in the *sending* daemon:
@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvd.engine.records import TicketRewrite
-from kvd.pool import IndexVectors
+from kvd.records import IndexVectors
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import vectors_from_pb, vectors_to_pb
+from kvd.rpc.convert import vectors_from_pb, vectors_to_pb
 
 if TYPE_CHECKING:
     from kvd.server.app import Daemon

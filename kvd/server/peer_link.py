@@ -1,4 +1,4 @@
-"""The daemon's :class:`kvd.handoff.PeerLink`: how this daemon calls another.
+"""The daemon's :class:`kvd.handoff.link.PeerLink`: how this daemon calls another.
 
 gRPC for every call; a sender's calls to a receiver -- CheckTicket and Commit, the two on a
 Send's critical path, and with them Heartbeat and AbortReceive -- over the receiver's peer socket
@@ -16,13 +16,13 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import Message
 
-from kvd.handoff import SocketRoute, TransferRef
+from kvd.records import SocketRoute, TransferRef
 from kvd.limits import MAX_REASON_BYTES, clip
 from kvd.server.peer_conns import PeerConnections
-from kvd.status import from_rpc_error
+from kvd.rpc.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.wire import TOKEN_KEY, grpc_target, ref_to_pb
+from kvd.rpc.convert import TOKEN_KEY, grpc_target, ref_to_pb
 
 __all__ = ["DaemonPeerLink", "PATHS"]
 

@@ -59,9 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 
 import handoff_kit as hk  # noqa: E402
 
-from kvd.client import Client  # noqa: E402
+from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
-from kvd.wire import SESSION_KEY, TOKEN_KEY  # noqa: E402
+from kvd.rpc.convert import SESSION_KEY, TOKEN_KEY
 
 #: not KVD_*: the daemon refuses unknown KVD_* variables
 SEED = int(os.environ.get("FUZZ_SEED", "20240613"))

@@ -18,7 +18,7 @@ from engine_kit import WINDOW, Pair, pd_pair, requests, run_pd
 from kvd.engine.records import EngineConfig
 from kvd.engine.faults import Fault, draft_scrambled, install, rewrite_vectors, swa_kernel_ids, swa_through_full_ids
 from kvd.engine.reference import compare
-from kvd.layout import GroupKind
+from kvd.pool.layout import GroupKind
 
 CFG = EngineConfig(chunk=16, spec_k=3)
 LENGTHS = (20, 33, 36, 65, 100, 150)

@@ -35,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 import daemon_kit as dk  # noqa: E402
 import handoff_kit as hk  # noqa: E402
 
-from kvd.client import AsyncClient, TransferState  # noqa: E402
+from kvd.client import AsyncClient, TransferState
 
 T = TypeVar("T")
 
 from kvd.errors import Unavailable  # noqa: E402
-from kvd.layout import GroupKind, Layout  # noqa: E402
+from kvd.pool.layout import GroupKind, Layout
 
 VARIANTS = {
     "local": ("subproc", "local"),

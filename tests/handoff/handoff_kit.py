@@ -6,7 +6,7 @@ through ``tests/daemon/daemon_kit.py`` (``start_subproc`` / ``start_inproc``).
 
 The test process plays both engines: one :class:`~kvd.client.Client` per daemon, and the arenas
 attached into this process to write the prefill's KV and read what landed on the decode side.
-Page ``p`` of group ``g`` is bytes ``[p * pb_g, (p + 1) * pb_g)`` of the arena (``kvd.pool``'s
+Page ``p`` of group ``g`` is bytes ``[p * pb_g, (p + 1) * pb_g)`` of the arena (``kvd.pool.pool``'s
 ``page_view``), so the whole-arena tensor of an attachment is all a test needs.
 """
 
@@ -27,9 +27,9 @@ import torch
 
 from kvd.client import Attachment, Client
 from kvd.errors import CapacityError
-from kvd.layout import GroupKind, Layout
-from kvd.pool import IndexVectors
-from kvd.presets import preset
+from kvd.pool.layout import GroupKind, Layout
+from kvd.records import IndexVectors
+from kvd.pool.presets import preset
 from kvd.v1 import kvd_pb2 as pb
 
 LAYOUT: Layout = preset("tiny-hybrid")
@@ -355,7 +355,7 @@ def randomize(t: torch.Tensor, seed: int) -> None:
 
 def moved(src: IndexVectors, dst: IndexVectors, upto: int, *, state: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{group: (source page ids, destination page ids)}`` that tokens ``[0, upto)`` move (the
-    contract in :mod:`kvd.transfer`): every full and draft page touched, SWA only the receiver's
+    contract in :mod:`kvd.handoff.plan`): every full and draft page touched, SWA only the receiver's
     window tail, the state slot with the last chunk only."""
     out = {}
     n = ceil_div(upto, PS_FULL)

@@ -21,7 +21,7 @@ import torch
 from kvd.client import TransferState
 from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import vectors_to_pb
+from kvd.rpc.convert import vectors_to_pb
 
 READY, WAITING, RECEIVING, FAILED = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING, TransferState.FAILED
 

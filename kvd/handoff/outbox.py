@@ -10,7 +10,7 @@ request's copies run while the daemon commits the one before and prepares the on
 and learns of aborts on the receiving side. ``ended`` (the node's hook) hears of every request
 of this node that ended -- freed, its session closed or reaped -- and aborts what it still sends
 toward the receiver, and tells the senders of inbound transfers given up mid-way. The states, records and the receiving side are in
-:mod:`kvd.handoff`.
+:mod:`kvd.handoff.inbox`.
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch, PermissionDenied
-from kvd.handoff import Ends, PeerLink, SendResult, SocketRoute, TicketInfo, TransferRef
-from kvd.leases import LeaseKind
+from kvd.records import Ends, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.handoff.link import PeerLink
+from kvd.records import LeaseKind
 from kvd.limits import quote
-from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
+from kvd.handoff.plan import Plan, check_range, pair_envelopes, plan_chunk
 
 if TYPE_CHECKING:
     from kvd.backends.base import Backend, Landed
-    from kvd.node import Node
-    from kvd.pool import Envelope, IndexVectors
+    from kvd.daemon.node import Node
+    from kvd.records import Envelope, IndexVectors
 
 __all__ = ["Outbox", "SendItem", "MAX_SEND_ITEMS", "check_batch_size"]
 
-log = logging.getLogger("kvd.outbox")
+log = logging.getLogger("kvd.handoff.outbox")
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class _Ahead:
     """Sends planned by :meth:`Outbox.begin` while the prompt computes, from the request's
     vectors ``src`` and this pool's envelopes ``env``: ``plans`` maps ``(start, end, last)`` to
     its plan. A Send of such a range uses it only while both are unchanged
-    (:meth:`kvd.pool.Pool.unchanged`, checked under the Send's lease, and envelope equality);
+    (:meth:`kvd.pool.pool.Pool.unchanged`, checked under the Send's lease, and envelope equality);
     any other Send plans itself."""
 
     src: IndexVectors
@@ -503,7 +504,7 @@ class Outbox:
 
     def ended(self, e: Ends) -> None:
         """The node's hook (under its lock; never blocks): requests ended or inbound transfers
-        were given up (:meth:`kvd.node.Node._end`).
+        were given up (:meth:`kvd.daemon.node.Node._end`).
 
         * Each transfer that a request of ``e.rids`` (of ``e.session``) still sends is aborted:
           an idle one (between chunks, or begun and no Send yet) is forgotten here and its

@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from kvd.errors import InvalidArgument, LayoutMismatch
-from kvd.layout import GroupKind, Layout
+from kvd.pool.layout import GroupKind, Layout
 from kvd.limits import quote
-from kvd.pool import Envelope, IndexVectors
-from kvd.runs import coalesce_np
+from kvd.records import Envelope, IndexVectors
+from kvd.copy.runs import coalesce_np
 
 __all__ = ["Block", "Plan", "check_range", "pair_envelopes", "plan_chunk"]
 

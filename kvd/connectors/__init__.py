@@ -1,0 +1,1 @@
+"""Engine adapters over kvd.client (a real engine's own extension point)."""
