@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kvd.pool.pool as kvd_pool
+import kvd.pool.compaction as kvd_compaction
 from kvd import AllocSpec, GroupKind, Layout, Pool, ShmArena, preset
 
 LAYOUT = "gemma-4-31b-it-tp2"
@@ -474,7 +474,7 @@ def bench_compaction(arena_gib: float, repeats: int, seed: int, max_wait_s: floa
     pool = Pool(layout, arena)
 
     copy_s = [0.0]
-    real_copy_runs = kvd_pool.copy_runs
+    real_copy_runs = kvd_compaction.copy_runs
 
     def timed_copy_runs(*a, **k):  # time spent in the byte copies (one call per group)
         t0 = time.perf_counter()
@@ -507,7 +507,7 @@ def bench_compaction(arena_gib: float, repeats: int, seed: int, max_wait_s: floa
     compact_s: list[float] = []
     kept_copy_s: list[float] = []
     base_s: list[float] = []
-    kvd_pool.copy_runs = timed_copy_runs
+    kvd_compaction.copy_runs = timed_copy_runs
     try:
         while len(compact_s) < repeats:
             gate.wait()
@@ -526,7 +526,7 @@ def bench_compaction(arena_gib: float, repeats: int, seed: int, max_wait_s: floa
                 kept_copy_s.append(copy_s[-1])
                 base_s.append(bt)
     finally:
-        kvd_pool.copy_runs = real_copy_runs
+        kvd_compaction.copy_runs = real_copy_runs
     del pool, src, dst
     arena.close()
     return {

@@ -1,0 +1,246 @@
+"""Placement planning: what each operation needs per group (a step), and whether and where a set of
+steps fits the shared arena.
+
+Groups sit in arena order (state, swa, draft, full); the ends grow inward, the floats in between
+grow into either neighbouring gap. Free bytes between two groups serve both, shared by their byte
+weights per token (a state slot over the requests' mean length). A plan changes nothing:
+:meth:`Planner.fit` at most trims edges (which frees no page and moves no byte), and the pool binds
+the pages it planned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvd.errors import CapacityError
+from kvd.memory.arena import Arena
+from kvd.pool.allocator import Direction, GroupAllocator, IdRing
+from kvd.pool.layout import GroupKind, GroupSpec, Layout
+from kvd.pool.request import Request
+
+__all__ = ["Live", "Planner", "Step", "TYPICAL_TOKENS"]
+
+FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
+#: The longest request length the planner assumes when it shares free bytes with the state group.
+TYPICAL_TOKENS = 4096
+
+
+@dataclass(slots=True)
+class Step:
+    """Pages one request needs per group for one step, and SWA pages the step releases first."""
+
+    need: dict[GroupKind, int]
+    swa_release: int = 0
+    tokens: int = 0  # the request's length after the step
+
+
+class Live(NamedTuple):
+    """The live requests the planner weighs the state group by: how many, and their tokens."""
+
+    requests: int
+    tokens: int
+
+
+class Planner:
+    """Plans steps over the pool's allocators (read, and trimmed by :meth:`fit`; never bound here).
+
+    ``groups`` (arena order) and ``rings`` are the pool's own, shared, not copied; ``arena`` is
+    read for its backed size only."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        groups: Mapping[GroupKind, GroupAllocator],
+        rings: Mapping[GroupKind, IdRing],
+        arena: Arena,
+        sink_bytes: int,
+    ) -> None:
+        self.layout = layout
+        self.groups = groups
+        self._rings = rings
+        self.arena = arena
+        self.sink_bytes = sink_bytes
+        order = layout.arena_order()
+        self._specs: dict[GroupKind, GroupSpec] = {g.kind: g for g in order}
+        self._ps = {g.kind: layout.page_size_of(g) for g in order}
+        # Bytes per token each group tends to consume: how the planner shares a gap between
+        # neighbouring groups. A state slot is spread over a typical request's tokens, which
+        # :meth:`weights` takes from the requests at hand (at most TYPICAL_TOKENS).
+        self._weight = {g.kind: layout.entry_bytes(g) / (TYPICAL_TOKENS if g.kind is STATE else 1) for g in order}
+
+    # =========================================================================================
+    # steps: what each operation needs
+    # =========================================================================================
+    def pages(self, kind: GroupKind, tokens: int) -> int:
+        return -(-tokens // self._ps[kind])
+
+    def swa_first(self, base_tokens: int) -> int:
+        if SWA not in self._specs:
+            return 0
+        return max(0, base_tokens - (self._specs[SWA].window or 0)) // self._ps[FULL]
+
+    def alloc_step(self, tokens: int, receive: bool, base_tokens: int | None = None) -> Step:
+        n = self.pages(FULL, tokens)
+        need = {FULL: n}
+        if SWA in self.groups:
+            base = (tokens if receive else 0) if base_tokens is None else base_tokens
+            need[SWA] = n - self.swa_first(base)
+        if STATE in self.groups:
+            need[STATE] = 1
+        if DRAFT in self.groups:
+            need[DRAFT] = self.pages(DRAFT, tokens)
+        return Step(need, tokens=tokens)
+
+    def extend_step(self, r: Request, add: int) -> Step:
+        new = r.tokens + add
+        n_old, n_new = r.full.numel(), self.pages(FULL, new)
+        need = {FULL: n_new - n_old}
+        release = 0
+        if SWA in self.groups:
+            need[SWA] = n_new - n_old
+            release = self.swa_first(r.tokens) - r.swa_first
+        if DRAFT in self.groups:
+            need[DRAFT] = self.pages(DRAFT, new) - r.draft.numel()
+        return Step(need, release, new)
+
+    # =========================================================================================
+    # planning: does a set of steps fit the shared arena, and where does each group grow?
+    # =========================================================================================
+    def plan(self, steps: Sequence[Step], live: Live, trimmed: bool, balanced: bool = False) -> tuple[dict, int]:
+        """Greedy placement along the arena, low address to high.
+
+        Each group first uses its holes (plus SWA pages released by the same steps), then grows
+        into the gap below it (down/float groups), then the gap above it (up/float groups), up
+        to the next non-empty group. Using the lower gap first fits the most into this one plan:
+        no group further up can reach that gap. ``balanced``: a float grows first into whichever
+        of its two gaps has more room for the neighbour it shares it with (room per byte weight
+        of that neighbour), so it does not eat the only gap of the group below (the state group
+        grows up alone) while the gap above stays empty. Returns ``(plan, shortfall_bytes)``;
+        plan maps kind -> ``(grow_lo, grow_hi, new_lo)``."""
+        total: dict[GroupKind, int] = {}
+        credit: dict[GroupKind, int] = {}
+        for s in steps:
+            for k, n in s.need.items():
+                total[k] = total.get(k, 0) + n
+            if s.swa_release:
+                credit[SWA] = credit.get(SWA, 0) + s.swa_release
+        bounds = {k: (a.trimmed_bounds() if trimmed else (a.lo, a.hi)) for k, a in self.groups.items()}
+        kinds = list(self.groups)
+        weight: dict[GroupKind, float] | None = None  # computed when a float first needs it
+        plan: dict[GroupKind, tuple[int, int, int | None]] = {}
+        short = 0
+        prev_hi_bytes = self.sink_bytes
+        for i, k in enumerate(kinds):
+            a = self.groups[k]
+            lo, hi = bounds[k]
+            need = total.get(k, 0)
+            holes = (hi - lo) - a.used + credit.get(k, 0)
+            extra = max(0, need - holes)
+            new_lo = None
+            nxt = next((j for j in kinds[i + 1 :] if bounds[j][1] > bounds[j][0]), None)
+            upper = self.arena.backed if nxt is None else bounds[nxt][0] * self.groups[nxt].pb
+            floats = bool(extra) and a.direction is Direction.FLOAT  # grows, and may grow either way
+            if floats:
+                weight = weight or self.weights(steps, live)
+            if floats and a.used == 0:
+                # An empty float re-anchors inside the gap it sits in, leaving the group below it
+                # room in proportion to their byte weights, so neighbours do not box each other in.
+                first, last = -(-prev_hi_bytes // a.pb), min(upper // a.pb, a.p_max) - extra
+                below = weight[kinds[i - 1]]
+                above = sum(weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
+                target = first + int((last + extra - first) * below / (below + weight[k] + above))
+                new_lo = lo = hi = max(first, min(target, last))
+            down_room = lo - -(-prev_hi_bytes // a.pb) if a.direction is not Direction.UP else 0
+            up_room = min(upper // a.pb, a.p_max) - hi if a.direction is not Direction.DOWN else 0
+            if balanced and floats and self.up_first(kinds, i, nxt, down_room, up_room, weight):
+                g_hi = min(extra, max(0, up_room))
+                g_lo = min(extra - g_hi, max(0, down_room))
+            else:
+                g_lo = min(extra, max(0, down_room))
+                g_hi = min(extra - g_lo, max(0, up_room))
+            missing = extra - g_lo - g_hi
+            ring = self._rings.get(k)
+            if ring is not None and need > ring.count:
+                missing = max(missing, need - ring.count)
+            short += missing * a.pb
+            if need or new_lo is not None:
+                plan[k] = (g_lo, g_hi, new_lo)
+            prev_hi_bytes = max(prev_hi_bytes, (hi + g_hi) * a.pb) if (hi + g_hi) > lo - g_lo else prev_hi_bytes
+        return plan, short
+
+    def up_first(self, kinds: list[GroupKind], i: int, nxt: GroupKind | None, down_room: int, up_room: int,
+                  w: dict[GroupKind, float]) -> bool:
+        """Whether float ``kinds[i]`` should grow into the gap above it first: that gap leaves
+        more room per byte weight of the neighbour it shares it with than the gap below does.
+        A neighbour that cannot grow into the gap (the top group's gap below the float is the
+        float's alone, and so on) weighs nothing there. ``w``: :meth:`weights` of the plan."""
+        a = self.groups[kinds[i]]
+        below = self.groups[kinds[i - 1]] if i > 0 else None
+        w_below = w[kinds[i - 1]] if below is not None and below.direction is not Direction.DOWN else 0.0
+        w_above = w[nxt] if nxt is not None and self.groups[nxt].direction is not Direction.UP else 0.0
+        if w_above == 0.0:
+            return up_room > 0 and w_below > 0.0
+        if w_below == 0.0:
+            return False
+        return max(0, up_room) * a.pb / w_above > max(0, down_room) * a.pb / w_below
+
+    def weights(self, steps: Sequence[Step], live: Live) -> dict[GroupKind, float]:
+        """Per-token byte weights of the groups, a state slot spread over the mean length of the
+        live requests and those being placed (at least a page, at most TYPICAL_TOKENS): short
+        requests need a slot per few tokens, and a state group weighed as if every request were
+        4k tokens long got only page-alignment room below a float (tiny-hybrid's short
+        requests were refused with 94% of the arena free until compaction)."""
+        if STATE not in self.groups:
+            return self._weight
+        new = [s.tokens for s in steps if s.need.get(STATE)]
+        count = live.requests + len(new)
+        if not count:
+            return self._weight
+        typical = min(TYPICAL_TOKENS, max(self._ps[FULL], (live.tokens + sum(new)) // count))
+        return {**self._weight, STATE: self.layout.entry_bytes(self._specs[STATE]) / typical}
+
+    def attempt(self, steps: Sequence[Step], live: Live) -> tuple[dict, int, bool]:
+        """The first plan of ``steps`` that fits, trying balanced growth before lower-gap-first
+        and both before trimming edges: ``(plan, 0, trimmed)``; else ``(plan, shortfall, True)``
+        with the smallest shortfall seen. Changes nothing."""
+        short = None
+        plan: dict = {}
+        for trimmed in (False, True):
+            for balanced in (True, False):
+                p, s = self.plan(steps, live, trimmed, balanced)
+                if s == 0:
+                    return p, 0, trimmed
+                if short is None or s < short:
+                    plan, short = p, s
+        return plan, int(short or 0), True
+
+    def fit(self, steps: Sequence[Step], what: str, live: Live) -> dict:
+        """Plan ``steps`` (:meth:`attempt`); raise CapacityError when nothing fits. Mutates
+        only by trimming (which frees no page and moves no byte)."""
+        plan, short, trimmed = self.attempt(steps, live)
+        if not trimmed:
+            return plan
+        if short:
+            holes = sum(a.n_holes * a.pb for a in self.groups.values())
+            gap = self.gap_bytes()
+            if gap >= short + self.layout.max_page_bytes * len(self.groups):
+                # Free bytes exist, but between the wrong neighbours (a float boxed in): only
+                # moving pages makes them usable, which the engine must allow (a safe point).
+                hint = (f"; {gap:,d} free bytes lie between groups that cannot grow into them: compact() slides the "
+                        "groups to share them (then retry), or free or offload requests")
+            else:
+                hint = "; free or offload requests" + (f", or compact ({holes:,d} bytes sit in holes)" if holes else "")
+            raise CapacityError(f"{what} does not fit: {short:,d} bytes short ({self._free_summary()}){hint}", shortfall_bytes=short)
+        for a in self.groups.values():
+            a.trim()
+        return plan
+
+    def _free_summary(self) -> str:
+        return f"gap {self.gap_bytes():,d} B of {self.arena.backed:,d} B backed"
+
+    def gap_bytes(self) -> int:
+        """Free bytes between the groups' regions (not counting holes inside regions)."""
+        used = sum((a.hi - a.lo) * a.pb for a in self.groups.values())
+        return self.arena.backed - self.sink_bytes - used
