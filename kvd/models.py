@@ -108,7 +108,10 @@ def load_model(
         d = layout_from_config(dcfg, tp=tp, page_size=page_size, dtype=dtype, ssm_dtype=ssm_dtype, name="draft")
     except InvalidArgument as e:
         raise InvalidArgument(f"draft config {os.fspath(draft)}: {e}") from None
-    return with_draft(layout, d, draft_name=_model_name(dcfg, draft))
+    try:
+        return with_draft(layout, d, draft_name=_model_name(dcfg, draft))
+    except InvalidArgument as e:
+        raise InvalidArgument(f"draft config {os.fspath(draft)}: {e}") from None
 
 
 def with_draft(layout: Layout, draft: Layout, *, draft_name: str = "draft") -> Layout:
