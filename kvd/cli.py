@@ -1,5 +1,6 @@
-"""``kvd`` command line: ``serve`` runs a daemon, ``status`` prints a daemon's pool as a table,
-``demo`` runs a prefill node and a decode node with the reference engine and checks every output.
+"""``kvd`` command line: ``serve`` runs a daemon, ``status`` prints a daemon's pool as a table
+(``--json`` for scripts), ``top`` redraws its pool and activity live (:mod:`kvd.tools.top`), ``plan``
+sizes a model's layout for a memory budget (:mod:`kvd.pool.plan`), ``demo`` runs a prefill node and a decode node with the reference engine and checks every output.
 
 Every ``serve`` option maps to a :class:`kvd.config.Settings` field (and a ``KVD_*`` variable);
 ``kvd serve --help`` lists them with their descriptions and defaults.
@@ -49,6 +50,96 @@ def _status_parser(sub: argparse._SubParsersAction) -> None:
         description="Connect to a running daemon and print its pool as a table.",
     )
     p.add_argument("--address", default="unix:/tmp/kvd.sock", help="daemon address: unix:/path or host:port (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the stats as JSON (for scripts)")
+
+
+def _top_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "top",
+        help="a live view of a daemon: the arena as one bar per group, requests, leases and transfers in flight, rates",
+        description="Connect to a running daemon and redraw its pool and activity in place until Ctrl-C.",
+    )
+    p.add_argument("--address", default="unix:/tmp/kvd.sock", help="daemon address: unix:/path or host:port (default: %(default)s)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default: %(default)s)")
+    p.add_argument("--limit", type=int, default=20, help="rows of requests, leases and transfers (default: %(default)s)")
+    p.add_argument("--once", action="store_true", help="print one screen (rates over one interval) and exit")
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from kvd.client import Client
+    from kvd.tools.top import run_top
+
+    if args.interval <= 0 or not 0 < args.limit <= 1000:
+        print("kvd top: --interval must be positive and --limit in 1..1000", file=sys.stderr)
+        return 2
+    with Client.connect(args.address, name="kvd-top", timeout=5) as kv:
+        run_top(kv, args.address, interval=args.interval, once=args.once, limit=args.limit)
+    return 0
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    from kvd.pool.models import MODEL_FAMILIES
+    from kvd.pool.plan import GPUS
+
+    p = sub.add_parser(
+        "plan",
+        help="size a model's KV layout for a memory budget: pages and tokens per group, largest request, table bytes",
+        description="Derive the layout of one engine rank (from a Hugging Face config.json, a preset or a layout file) "
+        "and print what a daemon with that budget holds. Model families read from config.json: "
+        + "; ".join(MODEL_FAMILIES) + ".",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="CONFIG", help="path of the model's config.json (or its directory)")
+    src.add_argument("--layout", help="a preset name or a layout YAML/JSON file")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (with --model; default: %(default)s)")
+    p.add_argument("--draft", metavar="CONFIG", help="the draft model's config.json (with --model)")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per page (default: 16; SGLang's token pool: 1)")
+    p.add_argument("--dtype", default=None, help="KV dtype (default: the config's torch_dtype)")
+    p.add_argument("--budget", metavar="BYTES", help="KV pool bytes per rank, e.g. 60GiB")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="instead of --budget: this GPU's memory x --mem-fraction - --other")
+    p.add_argument("--gpu-memory", metavar="BYTES", help="instead of --gpu: the GPU's total memory")
+    p.add_argument("--mem-fraction", type=float, default=0.8, help="share of the GPU for the KV pool (default: %(default)s)")
+    p.add_argument("--other", metavar="BYTES", default="0", help="bytes of that share kept by weights/activations (default: 0)")
+    p.add_argument("--reserve", metavar="BYTES", help="post-capture reservation (default: 4x the budget, as kvd serve)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from kvd.config import parse_bytes
+    from kvd.errors import InvalidArgument
+    from kvd.pool.models import load_model
+    from kvd.pool.plan import format_plan, gpu_budget, plan
+    from kvd.pool.presets import load_layout
+    from kvd.tools.top import console
+
+    def size(v: str | None, what: str) -> int | None:
+        try:
+            return None if v is None else parse_bytes(v)
+        except ValueError as e:
+            raise InvalidArgument(f"{what}: {e}") from None
+
+    if args.layout and (args.tp != 1 or args.draft):
+        raise InvalidArgument("--tp and --draft apply to --model (a config.json); a layout is already per rank")
+    if args.model:
+        layout = load_model(args.model, tp=args.tp, draft=args.draft, page_size=args.page_size or 16, dtype=args.dtype)
+    else:
+        layout = load_layout(args.layout)
+        update = {k: v for k, v in (("page_size", args.page_size), ("dtype", args.dtype)) if v is not None}
+        layout = type(layout).model_validate({**layout.model_dump(), **update}) if update else layout
+    if args.budget is not None and (args.gpu or args.gpu_memory):
+        raise InvalidArgument("give --budget or --gpu/--gpu-memory, not both")
+    budget = size(args.budget, "--budget")
+    if budget is None:
+        budget = gpu_budget(args.gpu, memory=size(args.gpu_memory, "--gpu-memory"), fraction=args.mem_fraction,
+                            other=size(args.other, "--other") or 0)
+    p = plan(layout, budget, reserve=size(args.reserve, "--reserve"))
+    if args.json:
+        print(json.dumps(p.to_json(), indent=2))
+    else:
+        console().print(format_plan(p, layout))
+    return 0
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -116,44 +207,19 @@ def cmd_serve(args: argparse.Namespace, on_start: Callable[[Daemon], None] | Non
     return 0
 
 
-def format_status(st) -> str:
-    """A readable table of a :class:`kvd.records.NodeStats`."""
-    p = st.pool
-    lines = [
-        f"kvd  layout={st.layout_name}  boot={p.boot_id}  epoch={p.epoch}  "
-        f"{'finalized' if p.finalized else 'NOT finalized (post-capture: call Finalize)'}",
-        f"arena  reserved={_h(p.reserved_bytes)}  backed={_h(p.backed_bytes)}  gap={_h(p.gap_bytes)}  sink={_h(p.sink_bytes)}",
-        "",
-        f"{'group':<7}{'dir':<6}{'page':>10}{'used':>10}{'free':>10}{'holes':>8}{'used bytes':>12}  region",
-    ]
-    for g in p.groups:
-        lines.append(
-            f"{g.name:<7}{g.direction:<6}{_h(g.page_bytes):>10}{g.used_pages:>10,d}{g.free_pages:>10,d}{g.hole_pages:>8,d}"
-            f"{_h(g.used_bytes):>12}  [{_h(g.region_lo_bytes)}, {_h(g.region_hi_bytes)})"
-        )
-    lines += [
-        "",
-        f"requests  live={p.requests_live}  offloaded={p.requests_offloaded}    sessions live={st.sessions_live} "
-        f"expired={st.sessions_expired_total}",
-        f"leases    live={st.leases_live}  expired={st.leases_expired_total}    stale refusals={st.stale_refusals_total}",
-        f"compaction done={p.compactions_done}  refused={p.compactions_refused}  moved={_h(p.bytes_moved)}",
-    ]
-    return "\n".join(lines)
-
-
-def _h(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     from kvd.client import Client
 
+    import json
+
+    from kvd.tools.top import console, render_status, status_json
+
     with Client.connect(args.address, name="kvd-status", timeout=5) as kv:
-        print(format_status(kv.stats()))
+        st = kv.stats()
+    if args.json:
+        print(json.dumps(status_json(st), indent=2))
+    else:
+        console().print(render_status(st, args.address))
     return 0
 
 
@@ -163,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _status_parser(sub)
     _demo_parser(sub)
+    _plan_parser(sub)
+    _top_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo}[args.cmd](args)
+        return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "plan": cmd_plan, "top": cmd_top}[args.cmd](args)
     except KvdError as exc:
         print(f"kvd {args.cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

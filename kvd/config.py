@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVD_", extra="forbid", validate_default=True)
 
     layout: str = Field("tiny-hybrid", description="layout preset name or path to a layout YAML/JSON file")
+    model: str | None = Field(
+        None,
+        description="path of a Hugging Face config.json (or its directory): the layout is derived from it "
+        "(kvd.pool.models: full, sliding-window, Mamba2 / linear-attention state, MLA); replaces layout",
+    )
+    tp: int = Field(1, ge=1, le=1024, description="tensor-parallel degree of the engine rank this daemon serves (with model)")
+    draft: str | None = Field(None, description="path of the draft model's config.json: its KV becomes the draft group (with model)")
     arena_bytes: int = Field(64 << 20, description="KV pool size in bytes (the backed size; with post_capture, the final size may be set later)")
     reserve_bytes: int | None = Field(None, description="address space to reserve (default: arena_bytes; post_capture: 4x arena_bytes)")
     post_capture: bool = Field(False, description="start with only the sink backed; the engine calls Finalize(bytes) after capturing its graphs")
@@ -132,6 +139,10 @@ class Settings(BaseSettings):
     def _combinations(self) -> Settings:
         if not self.listen_unix and not self.listen_tcp:
             raise ValueError("no listener: set listen_unix (a socket path) or listen_tcp (host:port)")
+        if self.model and "layout" in self.model_fields_set:
+            raise ValueError(f"both model ({self.model!r}) and layout ({self.layout!r}) are set; give one of them")
+        if not self.model and (self.tp != 1 or self.draft):
+            raise ValueError("tp and draft describe a model config: set model (a config.json path) too, or drop them")
         if self.arena_bytes <= 0:
             raise ValueError("arena_bytes must be positive (e.g. 4GiB)")
         if self.reserve_bytes is not None and self.reserve_bytes < self.arena_bytes:

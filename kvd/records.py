@@ -30,6 +30,10 @@ __all__ = [
     "Ends",
     "Status",
     "LeaseKind",
+    "RequestActivity",
+    "LeaseActivity",
+    "TransferActivity",
+    "Activity",
 ]
 
 
@@ -242,3 +246,52 @@ class Status(NamedTuple):
 class LeaseKind(enum.Enum):
     SEND = "send"
     RECV = "recv"
+
+
+# ---- what a daemon is doing now (kvd top: GetActivity): the limit oldest entries of each list, the
+# total count beside it; ages in seconds on the daemon's clock
+
+
+@dataclass(slots=True)
+class RequestActivity:
+    rid: str
+    session: str  # the owner session's name (what the engine called itself)
+    tokens: int
+    full_pages: int
+    swa_pages: int  # pages bound on the swa group (the window tail)
+    age_s: float
+    leased: bool  # a live lease pins its pages
+
+
+@dataclass(slots=True)
+class LeaseActivity:
+    lease_id: int
+    rid: str
+    kind: str  # send | recv
+    age_s: float  # since granted
+    expires_in_s: float
+
+
+@dataclass(slots=True)
+class TransferActivity:
+    rid: str
+    direction: str  # in (this daemon receives) | out (it sends)
+    state: str  # in: waiting | receiving | ready | failed; out: sending | idle
+    peer: str  # the other daemon's address
+    nbytes: int  # committed so far
+    age_s: float
+
+
+@dataclass(slots=True)
+class Activity:
+    requests_total: int
+    leases_total: int
+    transfers_total: int
+    allocations_total: int  # requests allocated since boot
+    bytes_sent_total: int
+    bytes_received_total: int
+    compactions_done: int
+    pinned_pages: dict[str, int] = field(default_factory=dict)  # group -> pages live leases pin
+    requests: list[RequestActivity] = field(default_factory=list)
+    leases: list[LeaseActivity] = field(default_factory=list)
+    transfers: list[TransferActivity] = field(default_factory=list)

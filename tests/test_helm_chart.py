@@ -351,3 +351,52 @@ def test_an_engine_chart_adds_kvd_with_the_named_templates(tmp_path):
     assert {v["name"] for v in spec["volumes"]} == {"kvd-config", "kvd-tmp", "kvd-run", "kvd-shm"}
     assert spec["volumes"][0]["configMap"]["name"] == cm["metadata"]["name"]
     assert _mounts(spec["containers"][0]) == {"kvd-run": "/run/kvd", "kvd-shm": "/dev/shm"}
+
+
+DAEMONSET = {
+    "mode": "daemonset",
+    "daemonset": {"kvdConfig": {"arena_bytes": "4GiB", "tp": 2, "model": "/models/gemma/config.json"},
+                  "nodeSelector": {"nvidia.com/gpu.present": "true"}},
+    "metrics": {"serviceMonitor": {"enabled": True}},
+}
+
+
+@helm_only
+def test_daemonset_mode_one_kvd_per_node_over_a_hostpath_socket(tmp_path):
+    assert helm("lint", "--strict", values=DAEMONSET, tmp=tmp_path).returncode == 0
+    objs = render(DAEMONSET, tmp_path)
+    assert "StatefulSet" not in objs, "daemonset mode brings no engine pods"
+    (ds,) = objs["DaemonSet"]
+    spec = ds["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    kvd = next(c for c in spec["containers"] if c["name"] == "kvd")
+    (cm,) = objs["ConfigMap"]
+    cfg = yaml.safe_load(cm["data"]["kvd.yaml"])
+    values = merged_values(DAEMONSET)
+    expect = {**values["kvd"]["config"], **DAEMONSET["daemonset"]["kvdConfig"]}
+    del expect["layout"]  # the model's config.json replaces it
+    assert cfg == expect
+    env = {e["name"]: e.get("value", "") for e in kvd["env"] if e["name"].startswith("KVD_")}
+    s = K.settings_from(cfg, tmp_path, {k: v.replace("$(POD_IP)", "10.1.2.3") for k, v in env.items()})
+    assert (s.model, s.tp) == ("/models/gemma/config.json", 2)
+    # The socket's directory and the arena's are the node's, at the paths the settings name.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = _mounts(kvd)
+    assert volumes["kvd-run"]["hostPath"]["path"] == "/run/kvd" and mounts["kvd-run"] == os.path.dirname(s.listen_unix)
+    assert volumes["kvd-shm"]["hostPath"]["path"] == "/dev/shm/kvd" and mounts["kvd-shm"] == s.arena_dir
+    init = next(c for c in spec["initContainers"] if c["name"] == "kvd-hostpath")
+    assert "chown 10001:10001" in init["command"][-1]
+    assert kvd["securityContext"]["runAsNonRoot"] is True
+    # Probes on kvd's gRPC health, at the port it listens on.
+    port = int(s.listen_tcp.rsplit(":", 1)[1])
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert kvd[probe]["grpc"]["port"] == port, probe
+    assert kvd["readinessProbe"]["grpc"]["service"] == "kvd.v1.Kvd"
+    # The ServiceMonitor scrapes the node daemons' Service.
+    (svc,) = objs["Service"]
+    (sm,) = objs["ServiceMonitor"]
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]}["metrics"] == s.metrics_port
+    assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    bad = helm("template", "t1", values={**DAEMONSET, "daemonset": {"kvdConfig": {"listen_unix": ""}}}, tmp=tmp_path)
+    assert bad.returncode != 0 and "listen_unix must be set" in bad.stderr

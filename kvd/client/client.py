@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import grpc
 import torch
 
+from kvd.records import Activity
 from kvd.errors import InvalidArgument, Unavailable
 from kvd.records import SendResult, TransferState
 from kvd.pool.layout import Layout
@@ -42,6 +43,7 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.client.views import LayerKV, all_views
 from kvd.rpc.convert import (
     SESSION_KEY,
+    activity_from_pb,
     envelope_from_pb,
     grpc_target,
     lease_kind_from_pb,
@@ -259,6 +261,10 @@ class _Surface:
 
     def stats(self) -> NodeStats:
         return self._call("GetStats", pb.GetStatsRequest(), _stats)
+
+    def activity(self, limit: int = 20) -> Activity:
+        """Requests, leases and transfers in flight, the ``limit`` oldest of each (kvd top)."""
+        return self._call("GetActivity", pb.GetActivityRequest(limit=limit), activity_from_pb)
 
     def attach(self) -> Attachment:
         """Map the daemon's arena into this process (same host) and build per-layer views.

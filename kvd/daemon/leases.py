@@ -34,6 +34,7 @@ class Lease:
     epoch: int  # pool epoch the holder's vectors were made at
     ttl: float  # seconds
     expires_at: float  # on the table's clock
+    granted_at: float = 0.0  # on the table's clock (kvd top's ages)
 
     def label(self) -> str:
         return f"lease {self.lease_id} ({self.kind.value} on {quote(self.rid)})"
@@ -59,7 +60,8 @@ class LeaseTable:
 
     def acquire(self, rid: str, kind: LeaseKind, *, session: str, boot_id: str, epoch: int, ttl: float | None = None) -> Lease:
         t = self._ttl(ttl)
-        lease = Lease(self._next_id, rid, kind, session, boot_id, epoch, t, self.clock() + t)
+        now = self.clock()
+        lease = Lease(self._next_id, rid, kind, session, boot_id, epoch, t, now + t, now)
         self._next_id += 1
         self._leases[lease.lease_id] = lease
         return lease

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvd.records import Activity, LeaseActivity, RequestActivity, TransferActivity
 from kvd.errors import (
     FailedPrecondition,
     InternalError,
@@ -69,6 +70,8 @@ class Node:
         self.leases = LeaseTable(default_ttl=lease_ttl, clock=clock)
         self._sessions: dict[str, SessionInfo] = {}
         self._owner: dict[str, str] = {}  # rid -> session id
+        self._born: dict[str, float] = {}  # rid -> when it was allocated (kvd top's ages)
+        self.allocations_total = 0  # requests allocated since boot (kvd top's rate)
         self._lock = threading.RLock()
         self.stale_refusals = 0
         self.sessions_expired = 0
@@ -180,6 +183,7 @@ class Node:
         self._doomed.update(fenced)
         for rid in rids:
             self._owner.pop(rid, None)
+            self._born.pop(rid, None)
             s.rids.discard(rid)
             if rid not in fenced:
                 self.inbox.forget(rid)
@@ -256,9 +260,12 @@ class Node:
         with self._lock:
             s = self.touch(session_id)
             out = self.pool.allocate_many(specs)
+            now = self.clock()
             for spec in specs:
                 self._owner[spec.rid] = session_id
+                self._born[spec.rid] = now
                 s.rids.add(spec.rid)
+            self.allocations_total += len(specs)
             return out
 
     def can_allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> int:
@@ -392,6 +399,57 @@ class Node:
                 transfers_in_ready_total=self.inbox.ready_total,
                 transfers_in_failed_total=self.inbox.failed_total,
                 transfer_in_bytes_total=self.inbox.bytes_total,
+            )
+
+    def activity(self, limit: int = 20, outbound: Sequence[tuple[str, str, str, int, float]] = (),
+                 bytes_sent_total: int = 0) -> Activity:
+        """Requests, leases and transfers in flight, the ``limit`` oldest of each, with their ages
+        (kvd top). ``outbound``: the daemon's outbox's open transfers (:meth:`Outbox.open_transfers`,
+        taken before this call: the outbox has a lock of its own). Read-only."""
+        import heapq
+
+        with self._lock:
+            now = self.clock()
+            leases = [lease for lease in self.leases.all() if lease.expires_at > now]
+            pinned = {lease.rid for lease in leases}
+            names = {sid: s.name for sid, s in self._sessions.items()}
+            pinned_pages: dict[str, int] = {}
+            for rid in pinned:
+                try:
+                    _, full, swa = self.pool.footprint(rid)
+                except NotFound:
+                    continue
+                for g, n in (("full", full), ("swa", swa), ("state", 1)):  # draft pages: not counted
+                    if n and self.layout.has(g):
+                        pinned_pages[g] = pinned_pages.get(g, 0) + n
+            reqs = []
+            for rid, born in heapq.nsmallest(limit, self._born.items(), key=lambda kv: kv[1]):
+                try:
+                    tokens, full, swa = self.pool.footprint(rid)
+                except NotFound:
+                    continue  # offloaded: it holds no pages now
+                reqs.append(RequestActivity(rid, names.get(self._owner.get(rid, ""), ""), tokens, full, swa, now - born,
+                                            rid in pinned))
+            oldest = heapq.nsmallest(limit, leases, key=lambda lease: lease.granted_at)
+            inbound = self.inbox.inbound()
+            transfers = [TransferActivity(rid, "in", state, peer, n, now - t) for rid, peer, state, n, t in inbound]
+            # The outbox stamps its transfers on the monotonic clock, the node on its own (the same
+            # one outside tests).
+            mono = time.monotonic()
+            transfers += [TransferActivity(rid, "out", state, peer, n, mono - t) for rid, peer, state, n, t in outbound]
+            transfers = sorted(transfers, key=lambda t: -t.age_s)
+            return Activity(
+                requests_total=len(self._owner),
+                leases_total=len(leases),
+                transfers_total=len(transfers),
+                allocations_total=self.allocations_total,
+                bytes_sent_total=bytes_sent_total,
+                bytes_received_total=self.inbox.bytes_total,
+                compactions_done=self.pool.compactions_done,
+                pinned_pages=pinned_pages,
+                requests=reqs,
+                leases=[LeaseActivity(x.lease_id, x.rid, x.kind.value, now - x.granted_at, x.expires_at - now) for x in oldest],
+                transfers=transfers[:limit],
             )
 
     def check(self) -> None:

@@ -64,6 +64,7 @@ class _Inbound:
     reason: str = ""
     nbytes: int = 0
     fence_until: float | None = None  # FAILED with writes possibly in flight: keep the lease until then
+    started: float = 0.0  # when the RECV lease was granted (kvd top's ages)
 
 
 class Inbox:
@@ -82,7 +83,12 @@ class Inbox:
     # -- called by the node -------------------------------------------------------------------
     def expect(self, rid: str, lease_id: int) -> None:
         """A RECV lease was granted for ``rid``: a sender may now begin."""
-        self._by_rid[rid] = _Inbound(rid, lease_id, last_seen=self.node.clock())
+        now = self.node.clock()
+        self._by_rid[rid] = _Inbound(rid, lease_id, last_seen=now, started=now)
+
+    def inbound(self) -> list[tuple[str, str, str, int, float]]:
+        """``(rid, sender, state, bytes committed, started)`` of every inbound transfer (kvd top)."""
+        return [(ib.rid, ib.sender, ib.state.value, ib.nbytes, ib.started) for ib in self._by_rid.values()]
 
     def forget(self, rid: str) -> None:
         self._by_rid.pop(rid, None)

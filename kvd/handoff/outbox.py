@@ -53,6 +53,8 @@ class _Outbound:
     active: int = 0  # Send calls in progress
     began: bool = False  # the receiver accepted the ticket at least once
     ahead: _Ahead | None = None  # the Sends begin planned (the whole request, or each chunk)
+    started: float = field(default_factory=time.monotonic)  # kvd top's ages
+    nbytes: int = 0  # bytes committed so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -460,6 +462,8 @@ class Outbox:
         with self._lock:
             self.bytes_total += f.issued
             self.sent_total += f.item.last
+            if f.ob is not None:
+                f.ob.nbytes += f.issued
         self._finish(session, f)
         plan = cast(Plan, f.plan)  # set by _prepare, which every issued item passed
         return SendResult(f.issued, len(plan.src), f.mark - f.t_start, dict(plan.pages), f.phases)
@@ -620,6 +624,13 @@ class Outbox:
                         ob.aborted = why
                         if ob.active == 0:
                             self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
+
+    def open_transfers(self) -> list[tuple[str, str, str, int, float]]:
+        """``(rid, receiver address, state, bytes committed, started)`` of every transfer in
+        progress (kvd top): state ``sending`` while a Send runs, ``idle`` between chunks."""
+        with self._lock:
+            return [(ob.rid, ob.ticket.peer_address, "sending" if ob.active else "idle", ob.nbytes, ob.started)
+                    for ob in self._open.values() if ob.active or not ob.aborted]
 
     def open_count(self) -> int:
         """Outbound transfers in progress (a transfer aborted while idle no longer counts)."""

@@ -347,6 +347,11 @@ class Pool:
             r.rid, self.boot_id, self.epoch, r.tokens, _take(g[FULL].v2p, full), r.swa_first, swa, state, draft, r.version
         )
 
+    def footprint(self, rid: str) -> tuple[int, int, int]:
+        """``(tokens, full pages, swa pages)`` of live request ``rid`` (kvd top); NotFound if none."""
+        r = self._live(rid)
+        return r.tokens, r.full.numel(), (r.full.numel() - r.swa_first) if SWA in self.groups else 0
+
     def unchanged(self, vec: IndexVectors) -> bool:
         """Whether ``vec`` still is ``vec.rid``'s vectors here: same boot, the request live and
         none of its pages bound, released or moved since ``vec`` was made. Costs a lookup, not a

@@ -5,6 +5,10 @@ can say ``--layout gemma-4-31b-it-tp2`` instead of spelling out every group. Eac
 ``source`` cites the public ``config.json`` it was read from and any derivation; the comment
 block above each one shows the arithmetic of its per-token entry bytes.
 
+Each model preset is derived from its model's ``config.json`` fields (the ``*_CONFIG`` mappings
+below, read by :func:`kvd.pool.models.layout_from_config`, as ``kvd serve --model`` reads a file), so a
+preset and ``--model`` agree by construction; the comment blocks keep the arithmetic.
+
 Conventions (per engine rank):
 
 * KV dtype ``bfloat16`` unless the model says otherwise; ``page_size`` 16.
@@ -41,8 +45,14 @@ from pydantic import ValidationError
 
 from kvd.errors import InvalidArgument
 from kvd.pool.layout import GroupKind, GroupSpec, Layout
+from kvd.pool.models import layout_from_config
 
 __all__ = ["PRESETS", "preset", "preset_names", "load_layout"]
+
+
+def _from_config(config: dict[str, Any], *, tp: int, name: str, source: str) -> Layout:
+    """A preset is the layout :mod:`kvd.pool.models` derives from its model's config (page size 16)."""
+    return layout_from_config(config, tp=tp, name=name).model_copy(update={"name": name, "source": source})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,14 +87,17 @@ _TINY_HYBRID = Layout(
 #   Storing K once on the k_eq_v layers would give 20,480 B and a ratio of 20, which seed 004
 #   rules out: K gets RoPE and a scaled norm, V an unscaled norm, so the cached tensors differ.
 # ---------------------------------------------------------------------------------------------
-_GEMMA4_31B_TP2 = Layout(
+#: The fields of gemma-4-31B-it's text_config that decide its KV (kvd.pool.models reads them).
+GEMMA4_31B_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_text", "architectures": ["Gemma4ForConditionalGeneration"], "torch_dtype": "bfloat16",
+    "num_hidden_layers": 60, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 256, "sliding_window": 1024,
+    "num_global_key_value_heads": 4, "global_head_dim": 512, "attention_k_eq_v": True,
+}
+_GEMMA4_31B_TP2 = _from_config(
+    GEMMA4_31B_CONFIG,
+    tp=2,
     name="gemma-4-31b-it-tp2",
-    page_size=16,
-    dtype="bfloat16",
-    groups=(
-        GroupSpec(kind=GroupKind.FULL, num_layers=10, num_kv_heads=2, head_dim=512),
-        GroupSpec(kind=GroupKind.SWA, num_layers=50, num_kv_heads=8, head_dim=256, window=1024),
-    ),
     source=(
         "https://huggingface.co/google/gemma-4-31B-it/blob/main/config.json (text_config; the "
         "same text_config as google/gemma-4-31B, locked at revision 2d418d1b in "
@@ -109,14 +122,17 @@ _GEMMA4_31B_TP2 = Layout(
 #   7,576,245 x 14,336 B = 108.6 GB on one GPU, only fits if every layer has its own KV
 #   (deduplicated it would be 46.5 GB, less than half the card at mem-fraction 0.8).
 # ---------------------------------------------------------------------------------------------
-_GEMMA4_E2B = Layout(
+GEMMA4_E2B_CONFIG: dict[str, Any] = {
+    "model_type": "gemma4_text", "architectures": ["Gemma4ForConditionalGeneration"], "torch_dtype": "bfloat16",
+    "num_hidden_layers": 35, "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+    "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+    "num_global_key_value_heads": None, "global_head_dim": 512, "attention_k_eq_v": False,
+    "num_kv_shared_layers": 20,
+}
+_GEMMA4_E2B = _from_config(
+    GEMMA4_E2B_CONFIG,
+    tp=1,
     name="gemma-4-e2b-it",
-    page_size=16,
-    dtype="bfloat16",
-    groups=(
-        GroupSpec(kind=GroupKind.FULL, num_layers=7, num_kv_heads=1, head_dim=512),
-        GroupSpec(kind=GroupKind.SWA, num_layers=28, num_kv_heads=1, head_dim=256, window=512),
-    ),
     source=(
         "https://huggingface.co/google/gemma-4-E2B-it/blob/main/config.json (text_config): 35 "
         "layers = 28 sliding (1 kv head, head_dim 256, window 512) + 7 full (1 kv head, "
@@ -133,14 +149,15 @@ _GEMMA4_E2B = Layout(
 #   full: 12 x 8 x (64 + 64) x 2 B = 24,576 B/token
 #   swa : 12 x 8 x (64 + 64) x 2 B = 24,576 B/token   -> equal pages (seed 004).
 # ---------------------------------------------------------------------------------------------
-_GPT_OSS_20B = Layout(
+GPT_OSS_20B_CONFIG: dict[str, Any] = {
+    "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "torch_dtype": "bfloat16",
+    "num_hidden_layers": 24, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "sliding_window": 128,
+}
+_GPT_OSS_20B = _from_config(
+    GPT_OSS_20B_CONFIG,
+    tp=1,
     name="gpt-oss-20b",
-    page_size=16,
-    dtype="bfloat16",
-    groups=(
-        GroupSpec(kind=GroupKind.FULL, num_layers=12, num_kv_heads=8, head_dim=64),
-        GroupSpec(kind=GroupKind.SWA, num_layers=12, num_kv_heads=8, head_dim=64, window=128),
-    ),
     source=(
         "https://huggingface.co/openai/gpt-oss-20b/blob/main/config.json: 24 layers alternating "
         "sliding_attention / full_attention (12 + 12), 8 kv heads, head_dim 64, sliding_window "
@@ -163,14 +180,19 @@ _GPT_OSS_20B = Layout(
 #   4-byte words: state_elems = 262,144 + 18,432 / 2 = 271,360 (x 4 B = 1,085,440 B, exact).
 #     slot: 18 x 1,085,440 B = 19,537,920 B (18.6 MiB) per request.
 # ---------------------------------------------------------------------------------------------
-_QWEN35_0_8B = Layout(
+QWEN35_0_8B_CONFIG: dict[str, Any] = {
+    "model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "text_config": {
+        "model_type": "qwen3_5_text", "torch_dtype": "bfloat16", "num_hidden_layers": 24,
+        "full_attention_interval": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    },
+}
+_QWEN35_0_8B = _from_config(
+    QWEN35_0_8B_CONFIG,
+    tp=1,
     name="qwen3.5-0.8b",
-    page_size=16,
-    dtype="bfloat16",
-    groups=(
-        GroupSpec(kind=GroupKind.FULL, num_layers=6, num_kv_heads=2, head_dim=256),
-        GroupSpec(kind=GroupKind.STATE, num_layers=18, state_elems=271_360, dtype="float32"),
-    ),
     source=(
         "https://huggingface.co/Qwen/Qwen3.5-0.8B/blob/main/config.json (text_config): 24 layers, "
         "full_attention_interval 4 -> 18 linear (Gated DeltaNet) + 6 full (2 kv heads, head_dim "

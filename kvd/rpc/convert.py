@@ -20,6 +20,7 @@ from kvd.errors import InvalidArgument, KvdError
 from kvd.records import SEND_PHASES, SendResult, TransferRef, TransferState
 from kvd.records import LeaseKind
 from kvd.limits import MAX_ID_BYTES, MAX_REASON_BYTES, QUOTE_CHARS, quote, too_long
+from kvd.records import Activity, LeaseActivity, RequestActivity, TransferActivity
 from kvd.records import NodeStats
 from kvd.records import Envelope, IndexVectors
 from kvd.records import GroupStats, PoolStats
@@ -35,6 +36,8 @@ __all__ = [
     "SESSION_KEY",
     "TOKEN_KEY",
     "stats_to_pb",
+    "activity_to_pb",
+    "activity_from_pb",
     "ref_to_pb",
     "ref_from_pb",
     "state_to_pb",
@@ -111,6 +114,30 @@ def lease_kind_from_pb(k: int) -> LeaseKind:
 
 def lease_kind_to_pb(k: LeaseKind) -> int:
     return pb.SEND if k is LeaseKind.SEND else pb.RECV
+
+
+def activity_to_pb(a: Activity) -> pb.Activity:
+    return pb.Activity(
+        requests_total=a.requests_total, leases_total=a.leases_total, transfers_total=a.transfers_total,
+        allocations_total=a.allocations_total, bytes_sent_total=a.bytes_sent_total,
+        bytes_received_total=a.bytes_received_total, compactions_done=a.compactions_done, pinned_pages=a.pinned_pages,
+        requests=[pb.RequestActivity(rid=r.rid, session=r.session, tokens=r.tokens, full_pages=r.full_pages,
+                                     swa_pages=r.swa_pages, age_s=r.age_s, leased=r.leased) for r in a.requests],
+        leases=[pb.LeaseActivity(lease_id=x.lease_id, rid=x.rid, kind=x.kind, age_s=x.age_s, expires_in_s=x.expires_in_s)
+                for x in a.leases],
+        transfers=[pb.TransferActivity(rid=t.rid, direction=t.direction, state=t.state, peer=t.peer, bytes=t.nbytes,
+                                       age_s=t.age_s) for t in a.transfers],
+    )
+
+
+def activity_from_pb(m: pb.Activity) -> Activity:
+    return Activity(
+        m.requests_total, m.leases_total, m.transfers_total, m.allocations_total, m.bytes_sent_total,
+        m.bytes_received_total, m.compactions_done, dict(m.pinned_pages),
+        [RequestActivity(r.rid, r.session, r.tokens, r.full_pages, r.swa_pages, r.age_s, r.leased) for r in m.requests],
+        [LeaseActivity(x.lease_id, x.rid, x.kind, x.age_s, x.expires_in_s) for x in m.leases],
+        [TransferActivity(t.rid, t.direction, t.state, t.peer, t.bytes, t.age_s) for t in m.transfers],
+    )
 
 
 def stats_to_pb(s: NodeStats) -> pb.Stats:

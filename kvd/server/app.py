@@ -35,6 +35,7 @@ from kvd.pool.layout import GroupKind, Layout
 from kvd.limits import MAX_ID_BYTES, too_long
 from kvd.daemon.node import Node
 from kvd.pool.pool import Pool
+from kvd.pool.models import load_model
 from kvd.pool.presets import load_layout
 from kvd.server.handles import ArenaHandles
 from kvd.server.metrics import Metrics
@@ -64,7 +65,7 @@ def validate(settings: Settings, handle_path: str | None = None, peer_path: str 
     Returns the layout (loaded once: it may be a file). ``handle_path``: where an arena=cuda
     daemon will serve its handles (default :func:`handle_socket_path`); ``peer_path``: where it
     will serve its peer socket (default :func:`peer_socket_path`)."""
-    layout = load_layout(settings.layout)
+    layout = load_model(settings.model, tp=settings.tp, draft=settings.draft) if settings.model else load_layout(settings.layout)
     peer_path = peer_path or peer_socket_path(settings)
     if peer_path:
         check_path(peer_path, "peer_socket")

@@ -40,6 +40,7 @@ from kvd.rpc.convert import (
     state_to_pb,
     status_to_pb,
     stats_to_pb,
+    activity_to_pb,
     vectors_to_pb,
 )
 
@@ -172,6 +173,18 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def GetStats(self, request, context):
         # Stats need no session: `kvd status` and dashboards read them.
         return self._run(context, lambda: stats_to_pb(self.node.stats()))
+
+    def GetActivity(self, request: pb.GetActivityRequest, context):
+        # Read-only, no session (kvd top): the node reads its tables under its lock once.
+        def go():
+            limit = request.limit or 20
+            if limit > 1000:
+                raise InvalidArgument(f"GetActivity: limit {limit} is over 1000; ask for fewer entries")
+            out = self.outbox
+            return activity_to_pb(self.node.activity(
+                limit, out.open_transfers() if out else (), out.bytes_total if out else 0))
+
+        return self._run(context, go)
 
     def Attach(self, request, context):
         # shm: the path of the arena file. cuda-vmm: the handle socket, where the client fetches

@@ -1226,6 +1226,210 @@ class GetStatsRequest(_message.Message):
 Global___GetStatsRequest: _TypeAlias = GetStatsRequest  # noqa: Y015
 
 @_typing.final
+class GetActivityRequest(_message.Message):
+    """What the daemon is doing now (kvd top): the `limit` oldest requests, leases and transfers in
+    flight, with their ages in seconds, beside the total counts. Read-only, no session needed.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """entries per list; 0: 20; at most 1000"""
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetActivityRequest: _TypeAlias = GetActivityRequest  # noqa: Y015
+
+@_typing.final
+class RequestActivity(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    FULL_PAGES_FIELD_NUMBER: _builtins.int
+    SWA_PAGES_FIELD_NUMBER: _builtins.int
+    AGE_S_FIELD_NUMBER: _builtins.int
+    LEASED_FIELD_NUMBER: _builtins.int
+    rid: _builtins.str
+    session: _builtins.str
+    """the owner session's name"""
+    tokens: _builtins.int
+    full_pages: _builtins.int
+    swa_pages: _builtins.int
+    age_s: _builtins.float
+    leased: _builtins.bool
+    def __init__(
+        self,
+        *,
+        rid: _builtins.str = ...,
+        session: _builtins.str = ...,
+        tokens: _builtins.int = ...,
+        full_pages: _builtins.int = ...,
+        swa_pages: _builtins.int = ...,
+        age_s: _builtins.float = ...,
+        leased: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "full_pages", b"full_pages", "leased", b"leased", "rid", b"rid", "session", b"session", "swa_pages", b"swa_pages", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestActivity: _TypeAlias = RequestActivity  # noqa: Y015
+
+@_typing.final
+class LeaseActivity(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    RID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    AGE_S_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.int
+    rid: _builtins.str
+    kind: _builtins.str
+    """send | recv"""
+    age_s: _builtins.float
+    expires_in_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.int = ...,
+        rid: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        age_s: _builtins.float = ...,
+        expires_in_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "expires_in_s", b"expires_in_s", "kind", b"kind", "lease_id", b"lease_id", "rid", b"rid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseActivity: _TypeAlias = LeaseActivity  # noqa: Y015
+
+@_typing.final
+class TransferActivity(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    DIRECTION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    PEER_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    AGE_S_FIELD_NUMBER: _builtins.int
+    rid: _builtins.str
+    direction: _builtins.str
+    """in | out"""
+    state: _builtins.str
+    peer: _builtins.str
+    bytes: _builtins.int
+    age_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        rid: _builtins.str = ...,
+        direction: _builtins.str = ...,
+        state: _builtins.str = ...,
+        peer: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        age_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "bytes", b"bytes", "direction", b"direction", "peer", b"peer", "rid", b"rid", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferActivity: _TypeAlias = TransferActivity  # noqa: Y015
+
+@_typing.final
+class Activity(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class PinnedPagesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REQUESTS_TOTAL_FIELD_NUMBER: _builtins.int
+    LEASES_TOTAL_FIELD_NUMBER: _builtins.int
+    TRANSFERS_TOTAL_FIELD_NUMBER: _builtins.int
+    ALLOCATIONS_TOTAL_FIELD_NUMBER: _builtins.int
+    BYTES_SENT_TOTAL_FIELD_NUMBER: _builtins.int
+    BYTES_RECEIVED_TOTAL_FIELD_NUMBER: _builtins.int
+    COMPACTIONS_DONE_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
+    TRANSFERS_FIELD_NUMBER: _builtins.int
+    PINNED_PAGES_FIELD_NUMBER: _builtins.int
+    requests_total: _builtins.int
+    leases_total: _builtins.int
+    transfers_total: _builtins.int
+    allocations_total: _builtins.int
+    bytes_sent_total: _builtins.int
+    bytes_received_total: _builtins.int
+    compactions_done: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestActivity]: ...
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseActivity]: ...
+    @_builtins.property
+    def transfers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferActivity]: ...
+    @_builtins.property
+    def pinned_pages(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """group -> pages that live leases pin"""
+
+    def __init__(
+        self,
+        *,
+        requests_total: _builtins.int = ...,
+        leases_total: _builtins.int = ...,
+        transfers_total: _builtins.int = ...,
+        allocations_total: _builtins.int = ...,
+        bytes_sent_total: _builtins.int = ...,
+        bytes_received_total: _builtins.int = ...,
+        compactions_done: _builtins.int = ...,
+        requests: _abc.Iterable[Global___RequestActivity] | None = ...,
+        leases: _abc.Iterable[Global___LeaseActivity] | None = ...,
+        transfers: _abc.Iterable[Global___TransferActivity] | None = ...,
+        pinned_pages: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations_total", b"allocations_total", "bytes_received_total", b"bytes_received_total", "bytes_sent_total", b"bytes_sent_total", "compactions_done", b"compactions_done", "leases", b"leases", "leases_total", b"leases_total", "pinned_pages", b"pinned_pages", "requests", b"requests", "requests_total", b"requests_total", "transfers", b"transfers", "transfers_total", b"transfers_total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Activity: _TypeAlias = Activity  # noqa: Y015
+
+@_typing.final
 class GetInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -59,6 +59,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.Stats.FromString,
                 _registered_method=True)
+        self.GetActivity = channel.unary_unary(
+                '/kvd.v1.Kvd/GetActivity',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.GetActivityRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.Activity.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/kvd.v1.Kvd/Attach',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.AttachRequest.SerializeToString,
@@ -184,6 +189,12 @@ class KvdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetActivity(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -331,6 +342,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetStatsRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.Stats.SerializeToString,
+            ),
+            'GetActivity': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetActivity,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetActivityRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.Activity.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -563,6 +579,33 @@ class Kvd:
             '/kvd.v1.Kvd/GetStats',
             kvd_dot_v1_dot_kvd__pb2.GetStatsRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetActivity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/GetActivity',
+            kvd_dot_v1_dot_kvd__pb2.GetActivityRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.Activity.FromString,
             options,
             channel_credentials,
             insecure,

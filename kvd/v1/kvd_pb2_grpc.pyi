@@ -54,6 +54,7 @@ class KvdStub:
     CloseSession: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.CloseSessionRequest, _kvd_pb2.CloseSessionResponse]
     GetInfo: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.GetInfoRequest, _kvd_pb2.PoolInfo]
     GetStats: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.GetStatsRequest, _kvd_pb2.Stats]
+    GetActivity: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.GetActivityRequest, _kvd_pb2.Activity]
     Attach: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.AttachRequest, _kvd_pb2.AttachResponse]
     Allocate: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.AllocateRequest, _kvd_pb2.AllocateResponse]
     CanAllocate: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.CanAllocateRequest, _kvd_pb2.CanAllocateResponse]
@@ -83,6 +84,7 @@ class KvdAsyncStub(KvdStub):
     CloseSession: _aio.UnaryUnaryMultiCallable[_kvd_pb2.CloseSessionRequest, _kvd_pb2.CloseSessionResponse]  # type: ignore[assignment]
     GetInfo: _aio.UnaryUnaryMultiCallable[_kvd_pb2.GetInfoRequest, _kvd_pb2.PoolInfo]  # type: ignore[assignment]
     GetStats: _aio.UnaryUnaryMultiCallable[_kvd_pb2.GetStatsRequest, _kvd_pb2.Stats]  # type: ignore[assignment]
+    GetActivity: _aio.UnaryUnaryMultiCallable[_kvd_pb2.GetActivityRequest, _kvd_pb2.Activity]  # type: ignore[assignment]
     Attach: _aio.UnaryUnaryMultiCallable[_kvd_pb2.AttachRequest, _kvd_pb2.AttachResponse]  # type: ignore[assignment]
     Allocate: _aio.UnaryUnaryMultiCallable[_kvd_pb2.AllocateRequest, _kvd_pb2.AllocateResponse]  # type: ignore[assignment]
     CanAllocate: _aio.UnaryUnaryMultiCallable[_kvd_pb2.CanAllocateRequest, _kvd_pb2.CanAllocateResponse]  # type: ignore[assignment]
@@ -139,6 +141,13 @@ class KvdServicer(metaclass=_abc_1.ABCMeta):
         request: _kvd_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvd_pb2.Stats, _abc.Awaitable[_kvd_pb2.Stats]]: ...
+
+    @_abc_1.abstractmethod
+    def GetActivity(
+        self,
+        request: _kvd_pb2.GetActivityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.Activity, _abc.Awaitable[_kvd_pb2.Activity]]: ...
 
     @_abc_1.abstractmethod
     def Attach(

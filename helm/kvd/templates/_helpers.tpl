@@ -74,7 +74,9 @@ over it. The only place the chart writes kvd settings from; the sidecar reads po
 {{- $base := deepCopy .Values.kvd.config }}
 {{- $roles := .Values.roles | default dict }}
 {{- $role := get $roles .role | default dict }}
-{{- toYaml (mergeOverwrite $base (deepCopy ($role.kvdConfig | default dict))) }}
+{{- $cfg := mergeOverwrite $base (deepCopy ($role.kvdConfig | default dict)) }}
+{{- if $cfg.model }}{{- $_ := unset $cfg "layout" }}{{- end }}{{- /* a model's config.json replaces the layout (kvd refuses both) */}}
+{{- toYaml $cfg }}
 {{- end }}
 
 {{/* The gRPC port of listen_tcp, refusing what the kubelet's probes and peers cannot reach. Arg: the config map. */}}
