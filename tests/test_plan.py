@@ -47,9 +47,9 @@ def test_tables_and_capacities_match_a_real_pool(kvd_arena_factory):
         for k, a in pool.groups.items():
             real[(k.value, "v2p")], real[(k.value, "p2v")], real[(k.value, "holes")] = (
                 a.v2p.numel(), a.p2v.numel(), a._holes.numel())
-        for k, r in pool._rings.items():
+        for k, r in pool._bindings.rings.items():
             real[(k.value, "id ring")] = r.size
-            real[(k.value, "id -> request")] = pool._vid_req[k].numel()
+            real[(k.value, "id -> request")] = pool._bindings.vid_req[k].numel()
         assert {(t.group, t.table): t.entries for t in p.tables} == real, name
         # The largest prefill request is what the pool's floor admits, and one more token is not.
         n = p.largest_request_tokens
