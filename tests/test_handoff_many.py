@@ -23,6 +23,7 @@ from kvd.records import SEND_PHASES, SendResult, TicketInfo, TransferState
 from kvd.handoff.outbox import MAX_SEND_ITEMS, Outbox, SendItem
 from kvd.records import LeaseKind
 from kvd.daemon.node import Node
+from kvd.handoff.inbox import Inbox
 from kvd.records import AllocSpec
 from kvd.pool.pool import Pool
 from kvd.handoff.plan import plan_chunk
@@ -64,6 +65,8 @@ class Batch:
     def __init__(self) -> None:
         s = pk.sizings()["two-group"]
         self.p, self.d = Node(Pool(s.layout, pk.arena_for(s))), Node(Pool(s.layout, pk.arena_for(s)))
+        for n in (self.p, self.d):
+            Inbox.attach(n)
         self.ps, self.ds = (n.open_session("engine").session_id for n in (self.p, self.d))
         self.events: list[tuple[str, str]] = []
         self.backend = RecordingBackend(self.events)

@@ -160,8 +160,7 @@ class Tickets:
         body, seal, t = _unseal(blob)
         boot = self.node.pool.boot_id
         if t.boot_id and t.boot_id != boot:  # before the seal: another boot's key sealed it, and the sender should learn why
-            with self.node.lock:
-                self.node.stale_refusals += 1
+            self.node.count_stale()
             raise StaleEpoch(
                 f"ticket from boot {quote(t.boot_id)}, but this daemon is boot {boot!r} (it restarted, or another daemon "
                 "issued the ticket); the decode side must allocate again and issue a new ticket"
@@ -191,7 +190,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
     with node.lock:
         pool = node.pool
         if info.boot_id != pool.boot_id:
-            node.stale_refusals += 1
+            node.count_stale()
             raise StaleEpoch(
                 f"ticket from boot {info.boot_id!r}, but this daemon is boot {pool.boot_id!r} (it restarted); "
                 "the decode side must allocate again and issue a new ticket"
@@ -212,7 +211,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
                 f"ticket names lease {info.lease_id} for {quote(info.rid)}, but that lease is a {lease.kind.value} lease on {quote(lease.rid)}"
             )
         if info.epoch != lease.epoch:
-            node.stale_refusals += 1
+            node.count_stale()
             raise StaleEpoch(
                 f"ticket for {quote(info.rid)}: epoch {info.epoch} is stale (its lease was granted at epoch {lease.epoch}); "
                 "the decode side must issue a new ticket"
@@ -220,7 +219,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
         try:
             pool.require_fresh(info.rid, info.epoch, info.boot_id)
         except StaleEpoch:
-            node.stale_refusals += 1
+            node.count_stale()
             raise
         if info.envelopes != pool.envelopes():
             raise FailedPrecondition(
