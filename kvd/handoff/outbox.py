@@ -24,12 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
-from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch, PermissionDenied
+from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, PermissionDenied
 from kvd.records import Ends, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.handoff.link import PeerLink
 from kvd.records import LeaseKind
 from kvd.limits import quote
 from kvd.handoff.plan import Plan, check_range, pair_envelopes, plan_chunk
+from kvd.handoff.ticket import check_for_sender
 
 if TYPE_CHECKING:
     from kvd.backends.base import Backend, Landed
@@ -254,7 +255,7 @@ class Outbox:
         request this session does not hold here; nothing changes then, on either side. Once
         open, the transfer lives as one between two chunks does: heartbeats keep it, an abort on
         either side ends it, and the receiver's RECV lease bounds it."""
-        self._check_ticket(rid, ticket)
+        check_for_sender(ticket, rid, self.node.layout, self.backend.name)
         n = ticket.vectors.tokens
         if chunk_tokens and -(-n // chunk_tokens) > MAX_AHEAD_CHUNKS:
             raise InvalidArgument(
@@ -302,20 +303,6 @@ class Outbox:
         """The destination vectors to plan from: the ticket's (unless a test set :attr:`dest_fault`)."""
         return ticket.vectors if self.dest_fault is None else self.dest_fault(ticket.vectors)
 
-    def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
-        """What this daemon alone can refuse in a ticket: another layout, backend or request."""
-        if ticket.layout_fingerprint != self.node.layout.fingerprint:
-            raise LayoutMismatch(
-                f"ticket layout fingerprint {ticket.layout_fingerprint} differs from this daemon's "
-                f"{self.node.layout.fingerprint}: prefill and decode must run the same layout (page size, dtype, groups)"
-            )
-        if ticket.backend != self.backend.name:
-            raise InvalidArgument(
-                f"ticket asks for backend {ticket.backend!r} but this daemon runs {self.backend.name!r}; configure both the same"
-            )
-        if ticket.rid != rid:
-            raise InvalidArgument(f"ticket is for request {quote(ticket.rid)}, not {quote(rid)}")
-
     def _enter(self, session: str, rid: str, ticket: TicketInfo, raw: bytes) -> _Outbound:
         """The ticket's transfer (registered if new), counted active; Aborted if it was aborted.
         PermissionDenied for other ticket bytes than the transfer's: a Send after the first skips
@@ -361,7 +348,7 @@ class Outbox:
         the receiver's check (sent first, waited for last; skipped once the transfer began), the
         SEND lease and the plan."""
         rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
-        self._check_ticket(rid, ticket)
+        check_for_sender(ticket, rid, self.node.layout, self.backend.name)
         # Ownership first: a caller that does not hold the request must be refused before it
         # touches the open transfer at all (a failure below, once it began, aborts it).
         self.node.own(session, rid)
