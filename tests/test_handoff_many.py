@@ -20,7 +20,8 @@ from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, KvdError, NotFound, StaleEpoch
 from kvd.records import SEND_PHASES, SendResult, TicketInfo, TransferState
-from kvd.handoff.outbox import MAX_SEND_ITEMS, Outbox, SendItem
+from kvd.handoff.flight import MAX_SEND_ITEMS, SendItem
+from kvd.handoff.outbox import Outbox
 from kvd.records import LeaseKind
 from kvd.daemon.node import Node
 from kvd.handoff.inbox import Inbox

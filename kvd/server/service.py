@@ -21,7 +21,8 @@ from kvd import __version__
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
 from kvd.handoff.link import PeerLink
 from kvd.limits import MAX_ID_BYTES, quote, too_long
-from kvd.handoff.outbox import Outbox, SendItem, check_batch_size
+from kvd.handoff.flight import SendItem, check_batch_size
+from kvd.handoff.outbox import Outbox
 from kvd.handoff.inbox import inbox_of
 from kvd.daemon.node import Node
 from kvd.records import AllocSpec
