@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, PermissionDenied
-from kvd.records import Ends, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.records import Ends, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.handoff.link import PeerLink
 from kvd.handoff.notices import Notices
 from kvd.records import LeaseKind
@@ -483,4 +483,15 @@ class Outbox:
     def open_count(self) -> int:
         """Outbound transfers in progress (a transfer aborted while idle no longer counts)."""
         with self._lock:
-            return sum(1 for ob in self._open.values() if ob.active or not ob.aborted)
+            return self._open_now()
+
+    def _open_now(self) -> int:
+        return sum(1 for ob in self._open.values() if ob.active or not ob.aborted)
+
+    def stats(self) -> OutboxStats:
+        """Its counters and the transfers open, as one picture."""
+        with self._lock:
+            return OutboxStats(
+                self.sent_total, self.failed_total, self.bytes_total, self._open_now(),
+                self.calls_total, self.items_total, self.planned_ahead_total,
+            )
