@@ -21,6 +21,9 @@ __all__ = [
     "AllocSpec",
     "SessionInfo",
     "NodeStats",
+    "OutboxStats",
+    "PeerLinkStats",
+    "PeerSocketStats",
     "TransferState",
     "TransferRef",
     "SocketRoute",
@@ -146,6 +149,35 @@ class NodeStats:
     transfers_in_ready_total: int = 0
     transfers_in_failed_total: int = 0
     transfer_in_bytes_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxStats:
+    """What a sending daemon's :class:`~kvd.handoff.outbox.Outbox` has done (``*_total``: since start)."""
+
+    sent_total: int  # transfers completed (their last Send committed)
+    failed_total: int  # Send items that failed
+    bytes_total: int  # KV bytes those Sends wrote
+    open: int  # outbound transfers in progress (one aborted while idle no longer counts)
+    calls_total: int  # Send and SendMany calls
+    items_total: int  # items those calls carried
+    planned_ahead_total: int  # items whose plan BeginSend made (still valid at the Send)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLinkStats:
+    """Calls this daemon made to peer daemons, by ``(method, path)`` (path: ``socket`` or ``grpc``)."""
+
+    calls: dict[tuple[str, str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSocketStats:
+    """What this daemon's peer socket served: calls by ``(method, status code name)``, and the
+    connections open now."""
+
+    answered: dict[tuple[str, str], int]
+    connections: int
 
 
 class TransferState(enum.Enum):

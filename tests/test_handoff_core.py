@@ -18,6 +18,7 @@ from kvd.records import TicketInfo, TransferRef, TransferState
 from kvd.handoff.outbox import Outbox
 from kvd.records import LeaseKind
 from kvd.daemon.node import Node
+from kvd.handoff.inbox import Inbox
 from kvd.records import AllocSpec
 from kvd.pool.pool import Pool
 
@@ -27,6 +28,7 @@ TOKENS = 20
 def _node() -> tuple[Node, str]:
     s = pk.sizings()["two-group"]
     node = Node(Pool(s.layout, pk.arena_for(s)))
+    Inbox.attach(node)
     return node, node.open_session("engine").session_id
 
 
@@ -330,7 +332,8 @@ def _clocked_receiver() -> tuple[Node, str, list[float], TransferRef, list]:
     Ends its hook heard."""
     s = pk.sizings()["two-group"]
     now = [0.0]
-    d = Node(Pool(s.layout, pk.arena_for(s)), fence_s=1.0, peer_timeout=10.0, clock=lambda: now[0])
+    d = Node(Pool(s.layout, pk.arena_for(s)), clock=lambda: now[0])
+    Inbox.attach(d, fence_s=1.0, peer_timeout=10.0)
     heard: list = []
     d.on_ended.append(heard.append)
     ds = d.open_session("decode").session_id

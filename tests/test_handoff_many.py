@@ -20,9 +20,11 @@ from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, KvdError, NotFound, StaleEpoch
 from kvd.records import SEND_PHASES, SendResult, TicketInfo, TransferState
-from kvd.handoff.outbox import MAX_SEND_ITEMS, Outbox, SendItem
+from kvd.handoff.flight import MAX_SEND_ITEMS, SendItem
+from kvd.handoff.outbox import Outbox
 from kvd.records import LeaseKind
 from kvd.daemon.node import Node
+from kvd.handoff.inbox import Inbox
 from kvd.records import AllocSpec
 from kvd.pool.pool import Pool
 from kvd.handoff.plan import plan_chunk
@@ -64,6 +66,8 @@ class Batch:
     def __init__(self) -> None:
         s = pk.sizings()["two-group"]
         self.p, self.d = Node(Pool(s.layout, pk.arena_for(s))), Node(Pool(s.layout, pk.arena_for(s)))
+        for n in (self.p, self.d):
+            Inbox.attach(n)
         self.ps, self.ds = (n.open_session("engine").session_id for n in (self.p, self.d))
         self.events: list[tuple[str, str]] = []
         self.backend = RecordingBackend(self.events)

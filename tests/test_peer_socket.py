@@ -21,6 +21,7 @@ from kvd import errors as E
 from kvd.records import SocketRoute, TransferRef, TransferState
 from kvd.records import LeaseKind
 from kvd.daemon.node import Node
+from kvd.handoff.inbox import Inbox
 from kvd.records import AllocSpec
 from kvd.pool.pool import Pool
 from kvd.server.peer_calls import PeerCalls
@@ -50,6 +51,7 @@ def node() -> Iterator[Node]:
     s = pk.sizings()["two-group"]
     arena = pk.arena_for(s)
     n = Node(Pool(s.layout, arena))
+    Inbox.attach(n)
     yield n
     n.check()
     arena.close()

@@ -33,9 +33,9 @@ from kvd.errors import (
     StaleEpoch,
 )
 from kvd.records import Ends, TransferRef
-from kvd.handoff.inbox import Inbox
 from kvd.pool.layout import Layout
 from kvd.limits import quote
+from kvd.daemon.inbound import Inbound, NoInbound
 from kvd.daemon.leases import Lease, LeaseTable
 from kvd.records import LeaseKind
 from kvd.records import AllocSpec, CompactionResult, IndexVectors
@@ -60,8 +60,6 @@ class Node:
         *,
         session_ttl: float = 10.0,
         lease_ttl: float = 10.0,
-        peer_timeout: float = 1.0,
-        fence_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
@@ -78,7 +76,9 @@ class Node:
         # Requests the engine freed while a failed sender might still write them: freed for
         # real once their fence (the RECV lease) ends.
         self._doomed: set[str] = set()
-        self.inbox = Inbox(self, peer_timeout=peer_timeout, fence_s=fence_s)
+        #: the inbound transfers its RECV leases admit: attached by whoever assembles the daemon
+        #: (:meth:`kvd.handoff.inbox.Inbox.attach`); until then there are none
+        self.inbox: Inbound = NoInbound()
         #: called (under the lock) after finalize/resize changed the backed size: re-registration
         self.on_backing_change: list[Callable[[], None]] = []
         #: called (under the lock; must not block) when requests ended or inbound transfers were
@@ -89,6 +89,11 @@ class Node:
     def lock(self) -> threading.RLock:
         """The node's lock, for callers that read several fields as one consistent picture."""
         return self._lock
+
+    def count_stale(self) -> None:
+        """Count one call refused for quoting a stale boot id or epoch (:attr:`NodeStats.stale_refusals_total`)."""
+        with self._lock:
+            self.stale_refusals += 1
 
     @property
     def layout(self) -> Layout:
@@ -160,7 +165,7 @@ class Node:
         progress:
 
         * receiving: a request whose sender is mid-way is not freed outright. Its transfer fails
-          and is aborted toward the sender (:meth:`Inbox.end`); its pages stay pinned (fenced by
+          and is aborted toward the sender (:meth:`Inbound.end`); its pages stay pinned (fenced by
           its RECV lease) until the sender says its writes drained or the fence runs out, and
           the request is freed then (:meth:`_bury`). The others are freed now, with every lease
           on them (a session's own, or another's: the pages are going away);
@@ -191,7 +196,7 @@ class Node:
 
     def _end_lease(self, lease: Lease, reason: str) -> tuple[bool, tuple[str, TransferRef] | None]:
         """Release ``lease`` on behalf of its holder. A RECV lease under a transfer in progress
-        is the fence of its pages: the transfer fails (:meth:`Inbox.end`) and the lease stays
+        is the fence of its pages: the transfer fails (:meth:`Inbound.end`) and the lease stays
         until the fence ends. Returns ``(fenced, the sender to tell)``."""
         if lease.kind is LeaseKind.RECV:
             fenced, tell = self.inbox.end(lease.rid, reason)
@@ -356,7 +361,7 @@ class Node:
         try:
             self.pool.require_fresh(rid, epoch, boot_id)
         except StaleEpoch:
-            self.stale_refusals += 1
+            self.count_stale()
             raise
 
     # ---- maintenance ------------------------------------------------------------------------

@@ -33,23 +33,23 @@ receiving side.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, StaleEpoch
+from kvd.errors import Aborted, FailedPrecondition, InternalError, InvalidArgument, NotFound, StaleEpoch
 from kvd.limits import quote
-from kvd.records import Envelope, IndexVectors
-from kvd.records import TransferState, TransferRef, SocketRoute, Status
+from kvd.records import Status, TransferRef, TransferState
+
+from kvd.daemon.leases import LeaseTable
 
 if TYPE_CHECKING:
     from kvd.daemon.node import Node
 
-__all__ = ["Inbox"]
+__all__ = ["Inbox", "inbox_of"]
 
 log = logging.getLogger("kvd.handoff.inbox")
 
@@ -68,22 +68,50 @@ class _Inbound:
 
 
 class Inbox:
-    """Inbound transfers of one (decode) node. Every method runs under the node's lock."""
+    """Inbound transfers of one (decode) node. Every method runs under the node's lock.
 
-    def __init__(self, node: Node, *, peer_timeout: float = 1.0, fence_s: float = 1.0) -> None:
-        self.node = node
+    It is given only what it needs of the node: its lock, its lease table (the RECV leases are
+    the fences), its boot id and clock, and where to count a stale refusal. The node sees it as
+    :class:`kvd.daemon.inbound.Inbound` and never imports it; :meth:`attach` wires the two."""
+
+    def __init__(
+        self,
+        lock: threading.RLock,
+        leases: LeaseTable,
+        *,
+        boot_id: str,
+        clock: Callable[[], float],
+        on_stale: Callable[[], None],
+        peer_timeout: float = 1.0,
+        fence_s: float = 1.0,
+    ) -> None:
+        self._leases = leases
+        self._clock = clock
+        self._on_stale = on_stale
+        self.boot_id = boot_id
         self.peer_timeout = peer_timeout
         self.fence_s = fence_s
         self._by_rid: dict[str, _Inbound] = {}
-        self._cond = threading.Condition(node.lock)
+        self._cond = threading.Condition(lock)
         self.ready_total = 0
         self.failed_total = 0
         self.bytes_total = 0
 
+    @classmethod
+    def attach(cls, node: Node, *, peer_timeout: float = 1.0, fence_s: float = 1.0) -> Inbox:
+        """The inbox of ``node``, built from the node's lock, leases, boot id and clock, and set
+        as ``node.inbox`` (before any RECV lease is granted: the node's own is a no-op)."""
+        inbox = cls(
+            node.lock, node.leases, boot_id=node.pool.boot_id, clock=node.clock, on_stale=node.count_stale,
+            peer_timeout=peer_timeout, fence_s=fence_s,
+        )
+        node.inbox = inbox
+        return inbox
+
     # -- called by the node -------------------------------------------------------------------
     def expect(self, rid: str, lease_id: int) -> None:
         """A RECV lease was granted for ``rid``: a sender may now begin."""
-        now = self.node.clock()
+        now = self._clock()
         self._by_rid[rid] = _Inbound(rid, lease_id, last_seen=now, started=now)
 
     def inbound(self) -> list[tuple[str, str, str, int, float]]:
@@ -103,14 +131,14 @@ class Inbox:
         """The transfer ``ref`` names, if it names one here: same boot (lease ids start again at
         every boot), same rid, same lease."""
         ib = self._by_rid.get(ref.rid)
-        if ref.boot_id != self.node.pool.boot_id or ib is None or ib.lease_id != ref.lease_id:
+        if ref.boot_id != self.boot_id or ib is None or ib.lease_id != ref.lease_id:
             return None
         return ib
 
     def _find(self, ref: TransferRef) -> _Inbound:
-        if ref.boot_id != self.node.pool.boot_id:
-            self.node.stale_refusals += 1
-            raise StaleEpoch(f"transfer names boot {quote(ref.boot_id)}; this daemon is boot {self.node.pool.boot_id!r} (it restarted)")
+        if ref.boot_id != self.boot_id:
+            self._on_stale()
+            raise StaleEpoch(f"transfer names boot {quote(ref.boot_id)}; this daemon is boot {self.boot_id!r} (it restarted)")
         ib = self._match(ref)
         if ib is None:
             raise NotFound(f"no transfer of {quote(ref.rid)} under lease {ref.lease_id} here (released, aborted or never issued)")
@@ -131,8 +159,8 @@ class Inbox:
                     f"transfer of {quote(ib.rid)} is being sent by {quote(ib.sender)}, not {quote(sender)}: one sender per "
                     "request (the decode engine acquires another RECV lease for another)"
                 )
-            ib.state, ib.sender, ib.last_seen = TransferState.RECEIVING, sender, self.node.clock()
-            self.node.leases.renew(ib.lease_id)
+            ib.state, ib.sender, ib.last_seen = TransferState.RECEIVING, sender, self._clock()
+            self._leases.renew(ib.lease_id)
 
     def _begun_by(self, ib: _Inbound, sender: str, what: str) -> None:
         """FailedPrecondition unless ``sender`` is the sender that began ``ib`` (CheckTicket with a
@@ -156,17 +184,17 @@ class Inbox:
         with self._cond:
             ib = self._find(ref)
             self._begun_by(ib, sender, "commit")
-            self.node.leases.get(ib.lease_id)  # the fence: a commit under a dead lease is refused
+            self._leases.get(ib.lease_id)  # the fence: a commit under a dead lease is refused
             ib.nbytes += nbytes
             self.bytes_total += nbytes
-            ib.last_seen = self.node.clock()
+            ib.last_seen = self._clock()
             if last:
                 ib.state = TransferState.READY
-                self.node.leases.drop(ib.lease_id)  # the sender's writes have all returned
+                self._leases.drop(ib.lease_id)  # the sender's writes have all returned
                 self.ready_total += 1
                 self._cond.notify_all()
             else:
-                self.node.leases.renew(ib.lease_id)
+                self._leases.renew(ib.lease_id)
 
     def abort(self, ref: TransferRef, reason: str, drained: bool, sender: str) -> None:
         """The sender gave up. A transfer already over keeps its outcome and reason (READY stays
@@ -187,7 +215,7 @@ class Inbox:
             self._begun_by(ib, sender, "abort")
             if ib.state is TransferState.FAILED:
                 if drained and ib.fence_until is not None:
-                    self.node.leases.drop(ib.lease_id)
+                    self._leases.drop(ib.lease_id)
                     ib.fence_until = None
                 return
             self._fail(ib, f"sender aborted: {reason}", drained)
@@ -195,7 +223,7 @@ class Inbox:
     def heartbeat(self, sender: str, refs: list[TransferRef]) -> list[int]:
         dead = []
         with self._cond:
-            now = self.node.clock()
+            now = self._clock()
             for ref in refs:
                 ib = self._match(ref)
                 if ib is not None and ib.sender and ib.sender != sender:
@@ -207,14 +235,14 @@ class Inbox:
                         # drains them, then says so): the fence must not run out meanwhile.
                         ib.fence_until = max(ib.fence_until, now + self.fence_s)
                         with contextlib.suppress(NotFound):
-                            self.node.leases.renew(ib.lease_id, self.fence_s + 1.0)
+                            self._leases.renew(ib.lease_id, self.fence_s + 1.0)
                     dead.append(ref.lease_id)
                     continue
                 # Only CheckTicket begins a transfer: a heartbeat naming a WAITING one (a sender
                 # whose ticket was refused, or that has not reached the receiver yet) keeps the
                 # lease alive but must not make it look like writes have started.
                 ib.last_seen = now
-                self.node.leases.renew(ib.lease_id)
+                self._leases.renew(ib.lease_id)
         return dead
 
     # -- called by the local (decode) engine ------------------------------------------------------
@@ -239,7 +267,7 @@ class Inbox:
                     return Status(ib.state, ib.reason, ib.nbytes)
                 if ib.state is TransferState.WAITING:
                     try:
-                        self.node.leases.renew(ib.lease_id)
+                        self._leases.renew(ib.lease_id)
                     except NotFound:
                         self._fail(ib, "the RECV lease expired before any sender began", drained=True)
                         continue
@@ -259,7 +287,7 @@ class Inbox:
             sender = ib.sender
             # A sender that began may have writes in flight: fence; one that never began has none.
             self._fail(ib, f"aborted by the decode engine: {reason}", drained=not sender)
-            return (sender, TransferRef(self.node.pool.boot_id, ib.lease_id, rid)) if sender else None
+            return (sender, TransferRef(self.boot_id, ib.lease_id, rid)) if sender else None
 
     def end(self, rid: str, reason: str) -> tuple[bool, tuple[str, TransferRef] | None]:
         """The receiving request ``rid``, or its RECV lease, ends (its engine's session closed or
@@ -273,7 +301,7 @@ class Inbox:
             return False, None
         if ib.state is TransferState.RECEIVING:
             self._fail(ib, f"the receiving request ended mid-transfer: {reason}", drained=False)
-            return True, (ib.sender, TransferRef(self.node.pool.boot_id, ib.lease_id, rid))
+            return True, (ib.sender, TransferRef(self.boot_id, ib.lease_id, rid))
         return self.fenced(rid), None
 
     # -- housekeeping ---------------------------------------------------------------------------
@@ -281,12 +309,12 @@ class Inbox:
         ib.state, ib.reason = TransferState.FAILED, reason
         self.failed_total += 1
         if drained:
-            self.node.leases.drop(ib.lease_id)
+            self._leases.drop(ib.lease_id)
             ib.fence_until = None
         else:
-            ib.fence_until = self.node.clock() + self.fence_s
+            ib.fence_until = self._clock() + self.fence_s
             try:  # the lease is the fence: it must not run out before the fence does
-                self.node.leases.renew(ib.lease_id, self.fence_s + 1.0)
+                self._leases.renew(ib.lease_id, self.fence_s + 1.0)
             except NotFound:
                 pass
         self._cond.notify_all()
@@ -294,18 +322,25 @@ class Inbox:
     def sweep(self) -> list[str]:
         """Fail transfers whose sender went silent or whose lease expired; end fences that ran
         out (their pages become reusable). Returns rids whose fence ended."""
-        now = self.node.clock()
+        now = self._clock()
         ended = []
         with self._cond:
             for ib in list(self._by_rid.values()):
                 if ib.state is TransferState.RECEIVING and now - ib.last_seen > self.peer_timeout:
                     self._fail(ib, f"sender {ib.sender} stopped answering for {now - ib.last_seen:.1f} s", drained=False)
-                elif ib.state is TransferState.WAITING and not self.node.leases.live(ib.lease_id):
+                elif ib.state is TransferState.WAITING and not self._leases.live(ib.lease_id):
                     self._fail(ib, "the RECV lease expired before any sender began", drained=True)
                 if ib.state is TransferState.FAILED and ib.fence_until is not None and now >= ib.fence_until:
-                    self.node.leases.drop(ib.lease_id)
+                    self._leases.drop(ib.lease_id)
                     ib.fence_until = None
                     ended.append(ib.rid)
         return ended
 
 
+def inbox_of(node: Node) -> Inbox:
+    """``node``'s :class:`Inbox` (:meth:`Inbox.attach`), for the servicers that speak to its
+    senders and its engine; InternalError for a node that was given none (a wiring bug)."""
+    inbox = node.inbox
+    if not isinstance(inbox, Inbox):
+        raise InternalError("this node has no inbox attached (a bug in how the daemon was assembled)")
+    return inbox

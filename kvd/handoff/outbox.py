@@ -2,15 +2,14 @@
 
 ``send`` validates the ticket with the receiver before the first byte (the receiver checks it
 while this daemon takes its SEND lease and plans the blocks; ``begin`` does it ahead, when the
-prefill engine gets the ticket, taking that round trip off the Send, and plans the Sends then
-too), writes them in bounded batches checking for an abort between batches, commits, and
-releases the lease only after its writes landed. ``send_many`` does the same for many independent requests at once, pipelined: one
-request's copies run while the daemon commits the one before and prepares the one after
-(``send`` is ``send_many`` of one). ``heartbeat_once`` tells each receiver this sender is alive
-and learns of aborts on the receiving side. ``ended`` (the node's hook) hears of every request
-of this node that ended -- freed, its session closed or reaped -- and aborts what it still sends
-toward the receiver, and tells the senders of inbound transfers given up mid-way. The states, records and the receiving side are in
-:mod:`kvd.handoff.inbox`.
+prefill engine gets the ticket, and plans the Sends then too: :mod:`kvd.handoff.ahead`), writes
+them in bounded batches checking for an abort between batches, commits, and releases the lease
+only after its writes landed. ``send_many`` does the same for many independent requests at once,
+pipelined (its items and their records: :mod:`kvd.handoff.flight`); ``send`` is ``send_many`` of
+one. ``heartbeat_once`` tells each receiver this sender is alive and learns of aborts on the
+receiving side. ``ended`` (the node's hook) hears of every request of this node that ended and
+aborts what it still sends toward the receiver, and tells the senders of inbound transfers given
+up mid-way. The receiving side is :mod:`kvd.handoff.inbox`.
 """
 
 from __future__ import annotations
@@ -20,108 +19,30 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, cast
 
-from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch, PermissionDenied
-from kvd.records import Ends, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, PermissionDenied
+from kvd.records import Ends, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.handoff.link import PeerLink
+from kvd.handoff.notices import Notices
 from kvd.records import LeaseKind
 from kvd.limits import quote
+from kvd.handoff.ahead import plan_ahead
+from kvd.handoff.flight import Flight, Outbound, SendItem, check_batch_size, refuse_duplicates
 from kvd.handoff.plan import Plan, check_range, pair_envelopes, plan_chunk
+from kvd.handoff.ticket import check_for_sender
 
 if TYPE_CHECKING:
-    from kvd.backends.base import Backend, Landed
+    from kvd.backends.base import Backend
     from kvd.daemon.node import Node
-    from kvd.records import Envelope, IndexVectors
+    from kvd.records import IndexVectors
 
-__all__ = ["Outbox", "SendItem", "MAX_SEND_ITEMS", "check_batch_size"]
+__all__ = ["Outbox", "MAX_AHEAD_CHUNKS"]
 
 log = logging.getLogger("kvd.handoff.outbox")
 
-
-@dataclass(slots=True)
-class _Outbound:
-    rid: str
-    ticket: TicketInfo
-    raw: bytes  # the ticket's bytes: every Send of this transfer must carry these (the receiver checked them)
-    session: str
-    aborted: str = ""  # reason, once the transfer must stop
-    aborted_at: float = 0.0  # when the receiver aborted it (an idle entry answers later Sends a while)
-    presumed: bool = False  # ``aborted`` is the heartbeat's inference; the receiver's own reason may follow
-    active: int = 0  # Send calls in progress
-    began: bool = False  # the receiver accepted the ticket at least once
-    ahead: _Ahead | None = None  # the Sends begin planned (the whole request, or each chunk)
-    started: float = field(default_factory=time.monotonic)  # kvd top's ages
-    nbytes: int = 0  # bytes committed so far
-
-
-@dataclass(frozen=True, slots=True)
-class _Ahead:
-    """Sends planned by :meth:`Outbox.begin` while the prompt computes, from the request's
-    vectors ``src`` and this pool's envelopes ``env``: ``plans`` maps ``(start, end, last)`` to
-    its plan. A Send of such a range uses it only while both are unchanged
-    (:meth:`kvd.pool.pool.Pool.unchanged`, checked under the Send's lease, and envelope equality);
-    any other Send plans itself."""
-
-    src: IndexVectors
-    env: list[Envelope]
-    plans: dict[tuple[int, int, bool], Plan]
-
-
-#: The most items one :meth:`Outbox.send_many` call (one SendMany) takes.
-MAX_SEND_ITEMS = 1024
 #: The most chunks :meth:`Outbox.begin` plans ahead for one request.
 MAX_AHEAD_CHUNKS = 1024
-
-
-class SendItem(NamedTuple):
-    """One transfer of :meth:`Outbox.send_many`: tokens ``[start, end)`` of ``rid`` (``end``
-    None: up to the request's length) to the receiver of ``ticket``; ``last`` also moves the
-    state slot and makes the request READY there. ``raw``: the ticket's bytes as the receiver
-    issued them (its CheckTicket reads them)."""
-
-    rid: str
-    ticket: TicketInfo
-    raw: bytes
-    start: int = 0
-    end: int | None = None
-    last: bool = True
-
-
-def check_batch_size(n: int) -> None:
-    """InvalidArgument unless ``n`` items make a SendMany: 1 to :data:`MAX_SEND_ITEMS`."""
-    if n <= 0:
-        raise InvalidArgument("SendMany needs at least one item; a Send of one request is Send")
-    if n > MAX_SEND_ITEMS:
-        raise InvalidArgument(f"SendMany takes at most {MAX_SEND_ITEMS} items, got {n:,d}; split them into several calls")
-
-
-@dataclass(slots=True)
-class _Flight:
-    """One item of a send_many on its way: where it stands, and what its end must undo."""
-
-    index: int  # its place in the call
-    item: SendItem
-    t_start: float = field(default_factory=time.perf_counter)
-    mark: float = 0.0  # end of the latest step (phases)
-    phases: dict[str, float] = field(default_factory=dict)
-    ob: _Outbound | None = None  # set once counted in ob.active (the end uncounts it)
-    lease_id: int | None = None  # its SEND lease (released when its writes have all returned)
-    plan: Plan | None = None
-    began: bool = False  # the receiver accepted the ticket for this item: writes may follow
-    waits: list[Landed] = field(default_factory=list)  # writes issued and not yet waited for
-    issued: int = 0  # bytes of the writes issued
-    finished: bool = False
-
-    def __post_init__(self) -> None:
-        self.mark = self.t_start
-
-    def step(self, name: str) -> None:
-        """Where a Send's time goes, reported with the result."""
-        now = time.perf_counter()
-        self.phases[name], self.mark = now - self.mark, now
 
 
 class Outbox:
@@ -144,16 +65,15 @@ class Outbox:
         self.batch_blocks = batch_blocks
         self.lease_ttl = lease_ttl
         self._lock = threading.Lock()
-        self._open: dict[tuple[str, int], _Outbound] = {}  # (receiver boot, receiver lease) -> transfer
+        self._open: dict[tuple[str, int], Outbound] = {}  # (receiver boot, receiver lease) -> transfer
         self.bytes_total = 0
         self.sent_total = 0
         self.failed_total = 0
         self.calls_total = 0  # send / send_many calls (each item also counts as a Send above)
         self.items_total = 0  # items those calls carried
         self.planned_ahead_total = 0  # items whose plan begin made (still valid at the Send)
-        # Peer calls that the end of a request owes (ended): made here, never under the node's
-        # lock; a few threads, so that one unreachable peer (its call's deadline) delays no other.
-        self._notices = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvd-notice")
+        # Peer calls that the end of a request owes (ended): made there, never under the node's lock.
+        self._notices = Notices(link, address)
         node.on_ended.append(self.ended)
         # Test only, never configured (kvd.engine.faults): edits the destination vectors this
         # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
@@ -164,7 +84,7 @@ class Outbox:
         timeouts stand in for them)."""
         with contextlib.suppress(ValueError):
             self.node.on_ended.remove(self.ended)
-        self._notices.shutdown(wait=False, cancel_futures=True)
+        self._notices.close()
 
     def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
         """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver: :meth:`send_many` of one
@@ -198,20 +118,20 @@ class Outbox:
         and for two items of one request or one ticket (chunks of a request, or a request to two
         receivers, go in separate calls)."""
         check_batch_size(len(items))
-        _refuse_duplicates(items)
+        refuse_duplicates(items)
         with self._lock:  # counters are bumped by every gRPC worker thread
             self.calls_total += 1
             self.items_total += len(items)
         out: list[SendResult | KvdError | None] = [None] * len(items)
-        flights: list[_Flight] = []
-        prev: _Flight | None = None
+        flights: list[Flight] = []
+        prev: Flight | None = None
         try:
             for i, item in enumerate(items):
                 f = None
                 if isinstance(item, KvdError):
                     out[i] = item
                 else:
-                    f = _Flight(i, item)
+                    f = Flight(i, item)
                     flights.append(f)
                     try:
                         self._prepare(session, f)
@@ -230,7 +150,7 @@ class Outbox:
             # interrupt) cut the loop: their writes must still return before their leases go.
             for f in flights:
                 if not f.finished:
-                    self._drain(f)
+                    f.drain()
                     self._finish(session, f)
         return out  # type: ignore[return-value]  # every slot was filled
 
@@ -256,7 +176,7 @@ class Outbox:
         request this session does not hold here; nothing changes then, on either side. Once
         open, the transfer lives as one between two chunks does: heartbeats keep it, an abort on
         either side ends it, and the receiver's RECV lease bounds it."""
-        self._check_ticket(rid, ticket)
+        check_for_sender(ticket, rid, self.node.layout, self.backend.name)
         n = ticket.vectors.tokens
         if chunk_tokens and -(-n // chunk_tokens) > MAX_AHEAD_CHUNKS:
             raise InvalidArgument(
@@ -274,51 +194,18 @@ class Outbox:
             self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
             ob.began = True
             if ob.aborted:  # the request ended (or was aborted) while the receiver checked
-                self._tell_receiver(ticket, ob.aborted)
+                self._notices.tell_receiver(ticket, ob.aborted)
                 raise Aborted(f"transfer of {quote(rid)} was aborted: {ob.aborted}")
-            ob.ahead = self._plan_ahead(session, rid, ticket, env, chunk_tokens)
+            ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
             return True
         finally:
             self._leave(ob, last=False)
-
-    def _plan_ahead(self, session: str, rid: str, ticket: TicketInfo, env: list[Envelope], chunk: int) -> _Ahead | None:
-        """The request's Sends planned now (:meth:`begin`), or None where planning refuses (the
-        Send that tries it reports why, as it would without begin). Never raises: planning
-        ahead only saves the Sends time, and the transfer is open at the receiver already."""
-        try:
-            (src,) = self.node.vectors(session, [rid])
-            n = src.tokens
-            step = chunk or n
-            plans = {}
-            for t0 in range(0, n, step):
-                key = (t0, min(n, t0 + step), t0 + step >= n)
-                plans[key] = plan_chunk(self.node.layout, src, self._dest(ticket), env, ticket.envelopes, *key)
-        except KvdError:
-            return None
-        except Exception:  # a bug: the Send plans for itself (and meets it there, reported)
-            log.exception("planning the sends of %s ahead failed", rid)
-            return None
-        return _Ahead(src, env, plans)
 
     def _dest(self, ticket: TicketInfo) -> IndexVectors:
         """The destination vectors to plan from: the ticket's (unless a test set :attr:`dest_fault`)."""
         return ticket.vectors if self.dest_fault is None else self.dest_fault(ticket.vectors)
 
-    def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
-        """What this daemon alone can refuse in a ticket: another layout, backend or request."""
-        if ticket.layout_fingerprint != self.node.layout.fingerprint:
-            raise LayoutMismatch(
-                f"ticket layout fingerprint {ticket.layout_fingerprint} differs from this daemon's "
-                f"{self.node.layout.fingerprint}: prefill and decode must run the same layout (page size, dtype, groups)"
-            )
-        if ticket.backend != self.backend.name:
-            raise InvalidArgument(
-                f"ticket asks for backend {ticket.backend!r} but this daemon runs {self.backend.name!r}; configure both the same"
-            )
-        if ticket.rid != rid:
-            raise InvalidArgument(f"ticket is for request {quote(ticket.rid)}, not {quote(rid)}")
-
-    def _enter(self, session: str, rid: str, ticket: TicketInfo, raw: bytes) -> _Outbound:
+    def _enter(self, session: str, rid: str, ticket: TicketInfo, raw: bytes) -> Outbound:
         """The ticket's transfer (registered if new), counted active; Aborted if it was aborted.
         PermissionDenied for other ticket bytes than the transfer's: a Send after the first skips
         the receiver's check, so it must carry the very ticket the receiver checked (and this
@@ -330,7 +217,7 @@ class Outbox:
         with self._lock:
             ob = self._open.get(key)
             if ob is None:
-                ob = self._open[key] = _Outbound(rid, ticket, raw, session)
+                ob = self._open[key] = Outbound(rid, ticket, raw, session)
             elif ob.session != session or ob.rid != rid:
                 raise PermissionDenied(
                     f"the transfer under lease {ticket.lease_id} of receiver boot {ticket.boot_id!r} belongs to another client "
@@ -346,7 +233,7 @@ class Outbox:
             ob.active += 1
             return ob
 
-    def _leave(self, ob: _Outbound, *, last: bool) -> None:
+    def _leave(self, ob: Outbound, *, last: bool) -> None:
         """Uncount one call of ``ob``; forget it when it is done (``last``) or never accepted by
         the receiver, and no other call is in it. An aborted one stays listed, as an idle abort
         does (:meth:`abort_remote`), so that the engine's next Send hears why; the heartbeat loop
@@ -358,12 +245,12 @@ class Outbox:
             if (last or not ob.began) and ob.active == 0:
                 self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
 
-    def _prepare(self, session: str, f: _Flight) -> None:
+    def _prepare(self, session: str, f: Flight) -> None:
         """Everything before the first byte: the ticket's own checks, the transfer registered,
         the receiver's check (sent first, waited for last; skipped once the transfer began), the
         SEND lease and the plan."""
         rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
-        self._check_ticket(rid, ticket)
+        check_for_sender(ticket, rid, self.node.layout, self.backend.name)
         # Ownership first: a caller that does not hold the request must be refused before it
         # touches the open transfer at all (a failure below, once it began, aborts it).
         self.node.own(session, rid)
@@ -414,7 +301,7 @@ class Outbox:
             f.step("check")
         f.began = ob.began = True
 
-    def _issue(self, f: _Flight) -> None:
+    def _issue(self, f: Flight) -> None:
         """Issue the item's writes in batches of ``batch_blocks``, none after an abort."""
         from kvd.backends.base import PeerRegion
 
@@ -431,22 +318,10 @@ class Outbox:
             f.waits.append(self.backend.write_async(peer, srcs[i:j], dsts[i:j], lens[i:j]))
             f.issued += sum(lens[i:j])
 
-    def _drain(self, f: _Flight) -> BaseException | None:
-        """Wait for every write of ``f`` issued and not yet waited for (each waiter once);
-        returns the first failure."""
-        first = None
-        while f.waits:
-            landed = f.waits.pop(0)
-            try:
-                landed()
-            except Exception as exc:  # noqa: BLE001 -- the rest must still be waited for
-                first = first or exc
-        return first
-
-    def _complete(self, session: str, f: _Flight) -> SendResult | KvdError:
+    def _complete(self, session: str, f: Flight) -> SendResult | KvdError:
         """Wait for the item's writes, commit, release: its outcome."""
         try:
-            err = self._drain(f)
+            err = f.drain()
             if err is not None:
                 raise err
             f.step("write")
@@ -468,7 +343,7 @@ class Outbox:
         plan = cast(Plan, f.plan)  # set by _prepare, which every issued item passed
         return SendResult(f.issued, len(plan.src), f.mark - f.t_start, dict(plan.pages), f.phases)
 
-    def _fail(self, session: str, f: _Flight, exc: Exception) -> KvdError:
+    def _fail(self, session: str, f: Flight, exc: Exception) -> KvdError:
         """The item failed with ``exc``: wait for whatever of it is still in flight, tell its
         receiver if it accepted the ticket, release. Returns the error (a bug as InternalError)."""
         err = exc if isinstance(exc, KvdError) else InternalError(f"internal error (a bug in kvd): {type(exc).__name__}: {exc}")
@@ -476,7 +351,7 @@ class Outbox:
             err.__cause__ = exc
             log.error("send of %s failed by a bug", f.item.rid, exc_info=exc)
         try:
-            self._drain(f)  # the item failed already; a write failing too changes nothing
+            f.drain()  # the item failed already; a write failing too changes nothing
             with self._lock:
                 self.failed_total += 1
             # A ticket refused by the receiver, or by what it shows alone, must not fail the
@@ -484,12 +359,12 @@ class Outbox:
             # the receiver must learn at once, and nothing of this item can still land.
             if f.began and f.ob is not None:
                 f.ob.aborted = f.ob.aborted or str(err)
-                self._tell_receiver(f.item.ticket, f"{type(err).__name__}: {err}")
+                self._notices.tell_receiver(f.item.ticket, f"{type(err).__name__}: {err}")
         finally:
             self._finish(session, f)
         return err
 
-    def _finish(self, session: str, f: _Flight) -> None:
+    def _finish(self, session: str, f: Flight) -> None:
         """Release the item's SEND lease and uncount it (its writes have all returned)."""
         f.finished = True
         if f.lease_id is not None:
@@ -499,12 +374,6 @@ class Outbox:
                 pass  # expired meanwhile: nothing pins the pages anyway
         if f.ob is not None:
             self._leave(f.ob, last=f.item.last)
-
-    def _tell_receiver(self, ticket: TicketInfo, reason: str) -> None:
-        try:
-            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, True, self.address, ticket.via)
-        except KvdError as exc:
-            log.info("could not tell %s about the abort of %s: %s", ticket.peer_address, ticket.rid, exc)
 
     def ended(self, e: Ends) -> None:
         """The node's hook (under its lock; never blocks): requests ended or inbound transfers
@@ -532,21 +401,9 @@ class Outbox:
                 if ob.active == 0:
                     del self._open[key]  # it names a request that is gone
         for ob in tell:
-            self._notify(self._tell_receiver, ob.ticket, ob.aborted)
+            self._notices.later(self._notices.tell_receiver, ob.ticket, ob.aborted)
         for address, ref in e.senders:
-            self._notify(self._tell_sender, address, ref, f"the receiving request ended mid-transfer: {e.reason}")
-
-    def _notify(self, fn, *args) -> None:
-        try:
-            self._notices.submit(fn, *args)
-        except RuntimeError:  # shut down: the daemon stops, its peers see it gone
-            log.info("not sent (the outbox is closed): %s%r", fn.__name__, args)
-
-    def _tell_sender(self, address: str, ref: TransferRef, reason: str) -> None:
-        try:
-            self.link.abort_send(address, ref, reason)
-        except KvdError as exc:  # a sender gone: its receiver's fence runs out by itself
-            log.info("could not tell sender %s about the abort of %s: %s", address, ref.rid, exc)
+            self._notices.later(self._notices.tell_sender, address, ref, f"the receiving request ended mid-transfer: {e.reason}")
 
     def abort_local(self, session: str, rid: str, reason: str) -> bool:
         """The prefill engine aborts its transfer(s) of ``rid``. Returns whether one was open."""
@@ -581,7 +438,7 @@ class Outbox:
                 ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
                 ack = ob.began and ob.active == 0
         if ack:
-            self._tell_receiver(ob.ticket, ob.aborted)
+            self._notices.tell_receiver(ob.ticket, ob.aborted)
 
     def heartbeat_once(self) -> None:
         """Tell every receiver with an open transfer that this sender is alive; stop transfers
@@ -594,7 +451,7 @@ class Outbox:
                     del self._open[key]
             # One heartbeat per receiver, on the route its tickets offered (a restarted receiver
             # is another route: its old boot's transfers are asked about apart).
-            by_peer: dict[tuple[str, SocketRoute | None], list[_Outbound]] = {}
+            by_peer: dict[tuple[str, SocketRoute | None], list[Outbound]] = {}
             for ob in self._open.values():
                 # A Send still validating its ticket has not begun: nothing to keep alive yet.
                 # An aborted one with a Send still in it is named too: its writes are in flight,
@@ -635,24 +492,15 @@ class Outbox:
     def open_count(self) -> int:
         """Outbound transfers in progress (a transfer aborted while idle no longer counts)."""
         with self._lock:
-            return sum(1 for ob in self._open.values() if ob.active or not ob.aborted)
+            return self._open_now()
 
+    def _open_now(self) -> int:
+        return sum(1 for ob in self._open.values() if ob.active or not ob.aborted)
 
-def _refuse_duplicates(items: Sequence[SendItem | KvdError]) -> None:
-    """InvalidArgument naming every item that repeats an earlier item's request or ticket."""
-    by_rid: dict[str, int] = {}
-    by_ticket: dict[tuple[str, int], int] = {}
-    dups = []
-    for i, it in enumerate(items):
-        if isinstance(it, KvdError):
-            continue
-        j, k = by_rid.setdefault(it.rid, i), by_ticket.setdefault((it.ticket.boot_id, it.ticket.lease_id), i)
-        if j != i:
-            dups.append(f"items {j} and {i} both send request {quote(it.rid)}")
-        elif k != i:
-            dups.append(f"items {k} and {i} carry the same ticket (lease {it.ticket.lease_id} of receiver boot {it.ticket.boot_id!r})")
-    if dups:
-        raise InvalidArgument(
-            f"SendMany: {'; '.join(dups)}. A call sends each request once, with one ticket (chunks of one request, or "
-            "one request to two receivers, go in separate calls); nothing was sent"
-        )
+    def stats(self) -> OutboxStats:
+        """Its counters and the transfers open, as one picture."""
+        with self._lock:
+            return OutboxStats(
+                self.sent_total, self.failed_total, self.bytes_total, self._open_now(),
+                self.calls_total, self.items_total, self.planned_ahead_total,
+            )

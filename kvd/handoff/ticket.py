@@ -9,7 +9,7 @@ engine, anyone on the path), so its bytes are a ``SealedTicket`` (proto): ``body
     decode daemon                        anyone on the path          prefill daemon
     Tickets.mint(lease, vectors) ──▶ sealed bytes (opaque) ──▶ read(bytes): the body, unverified
           ▲                                                         │ (its own checks: layout,
-          └───────────── CheckTicket(bytes), before the first byte ◀┘  backend, rid, ranges)
+          └───────────── CheckTicket(bytes), before the first byte ◀┘  backend, rid: check_for_sender)
     Tickets.check(bytes): the boot named, the seal, then field by field against this daemon
 
 :meth:`Tickets.check` refuses, in this order and changing nothing:
@@ -43,11 +43,12 @@ from kvd.daemon.leases import Lease
 from kvd.records import LeaseKind
 from kvd.limits import quote
 from kvd.daemon.node import Node
+from kvd.pool.layout import Layout
 from kvd.records import IndexVectors
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
 
-__all__ = ["TICKET_VERSION", "Issuer", "Tickets", "read", "check_fields"]
+__all__ = ["TICKET_VERSION", "Issuer", "Tickets", "read", "check_for_sender", "check_fields"]
 
 #: The body's version: 2 is the sealed ticket (1 travelled bare).
 TICKET_VERSION = 2
@@ -160,8 +161,7 @@ class Tickets:
         body, seal, t = _unseal(blob)
         boot = self.node.pool.boot_id
         if t.boot_id and t.boot_id != boot:  # before the seal: another boot's key sealed it, and the sender should learn why
-            with self.node.lock:
-                self.node.stale_refusals += 1
+            self.node.count_stale()
             raise StaleEpoch(
                 f"ticket from boot {quote(t.boot_id)}, but this daemon is boot {boot!r} (it restarted, or another daemon "
                 "issued the ticket); the decode side must allocate again and issue a new ticket"
@@ -184,6 +184,21 @@ class Tickets:
             return info, check_fields(self.node, info)
 
 
+def check_for_sender(info: TicketInfo, rid: str, layout: Layout, backend: str) -> None:
+    """What the sending daemon alone can refuse in a ticket it read (:func:`read`) to send ``rid``
+    from a pool of ``layout`` over ``backend``: another layout, backend or request. The seal and
+    the rest are the minter's to check (:meth:`Tickets.check`)."""
+    if info.layout_fingerprint != layout.fingerprint:
+        raise LayoutMismatch(
+            f"ticket layout fingerprint {info.layout_fingerprint} differs from this daemon's "
+            f"{layout.fingerprint}: prefill and decode must run the same layout (page size, dtype, groups)"
+        )
+    if info.backend != backend:
+        raise InvalidArgument(f"ticket asks for backend {info.backend!r} but this daemon runs {backend!r}; configure both the same")
+    if info.rid != rid:
+        raise InvalidArgument(f"ticket is for request {quote(info.rid)}, not {quote(rid)}")
+
+
 def check_fields(node: Node, info: TicketInfo) -> Lease:
     """Check a ticket's fields against ``node``, the daemon that issued it (boot, layout, lease,
     epoch, envelopes, destination vectors; see the module docstring) and return its RECV lease.
@@ -191,7 +206,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
     with node.lock:
         pool = node.pool
         if info.boot_id != pool.boot_id:
-            node.stale_refusals += 1
+            node.count_stale()
             raise StaleEpoch(
                 f"ticket from boot {info.boot_id!r}, but this daemon is boot {pool.boot_id!r} (it restarted); "
                 "the decode side must allocate again and issue a new ticket"
@@ -212,7 +227,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
                 f"ticket names lease {info.lease_id} for {quote(info.rid)}, but that lease is a {lease.kind.value} lease on {quote(lease.rid)}"
             )
         if info.epoch != lease.epoch:
-            node.stale_refusals += 1
+            node.count_stale()
             raise StaleEpoch(
                 f"ticket for {quote(info.rid)}: epoch {info.epoch} is stale (its lease was granted at epoch {lease.epoch}); "
                 "the decode side must issue a new ticket"
@@ -220,7 +235,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
         try:
             pool.require_fresh(info.rid, info.epoch, info.boot_id)
         except StaleEpoch:
-            node.stale_refusals += 1
+            node.count_stale()
             raise
         if info.envelopes != pool.envelopes():
             raise FailedPrecondition(

@@ -31,6 +31,7 @@ from kvd.errors import InvalidArgument, Unavailable
 from kvd.ipc.fdpass import HandleServer
 from kvd.handoff.link import run_every
 from kvd.handoff.outbox import Outbox
+from kvd.handoff.inbox import Inbox
 from kvd.pool.layout import GroupKind, Layout
 from kvd.limits import MAX_ID_BYTES, too_long
 from kvd.daemon.node import Node
@@ -239,9 +240,8 @@ class Daemon:
             pool,
             session_ttl=settings.session_ttl_s,
             lease_ttl=settings.lease_ttl_s,
-            peer_timeout=settings.peer_timeout_s,
-            fence_s=settings.fence_s,
         )
+        Inbox.attach(node, peer_timeout=settings.peer_timeout_s, fence_s=settings.fence_s)
         metrics = Metrics(node)
         handle_server: HandleServer | None = None
         peer_server: PeerSocketServer | None = None

@@ -1,7 +1,9 @@
-"""The one exporter: turns the node's plain stats into Prometheus series, plus RPC latency.
+"""The one exporter: turns the daemon's plain stats records into Prometheus series, plus RPC latency.
 
-Gauges are read from :meth:`kvd.daemon.node.Node.stats` at scrape time (a custom collector), so the
-core never imports prometheus_client and nothing is double-booked. Each daemon has its own
+Gauges are read from stats records at scrape time (a custom collector) -- :meth:`Node.stats
+<kvd.daemon.node.Node.stats>`, and where the daemon runs them ``Outbox.stats``,
+``DaemonPeerLink.stats`` and ``PeerSocketServer.stats`` -- so the core never imports
+prometheus_client, the exporter reads no internals, and nothing is double-booked. Each daemon has its own
 registry, so several daemons can live in one process (tests).
 """
 
@@ -84,15 +86,16 @@ class _NodeCollector(Collector):
         by = CounterMetricFamily("kvd_transfer", "KV bytes moved by handoffs, by direction", labels=["direction"], unit="bytes")
         by.add_metric(["in"], s.transfer_in_bytes_total)
         if self.outbox is not None:
-            tr.add_metric(["out", "done"], self.outbox.sent_total)
-            tr.add_metric(["out", "failed"], self.outbox.failed_total)
-            by.add_metric(["out"], self.outbox.bytes_total)
-            yield gauge("kvd_transfers_open", "Outbound transfers in progress", self.outbox.open_count(), {"direction": "out"})
-            yield counter("kvd_send_calls", "Send and SendMany calls this daemon ran (a Send carries one item)", self.outbox.calls_total)
+            o = self.outbox.stats()
+            tr.add_metric(["out", "done"], o.sent_total)
+            tr.add_metric(["out", "failed"], o.failed_total)
+            by.add_metric(["out"], o.bytes_total)
+            yield gauge("kvd_transfers_open", "Outbound transfers in progress", o.open, {"direction": "out"})
+            yield counter("kvd_send_calls", "Send and SendMany calls this daemon ran (a Send carries one item)", o.calls_total)
             yield counter("kvd_send_items", "Items those calls carried (each one transfer chunk, counted in kvd_transfers "
-                          "like a Send)", self.outbox.items_total)
+                          "like a Send)", o.items_total)
             yield counter("kvd_send_planned_ahead", "Send items that used the plan BeginSend made (the request's pages "
-                          "unchanged since): they skipped planning", self.outbox.planned_ahead_total)
+                          "unchanged since): they skipped planning", o.planned_ahead_total)
         yield tr
         yield by
         if self.link is not None:
@@ -100,18 +103,19 @@ class _NodeCollector(Collector):
                 "kvd_peer_calls", "Calls this daemon made to peer daemons, by method and path (socket: the peer's "
                 "same-host peer socket; grpc)", labels=["method", "path"],
             )
-            for (method, path), n in sorted(self.link.calls().items()):
+            for (method, path), n in sorted(self.link.stats().calls.items()):
                 calls.add_metric([method, path], n)
             yield calls
         if self.peer_socket is not None:
+            ps = self.peer_socket.stats()
             served = CounterMetricFamily(
                 "kvd_peer_socket_calls", "Calls peer daemons made on this daemon's peer socket, by method and status code",
                 labels=["method", "code"],
             )
-            for (method, code), n in sorted(self.peer_socket.answered().items()):
+            for (method, code), n in sorted(ps.answered.items()):
                 served.add_metric([method, code], n)
             yield served
-            yield gauge("kvd_peer_socket_connections", "Peer socket connections open", self.peer_socket.connections)
+            yield gauge("kvd_peer_socket_connections", "Peer socket connections open", ps.connections)
 
 
 class _LatencyInterceptor(grpc.ServerInterceptor):

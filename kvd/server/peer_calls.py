@@ -14,6 +14,7 @@ import hmac
 
 from kvd.errors import FailedPrecondition, PermissionDenied
 from kvd.handoff.outbox import Outbox
+from kvd.handoff.inbox import inbox_of
 from kvd.daemon.node import Node
 from kvd.handoff.ticket import Issuer, Tickets
 from kvd.v1 import kvd_pb2 as pb
@@ -49,19 +50,19 @@ class PeerCalls:
         field); with a sender, the transfer begins (RECEIVING)."""
         t, lease = self.tickets.check(request.ticket)
         if request.sender:
-            self.node.inbox.begin(t.ref, request.sender)
+            inbox_of(self.node).begin(t.ref, request.sender)
         return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
 
     def commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
         """A chunk's writes completed; the last one makes the transfer READY. Only from the
         sender that began it (:meth:`kvd.handoff.inbox.Inbox.commit`)."""
-        self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes, request.sender)
+        inbox_of(self.node).commit(ref_from_pb(request.ref), request.last, request.bytes, request.sender)
         return pb.CommitResponse()
 
     def abort_receive(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:
         """The sender gave up on a transfer into this daemon (only the one that began it may:
         :meth:`kvd.handoff.inbox.Inbox.abort`)."""
-        self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained, request.sender)
+        inbox_of(self.node).abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained, request.sender)
         return pb.PeerAbortResponse()
 
     def abort_send(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:
@@ -84,5 +85,5 @@ class PeerCalls:
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         """The sender is alive; answers the transfers this daemon no longer accepts."""
-        dead = self.node.inbox.heartbeat(request.sender, [ref_from_pb(r) for r in request.refs])
+        dead = inbox_of(self.node).heartbeat(request.sender, [ref_from_pb(r) for r in request.refs])
         return pb.HeartbeatResponse(dead_lease_ids=dead)

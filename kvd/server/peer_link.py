@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import Message
 
-from kvd.records import SocketRoute, TransferRef
+from kvd.records import PeerLinkStats, SocketRoute, TransferRef
 from kvd.limits import MAX_REASON_BYTES, clip
 from kvd.server.peer_conns import PeerConnections
 from kvd.rpc.status import from_rpc_error
@@ -53,6 +53,10 @@ class DaemonPeerLink:
         """Calls made so far by ``(method, path)``, path one of :data:`PATHS`."""
         with self._lock:
             return dict(self._calls)
+
+    def stats(self) -> PeerLinkStats:
+        """:meth:`calls` as a record (what the exporter reads)."""
+        return PeerLinkStats(self.calls())
 
     def _count(self, method: str, path: str) -> None:
         with self._lock:

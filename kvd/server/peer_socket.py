@@ -58,6 +58,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from kvd.errors import InvalidArgument, KvdError, Unavailable
+from kvd.records import PeerSocketStats
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import code_from_int
 from kvd.ipc.unix_socket import UnixServer, recv_exact
@@ -180,6 +181,11 @@ class PeerSocketServer(UnixServer):
         """Calls answered so far by ``(method, status code name)``; "OK" for a success."""
         with self._lock:
             return dict(self._answered)
+
+    def stats(self) -> PeerSocketStats:
+        """What it served and the connections open, as one picture (what the exporter reads)."""
+        with self._lock:
+            return PeerSocketStats(dict(self._answered), len(self._conns))
 
     # -- serving -------------------------------------------------------------------------------
     def _end(self) -> None:

@@ -21,7 +21,9 @@ from kvd import __version__
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
 from kvd.handoff.link import PeerLink
 from kvd.limits import MAX_ID_BYTES, quote, too_long
-from kvd.handoff.outbox import Outbox, SendItem, check_batch_size
+from kvd.handoff.flight import SendItem, check_batch_size
+from kvd.handoff.outbox import Outbox
+from kvd.handoff.inbox import inbox_of
 from kvd.daemon.node import Node
 from kvd.records import AllocSpec
 from kvd.server.peer_calls import PeerCalls
@@ -360,7 +362,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             # Never wait past the caller's own deadline.
             left = context.time_remaining()
             timeout = request.timeout_seconds if left is None else min(request.timeout_seconds, max(0.0, left - 0.05))
-            st = self.node.inbox.wait(request.rid, timeout)
+            st = inbox_of(self.node).wait(request.rid, timeout)
             return pb.TransferStatus(rid=request.rid, state=state_to_pb(st.state), reason=st.reason, bytes=st.nbytes)
 
         return self._run(context, go)
@@ -374,7 +376,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             if self.outbox is not None and self.outbox.abort_local(session, request.rid, reason):
                 notified = True
             try:
-                target = self.node.inbox.abort_local(request.rid, reason)
+                target = inbox_of(self.node).abort_local(request.rid, reason)
             except NotFound:
                 target = None
                 if not notified:

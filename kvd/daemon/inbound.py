@@ -1,0 +1,61 @@
+"""What the node asks of the inbound transfers its RECV leases admit, and a stand-in for none.
+
+The node decides when a receiving request ends; whether its pages must stay pinned meanwhile
+(a sender may still be writing them) is the business of the receiving side of the handoff
+(:class:`kvd.handoff.inbox.Inbox`), which lives above this layer. The node sees it only through
+:class:`Inbound`, so the daemon imports nothing of the handoff; whoever assembles a daemon
+attaches one (:meth:`kvd.handoff.inbox.Inbox.attach`). Every method is called under the node's lock.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvd.records import TransferRef
+
+__all__ = ["Inbound", "NoInbound"]
+
+
+class Inbound(Protocol):
+    """The inbound transfers of one node, as the node's own paths (leases, ends, sweep) see them."""
+
+    ready_total: int
+    failed_total: int
+    bytes_total: int
+
+    def expect(self, rid: str, lease_id: int) -> None:
+        """A RECV lease was granted for ``rid``: a sender may now begin."""
+
+    def forget(self, rid: str) -> None:
+        """``rid``'s transfer is over for the node (its request or its RECV lease is gone)."""
+
+    def fenced(self, rid: str) -> bool:
+        """Whether ``rid`` failed while a sender may still be writing (its free must wait)."""
+
+    def end(self, rid: str, reason: str) -> tuple[bool, tuple[str, TransferRef] | None]:
+        """The receiving request ``rid`` (or its RECV lease) ends: ``(fenced, the sender to tell)``."""
+
+    def sweep(self) -> list[str]:
+        """Time out silent senders and ended fences; the rids whose fence ended."""
+
+
+class NoInbound:
+    """The inbound transfers of a node that was attached none: there never are any, so every
+    request ends outright and nothing is fenced."""
+
+    ready_total = failed_total = bytes_total = 0
+
+    def expect(self, rid: str, lease_id: int) -> None:
+        pass
+
+    def forget(self, rid: str) -> None:
+        pass
+
+    def fenced(self, rid: str) -> bool:
+        return False
+
+    def end(self, rid: str, reason: str) -> tuple[bool, tuple[str, TransferRef] | None]:
+        return False, None
+
+    def sweep(self) -> list[str]:
+        return []
