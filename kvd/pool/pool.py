@@ -63,7 +63,8 @@ from kvd.errors import (
 )
 from kvd.pool.layout import GroupKind, GroupSpec, Layout
 from kvd.limits import quote
-from kvd.copy.runs import coalesce, copy_runs
+from kvd.copy.pages import copy_runs
+from kvd.copy.runs import coalesce
 from kvd.records import GroupStats, PoolStats
 from kvd.records import IndexVectors, Envelope, CompactionResult, AllocSpec
 
