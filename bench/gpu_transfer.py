@@ -281,14 +281,15 @@ class Pair:
     def map_decode_for_a(self) -> None:
         """Map the decode arena for GPU A, as the prefill daemon's local backend does (for kernel
         timing; nothing to time for Mooncake, whose copy this process cannot replay)."""
-        from kvd.memory import vmm as arena_cuda
         from kvd.ipc import fdpass
+        from kvd.memory.cuda import can_access_peer
+        from kvd.memory.vmm import import_arena
 
-        if self.backend != "local" or (self.a != self.b and not arena_cuda.can_access_peer(self.a, self.b)):
+        if self.backend != "local" or (self.a != self.b and not can_access_peer(self.a, self.b)):
             return
         h = fdpass.fetch(self.D.unix.removeprefix("unix:") + ".handles", session=self.dc[0].session_id)
         try:
-            self.dmap_owner, self.dmap = arena_cuda.import_arena(h.header, h.fds, self.a)
+            self.dmap_owner, self.dmap = import_arena(h.header, h.fds, self.a)
         finally:
             for fd in h.fds:
                 os.close(fd)

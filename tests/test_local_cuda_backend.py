@@ -372,12 +372,12 @@ def test_the_same_gpu_needs_no_peer_access(writer, peer, imports, monkeypatch):
 
 
 def test_the_owners_gpu_is_found_by_uuid_however_this_process_numbers_it(monkeypatch):
-    """``arena_cuda.device_for`` (what ``_locate`` asks) with torch's device list stubbed: by
+    """``kvd.memory.cuda.device_for`` (what ``_locate`` asks) with torch's device list stubbed: by
     UUID (``arena_cuda.gpu_uuid``, which the daemon's handle header carries too), the owner's
     index only where there is no UUID or torch cannot say one."""
     from types import SimpleNamespace
 
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory import cuda as arena_cuda
 
     uuids = ["GPU-a", "GPU-b"]
 

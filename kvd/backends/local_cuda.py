@@ -7,7 +7,7 @@ checked against its ``region_id`` and backing ``generation``; it maps again when
 promises more bytes than are mapped, or the peer's backing changed, or the peer restarted.
 
 Same GPU or another GPU of the host. The peer's arena lives on the GPU its handle header names
-(by UUID; :func:`kvd.memory.vmm.device_for` finds it in this process). When that is this
+(by UUID; :func:`kvd.memory.cuda.device_for` finds it in this process). When that is this
 daemon's own GPU, the mapping is an ordinary one. When it is another GPU, the chunks are mapped
 for this daemon's GPU with peer access (``cuMemSetAccess`` for the local device on memory that
 physically lives on the peer's: NVLink where present), the peer's GPU is recorded with the
@@ -109,9 +109,9 @@ def copy_strategy(home: int | None, lens: list[int], *, batch: bool = True) -> s
 
 def _import(header: HandleHeader, fds: list[int], device: torch.device) -> tuple[Any, torch.Tensor]:
     """Map a peer's export for ``device``; the seam CPU tests replace (they map memfds instead)."""
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.vmm import import_arena
 
-    return arena_cuda.import_arena(header, fds, device)
+    return import_arena(header, fds, device)
 
 
 def _locate(header: HandleHeader) -> int | None:
@@ -119,22 +119,22 @@ def _locate(header: HandleHeader) -> int | None:
     FailedPrecondition when this process does not see it. A seam: CPU tests stub it."""
     if header.device < 0:
         return None
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.cuda import device_for
 
-    return arena_cuda.device_for(header.gpu_uuid, header.device)
+    return device_for(header.gpu_uuid, header.device)
 
 
 def _can_access(dev: int, home: int) -> bool:
     """Whether kernels on ``dev`` can write memory on ``home`` (peer access). A seam."""
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.cuda import can_access_peer
 
-    return arena_cuda.can_access_peer(dev, home)
+    return can_access_peer(dev, home)
 
 
 def _label(index: int) -> str:
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.cuda import gpu_label
 
-    return arena_cuda.gpu_label(index)
+    return gpu_label(index)
 
 
 @dataclass(slots=True)
@@ -513,7 +513,7 @@ def _copy_batch(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int]
     global _batch_ok
     if not _batch_ok or not n or stream.cuda_stream == 0:
         return False
-    from kvd.memory.vmm import driver
+    from kvd.memory.cuda import driver
 
     cu = driver()
     fn = getattr(cu, "cuMemcpyBatchAsync", None)  # CUDA >= 12.8 bindings

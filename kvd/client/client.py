@@ -147,13 +147,14 @@ def _attach_cuda(r: pb.AttachResponse, layout: Layout, session: str) -> Attachme
             "CUDA device (torch.cuda.is_available() is false); attach from a process with CUDA on that node, or "
             "run the daemon with arena=shm"
         )
-    from kvd.memory import vmm as arena_cuda
     from kvd.ipc import fdpass
+    from kvd.memory.cuda import driver
+    from kvd.memory.vmm import import_arena
 
-    arena_cuda.driver()  # Unavailable naming cuda-python, before any fd is fetched
+    driver()  # Unavailable naming cuda-python, before any fd is fetched
     handles = fdpass.fetch(r.path, session=session)
     try:
-        owner, t = arena_cuda.import_arena(handles.header, handles.fds)
+        owner, t = import_arena(handles.header, handles.fds)
     finally:
         for fd in handles.fds:
             os.close(fd)

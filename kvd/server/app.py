@@ -107,7 +107,7 @@ def _check_cuda(settings: Settings, handle_path: str) -> None:
             f"cuda_device={settings.cuda_device} does not exist: this process sees {count} CUDA device(s) "
             f"(CUDA_VISIBLE_DEVICES applies); set cuda_device below {count}"
         )
-    from kvd.memory.vmm import driver
+    from kvd.memory.cuda import driver
 
     driver()  # Unavailable naming the cuda-python package when it is missing
     check_path(handle_path)

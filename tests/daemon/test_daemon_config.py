@@ -235,7 +235,7 @@ def _pretend_cuda(monkeypatch, devices: int = 1) -> None:
 def test_cuda_arena_refusals_name_the_device_and_the_package(tmp_path, monkeypatch):
     import sys
 
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory import cuda as arena_cuda
     from kvd.errors import Unavailable
 
     _pretend_cuda(monkeypatch, devices=2)

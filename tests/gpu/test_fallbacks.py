@@ -38,9 +38,10 @@ def test_translate_on_cpu() -> None:
 
 
 def test_missing_cuda_python_is_unavailable(monkeypatch) -> None:
+    import kvd.memory.cuda
     import kvd.memory.vmm as ac
 
-    monkeypatch.setattr(ac, "_DRIVER", None)
+    monkeypatch.setattr(kvd.memory.cuda, "_DRIVER", None)
     monkeypatch.setitem(sys.modules, "cuda", None)  # makes `import cuda...` raise ImportError
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     with pytest.raises(Unavailable, match="cuda-python"):
