@@ -538,15 +538,14 @@ class Pair:
         """The daemon's copy of ``plan``'s blocks in its batches (the strategy it picks per batch),
         GPU A -> the decode arena mapped for GPU A: wall time with the stream sync (what the
         daemon's write pays) and GPU time."""
-        from kvd.backends import local_cuda
-        from kvd.backends.local_cuda import COPY_ENGINE, copy_blocks, copy_engine_blocks, copy_strategy
+        from kvd.copy.blocks import COPY_ENGINE, batch_usable, copy_blocks, copy_engine_blocks, copy_strategy
 
         s = [b.src - self.p_base for b in plan.blocks]
         d = [b.dst - self.d_base for b in plan.blocks]
         n = [b.length for b in plan.blocks]
         stream = torch.cuda.Stream(self.a)  # as the daemon's backend: its own stream (batched memcpys refuse the default)
         home = None if self.a == self.b else self.b
-        strategies = [copy_strategy(home, n[i : i + BATCH], batch=local_cuda._batch_ok) for i in range(0, len(n), BATCH)]
+        strategies = [copy_strategy(home, n[i : i + BATCH], batch=batch_usable()) for i in range(0, len(n), BATCH)]
 
         def once() -> None:
             with torch.cuda.stream(stream):

@@ -18,7 +18,8 @@ from memfd_kit import MemfdArena, memfd_import
 
 from kvd.memory.arena import ShmArena
 from kvd.backends import PeerRegion, local_cuda, make_backend
-from kvd.backends.local_cuda import CudaLocalBackend, copy_blocks
+from kvd.backends.local_cuda import CudaLocalBackend
+from kvd.copy.blocks import copy_blocks
 from kvd.errors import (
     Aborted,
     FailedPrecondition,
@@ -445,7 +446,7 @@ def test_without_a_watch_the_writer_pings(writer, peer, monkeypatch):
 
 
 def test_copy_strategy_is_a_pure_choice():
-    from kvd.backends.local_cuda import CE_MAX_BLOCKS, CE_MIN_AVG_BLOCK, COPY_ENGINE, KERNEL, copy_strategy
+    from kvd.copy.blocks import CE_MAX_BLOCKS, CE_MIN_AVG_BLOCK, COPY_ENGINE, KERNEL, copy_strategy
 
     big = [CE_MIN_AVG_BLOCK] * 8
     assert copy_strategy(None, big) == COPY_ENGINE  # the same GPU: one batch beats the kernel
