@@ -315,7 +315,7 @@ def test_mooncake_transport_variables_kvd_cannot_run_with_are_refused_at_start(t
 def test_attaching_a_cuda_arena_without_cuda_says_why():
     import torch
 
-    from kvd.client.client import _attach
+    from kvd.client.attach import _attach
     from kvd.errors import Unavailable
     from kvd.pool.presets import preset
     from kvd.v1 import kvd_pb2 as pb
