@@ -66,7 +66,7 @@ import torch
 
 from kvd.ipc import fdpass
 from kvd.memory.arena import Arena
-from kvd.backends.base import Backend, Landed, PeerRegion
+from kvd.backends.base import Backend, Landed, PeerRegion, Wiring
 from kvd.errors import (
     Aborted,
     FailedPrecondition,
@@ -147,6 +147,13 @@ class CudaLocalBackend(Backend):
     Only a CUDA arena (``handle().kind == "cuda-vmm"``) can be registered."""
 
     name = "local"
+    arena_kinds = frozenset({"cuda-vmm"})
+    draft_vectors = True
+
+    @classmethod
+    def create(cls, wiring: Wiring) -> CudaLocalBackend:
+        """Advertises the daemon's handle socket and presents its peer token."""
+        return cls(wiring.handle_endpoint, token=wiring.peer_token)
 
     def __init__(self, endpoint: str, *, token: str | None = None, timeout: float = _PROBE_TIMEOUT_S) -> None:
         super().__init__()

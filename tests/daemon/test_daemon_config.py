@@ -154,6 +154,17 @@ def test_speculative_combinations_refused_at_start(tmp_path, overrides, phrase):
     assert sorted(os.listdir(tmp_path)) == []  # refused before the arena or the socket was made
 
 
+def test_speculative_asks_the_backend_class_whether_it_carries_draft_vectors(tmp_path, monkeypatch):
+    """The draft-vector refusal reads the class's capability (kvd.backends.registry), not a list of names."""
+    from kvd.backends.local import LocalBackend
+
+    s = load_settings(listen_unix=str(tmp_path / "kvd.sock"), arena_dir=str(tmp_path), speculative=True, backend="local")
+    validate(s)
+    monkeypatch.setattr(LocalBackend, "draft_vectors", False)
+    with pytest.raises(InvalidArgument, match=r"draft vectors \(\['mooncake', 'nixl'\]\); backend='local' cannot"):
+        validate(s)
+
+
 def test_speculative_with_a_draft_capable_backend_starts(tmp_path):
     s = load_settings(listen_unix=str(tmp_path / "kvd.sock"), arena_bytes=MiB, speculative=True, backend="local")
     validate(s)
