@@ -25,7 +25,7 @@ and the exit status is 1 if anything failed.
    >= 0.8 for pages >= 16 KiB). For the default design, "e2e unstaged" times the previous CPU
    path (pageable copy, torch table build) in the same run. Both paths of every design are
    checked (every moved page against its source) before they are timed.
-3. Translation. ``kernels.translate(v2p, vids)``: a 4M-entry int32 table, 1M and 16M int32 ids,
+3. Translation. ``translate.translate(v2p, vids)``: a 4M-entry int32 table, 1M and 16M int32 ids,
    random or request-ordered (runs of 64 consecutive ids). Bytes counted: 4 read per id, 4 read
    per table entry, 4 written = 12 B/id. 1M-id cases are replayed from a CUDA graph over 8
    rotating input sets (ids + outputs 64 MiB, more than the L2) so neither launch overhead nor
@@ -33,7 +33,7 @@ and the exit status is 1 if anything failed.
    translate GB/s / the 2 GiB copy's GB/s (target >= 0.7). The physically required traffic is
    printed too: ids and output (8 B/id) plus one 32-byte sector per distinct sector of the table
    the ids touch (a random gather reads a sector to use 4 bytes of it), counted on the inputs.
-   Then every tuning in ``kernels.TRANSLATE_VARIANTS`` is timed the same way on 1M ids (each
+   Then every tuning in ``translate.TRANSLATE_VARIANTS`` is timed the same way on 1M ids (each
    checked on all 8 sets and on ragged, out-of-range ids first) and the fastest is named.
 4. Finalize. ``Pool(gpt-oss-20b, CudaVmmArena(256 GiB), post_capture=True).finalize(N GiB)``:
    wall time to back N GiB in place (cuMemCreate + cuMemMap + cuMemSetAccess + capacities),
@@ -246,7 +246,7 @@ def _translate_ok(v2p: torch.Tensor, ids: list[torch.Tensor], refs: list[torch.T
 
 
 def translation(copy_gbps: float, sizes: list[int]) -> list[dict]:
-    from kvd.copy import kernels
+    from kvd.copy import translate
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -259,13 +259,13 @@ def translation(copy_gbps: float, sizes: list[int]) -> list[dict]:
             ids = _id_sets(order, n, sets, g)
             outs = [torch.empty(n, dtype=torch.int32, device=dev) for _ in range(sets)]
             refs = [v2p.index_select(0, v.long()) for v in ids]
-            ok = _translate_ok(v2p, ids, refs, lambda t, v: kernels.translate(t, v))
+            ok = _translate_ok(v2p, ids, refs, lambda t, v: translate.translate(t, v))
             nbytes, phys = 12 * n, _physical_bytes(ids)
             cp_src = [torch.empty(nbytes // 2, dtype=torch.uint8, device=dev) for _ in range(sets)]
             cp_dst = [torch.empty(nbytes // 2, dtype=torch.uint8, device=dev) for _ in range(sets)]
 
             def tr(i):
-                return lambda: kernels.translate(v2p, ids[i])
+                return lambda: translate.translate(v2p, ids[i])
 
             def torch_tr(i):
                 return lambda: torch.index_select(v2p, 0, ids[i], out=outs[i])
@@ -291,7 +291,7 @@ def translate_variants(copy_gbps: float, variants: dict, n: int = 1 << 20, *, ra
     """Every tuning on ``n`` ids, random and request-ordered, graph replay over 8 rotating sets;
     each checked first (a failing or non-compiling tuning is reported, not timed). The timed sets
     hold a few ids outside the table, so the check covers the -1 path on the timed inputs."""
-    from kvd.copy import kernels
+    from kvd.copy import translate
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(2)
@@ -306,10 +306,10 @@ def translate_variants(copy_gbps: float, variants: dict, n: int = 1 << 20, *, ra
                    "physical_B_per_id": phys / n, "correct": False, "error": ""}
             try:
                 row["correct"] = _translate_ok(
-                    v2p, ids, refs, lambda t, v, tu=tu: kernels.translate(t, v, tuning=tu), ragged=ragged
+                    v2p, ids, refs, lambda t, v, tu=tu: translate.translate(t, v, tuning=tu), ragged=ragged
                 )
                 if row["correct"]:
-                    t = _graph_time([(lambda i=i, tu=tu: kernels.translate(v2p, ids[i], tuning=tu)) for i in range(8)])
+                    t = _graph_time([(lambda i=i, tu=tu: translate.translate(v2p, ids[i], tuning=tu)) for i in range(8)])
                     row["us"] = t * 1e3
             except Exception as e:  # noqa: BLE001 - a tuning that does not compile is a result too
                 row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -323,9 +323,9 @@ def translate_variants(copy_gbps: float, variants: dict, n: int = 1 << 20, *, ra
 
 def sweep_variants() -> dict:
     """The --sweep grid: ids per program x warps x (no hints | stream + keep)."""
-    from kvd.copy.kernels import TranslateTuning
+    from kvd.copy.translate import TranslateTuning
 
-    from kvd.copy.kernels import _TRANSLATE
+    from kvd.copy.translate import _TRANSLATE
 
     out = {"default 2048/4w": _TRANSLATE}
     for block in (1024, 2048, 4096, 8192, 16384):
@@ -559,13 +559,13 @@ def main() -> int:
           f"{r['index_select_us']:.1f}", f"{r['eager_us']:.1f}", "yes" if r["correct"] else "NO"] for r in trans],
     ), flush=True)
 
-    from kvd.copy.kernels import TRANSLATE_VARIANTS
+    from kvd.copy.translate import TRANSLATE_VARIANTS
 
     named = TRANSLATE_VARIANTS
     if args.quick:
         named = {k: v for k, v in TRANSLATE_VARIANTS.items() if k in ("default 2048/4w", "plain 2048/4w", "stream+keep 4096/8w")}
     tvars = section("translate_variants", lambda: translate_variants(ceiling["GBps_rw"], named))
-    _print_variants("Translate tunings (kernels.TRANSLATE_VARIANTS)", tvars)
+    _print_variants("Translate tunings (translate.TRANSLATE_VARIANTS)", tvars)
     tsweep: list[dict] = []
     if args.sweep:
         tsweep = section("translate_sweep", lambda: translate_variants(ceiling["GBps_rw"], sweep_variants(), ragged=False))

@@ -281,14 +281,15 @@ class Pair:
     def map_decode_for_a(self) -> None:
         """Map the decode arena for GPU A, as the prefill daemon's local backend does (for kernel
         timing; nothing to time for Mooncake, whose copy this process cannot replay)."""
-        from kvd.memory import vmm as arena_cuda
         from kvd.ipc import fdpass
+        from kvd.memory.cuda import can_access_peer
+        from kvd.memory.vmm import import_arena
 
-        if self.backend != "local" or (self.a != self.b and not arena_cuda.can_access_peer(self.a, self.b)):
+        if self.backend != "local" or (self.a != self.b and not can_access_peer(self.a, self.b)):
             return
         h = fdpass.fetch(self.D.unix.removeprefix("unix:") + ".handles", session=self.dc[0].session_id)
         try:
-            self.dmap_owner, self.dmap = arena_cuda.import_arena(h.header, h.fds, self.a)
+            self.dmap_owner, self.dmap = import_arena(h.header, h.fds, self.a)
         finally:
             for fd in h.fds:
                 os.close(fd)
@@ -537,15 +538,14 @@ class Pair:
         """The daemon's copy of ``plan``'s blocks in its batches (the strategy it picks per batch),
         GPU A -> the decode arena mapped for GPU A: wall time with the stream sync (what the
         daemon's write pays) and GPU time."""
-        from kvd.backends import local_cuda
-        from kvd.backends.local_cuda import COPY_ENGINE, copy_blocks, copy_engine_blocks, copy_strategy
+        from kvd.copy.blocks import COPY_ENGINE, batch_usable, copy_blocks, copy_engine_blocks, copy_strategy
 
         s = [b.src - self.p_base for b in plan.blocks]
         d = [b.dst - self.d_base for b in plan.blocks]
         n = [b.length for b in plan.blocks]
         stream = torch.cuda.Stream(self.a)  # as the daemon's backend: its own stream (batched memcpys refuse the default)
         home = None if self.a == self.b else self.b
-        strategies = [copy_strategy(home, n[i : i + BATCH], batch=local_cuda._batch_ok) for i in range(0, len(n), BATCH)]
+        strategies = [copy_strategy(home, n[i : i + BATCH], batch=batch_usable()) for i in range(0, len(n), BATCH)]
 
         def once() -> None:
             with torch.cuda.stream(stream):

@@ -60,9 +60,9 @@ def timed(issue_on: int, src: torch.Tensor, dst: torch.Tensor, k: int, reps: int
 
 def timed_batch(a: int, b: int, src: torch.Tensor, dst: torch.Tensor, blocks: int, reps: int) -> float | None:
     """``blocks`` blocks as the daemon's local backend issues them: one ``cuMemcpyBatchAsync``
-    (:func:`kvd.backends.local_cuda._copy_batch`) on a stream of A (not the legacy default
+    (:func:`kvd.copy.blocks._copy_batch`) on a stream of A (not the legacy default
     stream: the driver refuses it for batches). None when this driver or these bindings lack it."""
-    from kvd.backends.local_cuda import _copy_batch
+    from kvd.copy.blocks import _copy_batch
 
     n = src.numel()
     cuts = [n * i // blocks for i in range(blocks + 1)]

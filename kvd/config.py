@@ -13,7 +13,7 @@ import ipaddress
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
@@ -23,6 +23,15 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
     YamlConfigSettingsSource,
 )
+
+from kvd.backends.registry import NAMES as BACKEND_NAMES
+
+if TYPE_CHECKING:
+    BackendName = str
+else:
+    #: "none" or a name of the backend registry: a Literal, so a wrong name is refused naming the
+    #: choices and the JSON schema (the Helm chart's values schema) lists them as an enum.
+    BackendName = Literal[("none", *BACKEND_NAMES)]
 
 __all__ = ["Settings", "parse_bytes", "load_settings"]
 
@@ -88,7 +97,7 @@ class Settings(BaseSettings):
     advertise: str | None = Field(None, description="address peers use to reach this daemon (default: the TCP address, else the Unix socket)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 picks one; unset disables)")
     metrics_host: str = Field("127.0.0.1", description="interface for the metrics endpoint")
-    backend: Literal["none", "local", "mooncake", "nixl"] = Field(
+    backend: BackendName = Field(
         "none",
         description="data-plane backend for transfers: local (same host: maps the peer's arena, shm or cuda), "
         "mooncake (Mooncake Transfer Engine: RDMA where it finds HCAs, else TCP; arena=cuda needs its CUDA build "

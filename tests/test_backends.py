@@ -418,12 +418,28 @@ def test_mooncake_install_check_names_what_is_actually_missing(error, wheel, lib
 
 
 def test_every_backend_class_says_what_it_misses() -> None:
-    from kvd.backends.base import BACKENDS, backend_class
+    from kvd.backends.registry import BACKENDS, backend_class
 
     assert backend_class("local").missing() is None
     assert (backend_class("mooncake").missing() or "") == MOONCAKE_MISSING
     assert (backend_class("nixl").missing() or "") == NIXL_MISSING
     assert set(BACKENDS) == {"local", "mooncake", "nixl"}
+
+
+def test_the_registry_is_the_one_list_of_backends() -> None:
+    """Every registered class declares its name and arena kinds; one name's classes split the arena
+    kinds between them; the backend setting accepts exactly the registry's names and "none"."""
+    import typing
+
+    from kvd.backends.registry import BACKENDS, backend_classes
+    from kvd.config import Settings
+
+    for name in BACKENDS:
+        classes = backend_classes(name)
+        kinds = [k for cls in classes for k in cls.arena_kinds]
+        assert all(cls.name == name and cls.arena_kinds for cls in classes), name
+        assert len(kinds) == len(set(kinds)), f"{name}: two classes register the same arena kind"
+    assert typing.get_args(Settings.model_fields["backend"].annotation) == ("none", *BACKENDS)
 
 
 class _DeviceArena(Arena):

@@ -18,7 +18,8 @@ from memfd_kit import MemfdArena, memfd_import
 
 from kvd.memory.arena import ShmArena
 from kvd.backends import PeerRegion, local_cuda, make_backend
-from kvd.backends.local_cuda import CudaLocalBackend, copy_blocks
+from kvd.backends.local_cuda import CudaLocalBackend
+from kvd.copy.blocks import copy_blocks
 from kvd.errors import (
     Aborted,
     FailedPrecondition,
@@ -372,12 +373,12 @@ def test_the_same_gpu_needs_no_peer_access(writer, peer, imports, monkeypatch):
 
 
 def test_the_owners_gpu_is_found_by_uuid_however_this_process_numbers_it(monkeypatch):
-    """``arena_cuda.device_for`` (what ``_locate`` asks) with torch's device list stubbed: by
+    """``kvd.memory.cuda.device_for`` (what ``_locate`` asks) with torch's device list stubbed: by
     UUID (``arena_cuda.gpu_uuid``, which the daemon's handle header carries too), the owner's
     index only where there is no UUID or torch cannot say one."""
     from types import SimpleNamespace
 
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory import cuda as arena_cuda
 
     uuids = ["GPU-a", "GPU-b"]
 
@@ -445,7 +446,7 @@ def test_without_a_watch_the_writer_pings(writer, peer, monkeypatch):
 
 
 def test_copy_strategy_is_a_pure_choice():
-    from kvd.backends.local_cuda import CE_MAX_BLOCKS, CE_MIN_AVG_BLOCK, COPY_ENGINE, KERNEL, copy_strategy
+    from kvd.copy.blocks import CE_MAX_BLOCKS, CE_MIN_AVG_BLOCK, COPY_ENGINE, KERNEL, copy_strategy
 
     big = [CE_MIN_AVG_BLOCK] * 8
     assert copy_strategy(None, big) == COPY_ENGINE  # the same GPU: one batch beats the kernel

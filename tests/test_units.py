@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from kvd.pool.allocator import IDX, IdRing
 from kvd.memory.arena import ArenaHandle, ShmArena, map_shared
 from kvd.errors import InternalError, InvalidArgument
-from kvd.copy.runs import Runs, coalesce, copy_runs, expand
+from kvd.copy.pages import copy_runs
+from kvd.copy.runs import Runs, coalesce, expand
 
 
 def _t(xs: list[int]) -> torch.Tensor:

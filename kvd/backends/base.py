@@ -4,7 +4,7 @@ A backend moves bytes from this node's arena into a peer's arena; it knows nothi
 requests or leases (the planner in :mod:`kvd.handoff.plan` turns those into blocks of absolute
 addresses). One backend object serves one local arena and any number of peers::
 
-    backend = make_backend("mooncake")
+    backend = make_backend("mooncake")   # kvd.backends.registry
     backend.register(arena)            # once; again after arena.set_backed(...)
     ticket.transfer_endpoint = backend.endpoint
     ...
@@ -38,18 +38,18 @@ with ``get_batch_transfer_status``); the shm local backend writes synchronously 
 from __future__ import annotations
 
 import abc
-import importlib
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from kvd.memory.arena import Arena
 from kvd.errors import FailedPrecondition, InternalError, InvalidArgument, Unavailable
+from kvd.memory.arena import Arena
 
-__all__ = ["Backend", "PeerRegion", "Landed", "make_backend", "backend_class", "BACKENDS", "INSTALL_HINT"]
+__all__ = ["Backend", "PeerRegion", "Landed", "Wiring"]
 
 #: What :meth:`Backend.write_async` returns: call it once; it returns when every byte landed.
 Landed = Callable[[], None]
@@ -57,11 +57,6 @@ Landed = Callable[[], None]
 
 def _nothing_left() -> None:
     """The waiter of a write that was complete when it was issued."""
-
-#: What a CPU host runs to get Mooncake: the wheel and the system libraries it links (GPU hosts
-#: install ``mooncake-transfer-engine``, the CUDA build, instead).
-INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1 libnuma1 libcurl4"
-
 
 @dataclass(frozen=True, slots=True)
 class PeerRegion:
@@ -71,6 +66,17 @@ class PeerRegion:
     base: int  # address of the peer arena's byte 0, in the peer's address space
     backed_bytes: int  # the peer promises [base, base + backed_bytes) stays backed while its lease lives
     region_id: str  # the peer arena's stable name (diagnostics; the local backend keys caches on the path)
+
+
+@dataclass(frozen=True, slots=True)
+class Wiring:
+    """What a daemon offers every backend it makes (:meth:`Backend.create` takes what it needs)."""
+
+    host: str = "127.0.0.1"  # the address peers use to reach this node's transport (mooncake)
+    handle_endpoint: str = ""  # this daemon's handle socket (the local backend of a cuda-vmm arena)
+    peer_token: str | None = None  # the shared secret presented to peers' handle servers
+    locator: str = ""  # this daemon's peer address, where peers fetch transport metadata (nixl)
+    fetch_metadata: Callable[[str, str], bytes] | None = None  # fetch(locator, agent): a peer's metadata (nixl)
 
 
 class Backend(abc.ABC):
@@ -84,15 +90,39 @@ class Backend(abc.ABC):
     Counters (read any time; updated after each batch the transport confirmed):
     ``bytes_written``, ``batches`` (transport submissions that succeeded) and
     ``registration_seconds`` (time the latest :meth:`register` took).
+
+    Capabilities are class attributes, read before any instance exists (:mod:`kvd.backends.registry`
+    picks a class by name and arena kind; the daemon checks settings against them at start-up).
     """
 
-    name: str = "abstract"
+    #: The backend's name (the ``backend`` setting; several classes may share one, per arena kind).
+    name: ClassVar[str] = "abstract"
+    #: The arena kinds (``Arena.handle().kind``) this class registers.
+    arena_kinds: ClassVar[frozenset[str]] = frozenset()
+    #: Whether it carries a separate draft index vector (``speculative``: draft pages travel apart).
+    draft_vectors: ClassVar[bool] = False
 
     @classmethod
     def missing(cls) -> str | None:
         """What this host lacks to run this backend: a sentence naming the missing Python package
         or system library and the command that installs it; None when nothing is missing."""
         return None
+
+    @classmethod
+    def startup_check(cls, arena_kind: str) -> str | None:
+        """Refuse at start-up what cannot work on this host for an arena of ``arena_kind``:
+        Unavailable saying what to install (default: :meth:`missing`), InvalidArgument for an
+        environment the backend cannot run with. Returns what to log about the installed
+        transport (None: nothing)."""
+        why = cls.missing()
+        if why is not None:
+            raise Unavailable(why)
+        return None
+
+    @classmethod
+    def create(cls, wiring: Wiring) -> Backend:
+        """An instance, from what the daemon offers (default: ``cls()``)."""
+        return cls()
 
     def __init__(self) -> None:
         self.registration_seconds = 0.0
@@ -303,64 +333,3 @@ def _check_few(peer: PeerRegion, lo: int, size: int, srcs: list[int], dsts: list
         for i, b in enumerate(bad):
             if b:
                 raise InvalidArgument(f"block {i} (src {srcs[i]:#x}, dst {dsts[i]:#x}, len {lens[i]}) {why}; nothing was written")
-
-
-#: Backend names, and the module and class of each (imported only when asked for).
-BACKENDS = {
-    "local": ("kvd.backends.local", "LocalBackend"),
-    "mooncake": ("kvd.backends.mooncake", "MooncakeBackend"),
-    "nixl": ("kvd.backends.nixl", "NixlBackend"),
-}
-
-
-def backend_class(name: str) -> type[Backend]:
-    """The class of backend ``name`` (importing its module needs none of its transport);
-    Unavailable naming the choices for an unknown name."""
-    if name not in BACKENDS:
-        raise Unavailable(
-            f"no transfer backend named {name!r}; choose 'local' (same host), 'mooncake' or 'nixl' (any host); "
-            "docs/backends.md says which to pick"
-        )
-    module, cls = BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)
-
-
-def make_backend(
-    name: str,
-    *,
-    host: str = "127.0.0.1",
-    arena_kind: str = "shm",
-    handle_endpoint: str = "",
-    peer_token: str | None = None,
-    locator: str = "",
-    fetch_metadata: Callable[[str, str], bytes] | None = None,
-) -> Backend:
-    """A backend by name: ``"local"`` (same host), ``"mooncake"`` or ``"nixl"`` (any host).
-
-    ``host`` is the address peers use to reach a mooncake backend (ignored by the others).
-    ``local`` depends on the kind of arena it will register (``Arena.handle().kind``): ``"shm"``
-    maps peers' arena files; ``"cuda-vmm"`` imports peers' CUDA arenas over their handle sockets,
-    advertising ``handle_endpoint`` (this daemon's handle socket) and presenting ``peer_token``.
-    ``nixl`` advertises ``locator`` (this daemon's peer address) and fetches peers' agent
-    metadata with ``fetch_metadata(locator, agent)`` (the daemon's peer link).
-    Raises Unavailable for an unknown name or when the backend's packages are missing."""
-    if name == "local":
-        if arena_kind == "cuda-vmm":
-            from kvd.backends.local_cuda import CudaLocalBackend
-
-            return CudaLocalBackend(handle_endpoint, token=peer_token)
-        if arena_kind != "shm":
-            raise InvalidArgument(f"the local backend copies between shm or cuda-vmm arenas, not {arena_kind!r}")
-        from kvd.backends.local import LocalBackend
-
-        return LocalBackend()
-    if name == "mooncake":
-        from kvd.backends.mooncake import MooncakeBackend
-
-        return MooncakeBackend(host=host)
-    if name == "nixl":
-        from kvd.backends.nixl import NixlBackend
-
-        return NixlBackend(locator, fetch_metadata)
-    backend_class(name)  # Unavailable naming the choices
-    raise InternalError(f"backend {name!r} is listed but make_backend does not build it (a bug in kvd)")

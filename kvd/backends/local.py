@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.memory.arena import Arena, fd_is_live
 from kvd.backends.base import Backend, PeerRegion
+from kvd.memory.arena import Arena, fd_is_live
 from kvd.errors import Aborted, FailedPrecondition, InternalError, InvalidArgument, Unavailable
 
 __all__ = ["LocalBackend"]
@@ -81,6 +81,8 @@ class LocalBackend(Backend):
     most ``max_batch`` x the average small block)."""
 
     name = "local"
+    arena_kinds = frozenset({"shm"})
+    draft_vectors = True
 
     def __init__(self, *, max_batch: int = 1024) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ checked against its ``region_id`` and backing ``generation``; it maps again when
 promises more bytes than are mapped, or the peer's backing changed, or the peer restarted.
 
 Same GPU or another GPU of the host. The peer's arena lives on the GPU its handle header names
-(by UUID; :func:`kvd.memory.vmm.device_for` finds it in this process). When that is this
+(by UUID; :func:`kvd.memory.cuda.device_for` finds it in this process). When that is this
 daemon's own GPU, the mapping is an ordinary one. When it is another GPU, the chunks are mapped
 for this daemon's GPU with peer access (``cuMemSetAccess`` for the local device on memory that
 physically lives on the peer's: NVLink where present), the peer's GPU is recorded with the
@@ -30,8 +30,8 @@ and for a cross-GPU write the stores over the link are complete when the kernel 
 is both at once. A sender of many requests (``Outbox.send_many``) queues the next request's
 copies before it waits for the previous request's, so the GPU never waits for Python.
 
-Copy strategy (:func:`copy_strategy`, a pure function). Few large blocks go through the copy
-engines (:func:`copy_engine_blocks`): every block of a write batch in one ``cuMemcpyBatchAsync``
+Copy strategy (:func:`kvd.copy.blocks.copy_strategy`, a pure function). Few large blocks go through the copy
+engines (:func:`kvd.copy.blocks.copy_engine_blocks`): every block of a write batch in one ``cuMemcpyBatchAsync``
 (across GPUs, device-to-device copies the driver routes over NVLink: 390 GB/s on H200, what one
 memcpy of the same bytes moves, against the kernel's 316-319 and 370 for a memcpy per block; on
 the same GPU 1.9 TB/s against the kernel's 1.3), or, across GPUs only, one memcpy per block
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -67,7 +66,7 @@ import torch
 
 from kvd.ipc import fdpass
 from kvd.memory.arena import Arena
-from kvd.backends.base import Backend, Landed, PeerRegion
+from kvd.backends.base import Backend, Landed, PeerRegion, Wiring
 from kvd.errors import (
     Aborted,
     FailedPrecondition,
@@ -76,42 +75,20 @@ from kvd.errors import (
     Unavailable,
 )
 from kvd.ipc.fdpass import HandleHeader
-from kvd.copy.runs import Runs
+from kvd.copy.blocks import COPY_ENGINE, KERNEL, batch_usable, copy_blocks, copy_engine_blocks, copy_strategy
 
-__all__ = ["COPY_ENGINE", "KERNEL", "CudaLocalBackend", "copy_blocks", "copy_engine_blocks", "copy_strategy"]
+__all__ = ["CudaLocalBackend"]
 
 log = logging.getLogger("kvd.backends.local_cuda")
 
 #: Seconds to wait for a peer's handle server; a dead peer answers at once (connection refused).
 _PROBE_TIMEOUT_S = 2.0
 
-#: Copy strategies (:func:`copy_strategy`).
-KERNEL = "kernel"
-COPY_ENGINE = "copy-engine"
-#: Across GPUs, blocks of at least this many bytes on average go through the copy engines: one
-#: memcpy per block costs a few microseconds to issue, so small blocks are the kernel's (one launch).
-CE_MIN_AVG_BLOCK = 256 << 10
-#: ... and at most this many blocks per write batch (~4 us to issue each: at most ~16 ms of issuing).
-CE_MAX_BLOCKS = 4096
-
-
-def copy_strategy(home: int | None, lens: list[int], *, batch: bool = True) -> str:
-    """How to move blocks of ``lens`` bytes into a peer arena whose memory lives on GPU ``home``
-    (None: this daemon's own GPU); ``batch``: whether ``cuMemcpyBatchAsync`` is usable here.
-    Pure: COPY_ENGINE for few large blocks -- across GPUs always (the copy engines beat the
-    kernel over NVLink, even one memcpy per block), on the same GPU only as one batch (1.76 GB
-    in 17 blocks on one H200: batch 0.94 ms, the kernel 1.36, one copy 0.85; one memcpy per
-    block loses to the kernel as blocks get many) -- and KERNEL otherwise (one launch)."""
-    if not lens or len(lens) > CE_MAX_BLOCKS or (home is None and not batch):
-        return KERNEL
-    return COPY_ENGINE if sum(lens) >= CE_MIN_AVG_BLOCK * len(lens) else KERNEL
-
-
 def _import(header: HandleHeader, fds: list[int], device: torch.device) -> tuple[Any, torch.Tensor]:
     """Map a peer's export for ``device``; the seam CPU tests replace (they map memfds instead)."""
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.vmm import import_arena
 
-    return arena_cuda.import_arena(header, fds, device)
+    return import_arena(header, fds, device)
 
 
 def _locate(header: HandleHeader) -> int | None:
@@ -119,22 +96,22 @@ def _locate(header: HandleHeader) -> int | None:
     FailedPrecondition when this process does not see it. A seam: CPU tests stub it."""
     if header.device < 0:
         return None
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.cuda import device_for
 
-    return arena_cuda.device_for(header.gpu_uuid, header.device)
+    return device_for(header.gpu_uuid, header.device)
 
 
 def _can_access(dev: int, home: int) -> bool:
     """Whether kernels on ``dev`` can write memory on ``home`` (peer access). A seam."""
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.cuda import can_access_peer
 
-    return arena_cuda.can_access_peer(dev, home)
+    return can_access_peer(dev, home)
 
 
 def _label(index: int) -> str:
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory.cuda import gpu_label
 
-    return arena_cuda.gpu_label(index)
+    return gpu_label(index)
 
 
 @dataclass(slots=True)
@@ -170,6 +147,13 @@ class CudaLocalBackend(Backend):
     Only a CUDA arena (``handle().kind == "cuda-vmm"``) can be registered."""
 
     name = "local"
+    arena_kinds = frozenset({"cuda-vmm"})
+    draft_vectors = True
+
+    @classmethod
+    def create(cls, wiring: Wiring) -> CudaLocalBackend:
+        """Advertises the daemon's handle socket and presents its peer token."""
+        return cls(wiring.handle_endpoint, token=wiring.peer_token)
 
     def __init__(self, endpoint: str, *, token: str | None = None, timeout: float = _PROBE_TIMEOUT_S) -> None:
         super().__init__()
@@ -374,7 +358,7 @@ class CudaLocalBackend(Backend):
             # No mapping that a quiet watch vouches for: ask the peer (a round trip) and map.
             m = self._checked_mapping(peer)
         lo = self.registered[0]
-        strategy = copy_strategy(m.home, lens, batch=_batch_ok)
+        strategy = copy_strategy(m.home, lens, batch=batch_usable())
         done = None
         stream = self._stream
         try:
@@ -449,125 +433,3 @@ def _close_watch(m: _Import) -> None:
     polling it sees "not quiet" and re-checks the peer by a ping, which a dropped peer fails."""
     if m.watch is not None:
         m.watch.close()
-
-
-def copy_engine_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int], home: int | None = None,
-                       stream: torch.cuda.Stream | None = None) -> int:
-    """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` through the copy engines (byte offsets
-    into two uint8 tensors); returns the bytes moved. On a GPU: on ``stream`` (None: the current
-    stream of ``src``'s device), not waited for (the caller synchronizes), as one
-    ``cuMemcpyBatchAsync`` of every block where the driver has it and that stream is not the
-    legacy default stream (which the driver refuses for batches), else one device-to-device
-    memcpy per block. ``dst`` must be a tensor of the same device (an import for this GPU, even
-    of memory on a peer GPU); ``home``: the GPU its memory lives on (None: ``src``'s), a hint to
-    the driver. The batch is one driver call with no torch stream or device guard around it
-    (those cost more than the call: ~0.1 ms of a Send's issue on the H200 host).
-
-    Why a batch: each memcpy costs the copy engines ~15 us of link time on top of its bytes
-    (GPU 0 -> 1 on H200, 1.76 GB: one copy 4.50 ms, the same bytes as 17 memcpys 4.76 ms, as 64
-    memcpys 5.4 ms; as one batch of 17 or 64, 4.50-4.52 ms -- bench/nvlink_streams.py), and
-    one driver call replaces a Python loop of them."""
-    if len(s) != len(n) or len(d) != len(n):
-        raise ValueError(f"copy_engine_blocks: {len(s)} sources, {len(d)} destinations, {len(n)} lengths")
-    if src.is_cuda:
-        stream = stream if stream is not None else torch.cuda.current_stream(src.device)
-        if not _copy_batch(src, dst, s, d, n, home, stream):
-            with torch.cuda.device(src.device), torch.cuda.stream(stream):
-                for a, b, k in zip(s, d, n):
-                    dst[b : b + k].copy_(src[a : a + k], non_blocking=True)
-    else:
-        for a, b, k in zip(s, d, n):
-            dst[b : b + k].copy_(src[a : a + k])
-    return sum(n)
-
-
-#: Whether ``cuMemcpyBatchAsync`` may be used (False once the bindings or the driver lacked it).
-_batch_ok = True
-_batch_attrs: dict[tuple[int, int], Any] = {}  # (source GPU, destination GPU) -> CUmemcpyAttributes
-_primary: dict[int, Any] = {}  # GPU -> its primary context (retained once, for the process's life)
-_primary_lock = threading.Lock()
-
-
-def _bind_primary(cu: Any, dev: int) -> None:
-    """Make GPU ``dev``'s primary context (torch's) current on this thread for a driver call. A
-    thread that has made no CUDA runtime call yet has none current, and ``torch.cuda.device``
-    of the device it already reports makes none (then the batch call fails INVALID_VALUE: a
-    gRPC worker thread's first write, seen with eight concurrent senders)."""
-    with _primary_lock:
-        ctx = _primary.get(dev)
-        if ctx is None:
-            err, ctx = cu.cuDevicePrimaryCtxRetain(dev)
-            if err != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuDevicePrimaryCtxRetain({dev}) failed: {getattr(err, 'name', err)}")
-            _primary[dev] = ctx
-    (err,) = cu.cuCtxSetCurrent(ctx)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuCtxSetCurrent (GPU {dev}) failed: {getattr(err, 'name', err)}")
-
-
-def _copy_batch(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int], home: int | None,
-                stream: torch.cuda.Stream) -> bool:
-    """Queue the blocks as one ``cuMemcpyBatchAsync`` on ``stream``: True when queued, False
-    when this process cannot (then nothing was queued; the caller copies block by block).
-    RuntimeError when the driver refuses this batch (a CUDA error: the caller's copy failed)."""
-    global _batch_ok
-    if not _batch_ok or not n or stream.cuda_stream == 0:
-        return False
-    from kvd.memory.vmm import driver
-
-    cu = driver()
-    fn = getattr(cu, "cuMemcpyBatchAsync", None)  # CUDA >= 12.8 bindings
-    if fn is None:
-        _batch_ok = False
-        log.info("cuda bindings have no cuMemcpyBatchAsync: copy-engine writes go one memcpy per block")
-        return False
-    here = src.device.index if src.device.index is not None else torch.cuda.current_device()
-    there = here if home is None else home
-    attr = _batch_attrs.get((here, there))
-    if attr is None:
-        attr = cu.CUmemcpyAttributes()
-        # The blocks are read in stream order: after whatever the stream ran before them.
-        attr.srcAccessOrder = cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        attr.srcLocHint.type = attr.dstLocHint.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        attr.srcLocHint.id, attr.dstLocHint.id = here, there
-        _batch_attrs[(here, there)] = attr
-    _bind_primary(cu, here)
-    a, b, ptr = src.data_ptr(), dst.data_ptr(), cu.CUdeviceptr
-    try:
-        res = fn([ptr(b + x) for x in d], [ptr(a + x) for x in s], n, len(n), [attr], [0], 1, stream.cuda_stream)
-    except TypeError as exc:  # bindings of another signature
-        _batch_ok = False
-        log.info("cuMemcpyBatchAsync not usable (%s): copy-engine writes go one memcpy per block", exc)
-        return False
-    err = res[0] if isinstance(res, tuple) else res
-    if err == cu.CUresult.CUDA_SUCCESS:
-        return True
-    if err == cu.CUresult.CUDA_ERROR_NOT_SUPPORTED:  # a driver older than the bindings
-        _batch_ok = False
-        log.info("the CUDA driver does not support cuMemcpyBatchAsync: copy-engine writes go one memcpy per block")
-        return False
-    raise RuntimeError(f"cuMemcpyBatchAsync of {len(n)} blocks failed: {getattr(err, 'name', err)}")
-
-
-def copy_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> int:
-    """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` (byte offsets into two uint8 tensors) in
-    one :func:`kvd.copy.kernels.move_pages` call; returns the bytes moved.
-
-    Both tensors are viewed as rows of ``g`` bytes, ``g`` the gcd of every offset and length, so
-    each block is a run of whole rows. ``g`` is whatever the blocks allow: page-aligned blocks of
-    the pool give a multiple of the smallest page size (hundreds of bytes), which lets the kernel
-    move 16-byte words. Off the GPU, ``move_pages`` falls back to torch."""
-    if not n:
-        return 0
-    from kvd.copy.kernels import move_pages
-
-    g = math.gcd(*s, *d, *n)
-    rows_s = src[: src.numel() // g * g].view(-1, g)
-    rows_d = dst[: dst.numel() // g * g].view(-1, g)
-    runs = Runs(
-        torch.tensor(s, dtype=torch.int64) // g,
-        torch.tensor(d, dtype=torch.int64) // g,
-        torch.tensor(n, dtype=torch.int64) // g,
-    )
-    move_pages(rows_s, rows_d, runs)
-    return sum(n)

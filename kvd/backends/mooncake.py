@@ -69,11 +69,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.backends.base import Backend, Landed, PeerRegion, Wiring
 from kvd.memory.arena import Arena
-from kvd.backends.base import INSTALL_HINT, Backend, Landed, PeerRegion
 from kvd.errors import Aborted, InvalidArgument, KvdError, Unavailable
 
-__all__ = ["MooncakeBackend", "BuildInfo", "build_info", "check_installed", "CUDA_INSTALL_HINT"]
+__all__ = ["MooncakeBackend", "BuildInfo", "build_info", "check_installed", "INSTALL_HINT", "CUDA_INSTALL_HINT"]
+
+#: What a CPU host runs to get Mooncake: the wheel and the system libraries it links (GPU hosts
+#: install ``mooncake-transfer-engine``, the CUDA build, instead).
+INSTALL_HINT = "pip install mooncake-transfer-engine-non-cuda && apt-get install -y libibverbs1 libnuma1 libcurl4"
 
 #: What a GPU host runs to get the CUDA build (both wheels install the package ``mooncake``).
 CUDA_INSTALL_HINT = "pip uninstall -y mooncake-transfer-engine-non-cuda && pip install mooncake-transfer-engine"
@@ -225,6 +229,8 @@ class MooncakeBackend(Backend):
     with the CUDA build (see the module docstring)."""
 
     name = "mooncake"
+    arena_kinds = frozenset({"shm", "cuda-vmm"})
+    draft_vectors = True
 
     @classmethod
     def missing(cls) -> str | None:
@@ -234,6 +240,17 @@ class MooncakeBackend(Backend):
         except Unavailable as exc:
             return str(exc)
         return None
+
+    @classmethod
+    def startup_check(cls, arena_kind: str) -> str | None:
+        """:func:`check_installed` for this kind of arena (a cuda-vmm arena needs the CUDA build);
+        sets Mooncake's environment defaults first. Returns the build's description."""
+        return check_installed(cuda_arena=arena_kind == "cuda-vmm").describe()
+
+    @classmethod
+    def create(cls, wiring: Wiring) -> MooncakeBackend:
+        """Advertises ``wiring.host`` to peers."""
+        return cls(host=wiring.host)
 
     def __init__(
         self,

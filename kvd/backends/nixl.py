@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
+from kvd.backends.base import Backend, Landed, PeerRegion, Wiring
 from kvd.memory.arena import Arena
-from kvd.backends.base import Backend, Landed, PeerRegion
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, KvdError, Unavailable
 
 __all__ = ["NixlBackend", "Fetch", "INSTALL_HINT", "missing", "check_installed", "parse_endpoint"]
@@ -166,11 +166,24 @@ class NixlBackend(Backend):
     Raises Unavailable when NIXL is missing or its UCX backend does not start."""
 
     name = "nixl"
+    arena_kinds = frozenset({"shm", "cuda-vmm"})
+    draft_vectors = True
 
     @classmethod
     def missing(cls) -> str | None:
         """See :func:`missing`."""
         return missing()
+
+    @classmethod
+    def startup_check(cls, arena_kind: str) -> str | None:
+        """:func:`check_installed` (sets ``UCX_MODULES=^ib`` without InfiniBand before NIXL
+        loads); returns NIXL's version. Whether its UCX handles VRAM is checked at register."""
+        return check_installed()
+
+    @classmethod
+    def create(cls, wiring: Wiring) -> NixlBackend:
+        """Advertises ``wiring.locator`` and fetches peers' metadata with ``wiring.fetch_metadata``."""
+        return cls(wiring.locator, wiring.fetch_metadata)
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Runs", "coalesce", "coalesce_np"]
+__all__ = ["Runs", "coalesce", "coalesce_np", "expand", "copy_host"]
 
 
 class Runs(NamedTuple):
@@ -63,19 +63,13 @@ def coalesce(src: torch.Tensor, dst: torch.Tensor) -> Runs:
 _LOOP_MIN_RUN_BYTES = 64 * 1024
 
 
-def copy_runs(src_view: torch.Tensor, dst_view: torch.Tensor, runs: Runs) -> None:
-    """Copy page runs between two ``[pages, page_bytes]`` views (may be the same view).
+def copy_host(src_view: torch.Tensor, dst_view: torch.Tensor, runs: Runs) -> None:
+    """Copy page runs between two ``[pages, page_bytes]`` views with torch, on the host (the CPU
+    path of :func:`kvd.copy.pages.copy_runs`; may be the same view).
 
-    Source and destination pages must not overlap (compaction moves live pages into holes;
-    transfers copy between arenas). Large runs are copied one ``copy_`` each, so each is a
-    memcpy; many small runs go through one ``index_select``/``index_copy_`` pair instead.
-    CUDA views go to :func:`kvd.copy.kernels.move_pages` (one Triton launch over the runs)."""
+    Source and destination pages must not overlap. Large runs are copied one ``copy_`` each, so
+    each is a memcpy; many small runs go through one ``index_select``/``index_copy_`` pair instead."""
     if len(runs) == 0:
-        return
-    if src_view.is_cuda or dst_view.is_cuda:
-        from kvd.copy.kernels import move_pages
-
-        move_pages(src_view, dst_view, runs)
         return
     page_bytes = src_view.shape[1]
     total = int(runs.length.sum())

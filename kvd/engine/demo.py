@@ -345,7 +345,7 @@ def _require_gpu_stack() -> None:
     moves); say so before anything starts instead of in a daemon's log."""
     import importlib.util
 
-    from kvd.memory.vmm import driver
+    from kvd.memory.cuda import driver
 
     driver()  # Unavailable, with how to install it, when cuda-python is missing
     if importlib.util.find_spec("triton") is None:

@@ -28,7 +28,7 @@ physical chunks, share the chunks with other processes as POSIX file descriptors
   its own, in order, so byte ``i`` is the same memory in both processes.
 * Cross-GPU imports. The importer may map the chunks for another device than the one they live
   on (its *home*): ``cuMemSetAccess`` then grants that device peer access (NVLink or PCIe P2P;
-  :func:`can_access_peer` says whether the pair allows it) and the tensor is a tensor of the
+  :func:`kvd.memory.cuda.can_access_peer` says whether the pair allows it) and the tensor is a tensor of the
   accessing device, so a kernel launched there reads and writes the peer's memory directly.
 
 ``cuda.bindings.driver`` (the ``cuda-python`` package) is imported when an arena is made, not when
@@ -45,87 +45,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvd.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kvd.memory.arena import Arena, ArenaHandle
-from kvd.errors import CapacityError, FailedPrecondition, InvalidArgument, Unavailable
+from kvd.memory.cuda import _device_index, _ok, _on, device_for, driver, gpu_direct_rdma_vmm
 
 if TYPE_CHECKING:
     from kvd.ipc.fdpass import HandleHeader
 
-__all__ = [
-    "CudaVmmArena",
-    "ImportedVmm",
-    "map_imported",
-    "import_arena",
-    "device_for",
-    "gpu_uuid",
-    "can_access_peer",
-    "gpu_label",
-    "gpu_direct_rdma_vmm",
-    "driver",
-]
+__all__ = ["CudaVmmArena", "ImportedVmm", "map_imported", "import_arena", "DEFAULT_CHUNK_BYTES"]
 
-_DRIVER: Any = None
 _LOCK = threading.Lock()
 #: Default cap of one physical chunk: the grain at which shrinking gives memory back.
 DEFAULT_CHUNK_BYTES = 1 << 30
-
-
-def driver() -> Any:
-    """The ``cuda.bindings.driver`` module; :class:`~kvd.errors.Unavailable` if it is missing."""
-    global _DRIVER
-    if _DRIVER is None:
-        try:
-            from cuda.bindings import driver as drv  # cuda-python >= 12.6
-        except ImportError as exc:
-            try:
-                from cuda import cuda as drv  # type: ignore[no-redef]  # older cuda-python layout
-            except ImportError:
-                raise Unavailable(
-                    "the CUDA virtual-memory arena needs the `cuda-python` package (module "
-                    "cuda.bindings.driver); install cuda-python matching the node's CUDA driver, or "
-                    "use the shm arena"
-                ) from exc
-        _DRIVER = drv
-    return _DRIVER
-
-
-def _ok(result: Any, what: str, nbytes: int = 0) -> Any:
-    """Unpack a ``cuda.bindings`` result tuple ``(CUresult, *values)``; raise on an error."""
-    cu = driver()
-    err, vals = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
-    if err != cu.CUresult.CUDA_SUCCESS:
-        name = getattr(err, "name", str(err))
-        if err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            raise CapacityError(
-                f"{what}: the GPU has no {nbytes:,d} bytes of free memory ({name}); ask for less or free "
-                "device memory first",
-                shortfall_bytes=nbytes,
-            )
-        raise Unavailable(f"{what} failed: {name}")
-    if not vals:
-        return None
-    return vals[0] if len(vals) == 1 else vals
-
-
-def _device_index(device: int | str | torch.device | None) -> int:
-    if not torch.cuda.is_available():
-        raise Unavailable("the CUDA virtual-memory arena needs a CUDA device; torch.cuda.is_available() is false")
-    if device is None:
-        return torch.cuda.current_device()
-    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-    if d.type != "cuda":
-        raise InvalidArgument(f"the CUDA virtual-memory arena lives on a cuda device, not {d}")
-    idx = torch.cuda.current_device() if d.index is None else d.index
-    if not 0 <= idx < torch.cuda.device_count():
-        raise InvalidArgument(f"cuda device {idx} does not exist (this host has {torch.cuda.device_count()})")
-    return idx
-
-
-def _on(dev: int) -> torch.cuda.device:
-    """``with _on(dev):`` makes ``dev``'s primary context current for driver calls (and creates it
-    the first time), without changing the caller's current device afterwards."""
-    torch.cuda.init()
-    return torch.cuda.device(dev)
 
 
 def _prop(dev: int, *, gpu_direct_rdma: bool = False) -> Any:
@@ -138,21 +69,6 @@ def _prop(dev: int, *, gpu_direct_rdma: bool = False) -> Any:
     if gpu_direct_rdma:
         p.allocFlags.gpuDirectRDMACapable = 1
     return p
-
-
-def gpu_direct_rdma_vmm(dev: int) -> bool:
-    """Whether device ``dev`` supports GPUDirect RDMA on CUDA virtual memory (the driver's
-    ``CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED``); False where the driver or
-    the bindings cannot say. Call with ``dev``'s context current (``_on``)."""
-    cu = driver()
-    attr = getattr(cu.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED", None)
-    if attr is None:  # bindings older than CUDA 11.3
-        return False
-    err, handle = cu.cuDeviceGet(dev)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        return False
-    err, value = cu.cuDeviceGetAttribute(attr, handle)
-    return err == cu.CUresult.CUDA_SUCCESS and bool(value)
 
 
 def _granularity(prop: Any) -> int:
@@ -444,7 +360,7 @@ def map_imported(
     every chunk's bytes).
 
     ``home``: this process's index of the device the chunks live on, when it is not ``device``
-    (a cross-GPU import: ``device`` reaches them by peer access; check :func:`can_access_peer`
+    (a cross-GPU import: ``device`` reaches them by peer access; check :func:`kvd.memory.cuda.can_access_peer`
     first, or ``cuMemSetAccess`` refuses). The fds are not closed here; the memory stays alive
     through the mapping, so the caller may close them as soon as this returns."""
     if not fds_sizes:
@@ -492,60 +408,14 @@ def map_imported(
         return owner, view
 
 
-def gpu_uuid(index: int) -> str:
-    """The UUID of CUDA device ``index`` as torch reports it ("" when torch cannot say: a torch
-    without ``.uuid``, no such device). Never empty otherwise: torch formats the 16 bytes."""
-    try:
-        return str(torch.cuda.get_device_properties(index).uuid)
-    except Exception:  # noqa: BLE001 -- callers fall back to the index
-        return ""
-
-
-def device_for(owner_uuid: str, index: int) -> int:
-    """This process's index of the CUDA device with ``owner_uuid`` (another process may number its
-    devices differently: ``CUDA_VISIBLE_DEVICES``). Without a UUID, ``index`` is trusted.
-    FailedPrecondition when this process cannot see that device."""
-    count = torch.cuda.device_count()
-    if owner_uuid:
-        for i in range(count):
-            mine = gpu_uuid(i)
-            if not mine:  # torch cannot say: fall back to the index
-                break
-            if mine == owner_uuid:
-                return i
-        else:
-            raise FailedPrecondition(
-                f"the arena lives on GPU {owner_uuid} (cuda:{index} of its owner), which this process does not see; "
-                "check CUDA_VISIBLE_DEVICES"
-            )
-    if not 0 <= index < count:
-        raise FailedPrecondition(f"the arena lives on cuda:{index} of its owner; this process has {count} CUDA device(s)")
-    return index
-
-
-def can_access_peer(dev: int, home: int) -> bool:
-    """Whether kernels on ``dev`` can read and write memory that lives on ``home`` (always true
-    for one device; else the driver's peer-access capability: NVLink or PCIe P2P)."""
-    return dev == home or bool(torch.cuda.can_device_access_peer(dev, home))
-
-
-def gpu_label(index: int) -> str:
-    """``cuda:i (name, uuid)`` for messages; just ``cuda:i`` when torch cannot say more."""
-    try:
-        p = torch.cuda.get_device_properties(index)
-        return f"cuda:{index} ({p.name}, GPU-{str(p.uuid).removeprefix('GPU-')})"
-    except Exception:  # noqa: BLE001 -- a label must never fail
-        return f"cuda:{index}"
-
-
 def import_arena(
     header: HandleHeader, fds: list[int], device: int | str | torch.device | None = None
 ) -> tuple[ImportedVmm, torch.Tensor]:
     """Map an export received over a handle socket (:func:`kvd.ipc.fdpass.fetch`): the chunks in
     order, a ``uint8`` tensor over exactly ``header.backed`` bytes. The memory lives on the
-    owner's GPU, found here by UUID (:func:`device_for`); ``device`` (default: that GPU) is the
+    owner's GPU, found here by UUID (:func:`kvd.memory.cuda.device_for`); ``device`` (default: that GPU) is the
     device the mapping is made for and the tensor belongs to. Another device than the owner's
-    maps it for peer access (see :func:`map_imported`; callers check :func:`can_access_peer`).
+    maps it for peer access (see :func:`map_imported`; callers check :func:`kvd.memory.cuda.can_access_peer`).
     The fds stay the caller's to close."""
     home = device_for(header.gpu_uuid, header.device)
     dev = home if device is None else _device_index(device)

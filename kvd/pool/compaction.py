@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvd.copy.runs import coalesce, copy_runs
+from kvd.copy.pages import copy_runs
+from kvd.copy.runs import coalesce
 from kvd.errors import NotFound, Pinned
 from kvd.limits import quote
 from kvd.pool.allocator import IDX, GroupAllocator

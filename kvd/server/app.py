@@ -24,8 +24,9 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvd.backends.base import Backend
+from kvd.backends.registry import backend_class, draft_capable, make_backend
 from kvd.memory.arena import Arena, ShmArena, reap_stale
-from kvd.backends.base import Backend, make_backend
 from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
 from kvd.ipc.fdpass import HandleServer
@@ -52,8 +53,8 @@ __all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "validat
 
 log = logging.getLogger("kvd.server")
 
-#: Backends able to carry a separate draft index vector.
-_DRAFT_CAPABLE = {"mooncake", "local", "nixl"}
+#: The arena kind (``Arena.handle().kind``) each ``arena`` setting makes (:func:`_make_arena`).
+_ARENA_KINDS = {"shm": "shm", "cuda": "cuda-vmm"}
 #: Exchanges the handle socket serves at once. A peer's local backend pings it before and after
 #: every write batch, so N concurrent senders hold up to N slots, and a finished exchange frees its
 #: slot only when its thread next gets the GIL (ms on a busy daemon): 8 concurrent senders were
@@ -75,23 +76,19 @@ def validate(settings: Settings, handle_path: str | None = None, peer_path: str 
             f"speculative=true but layout {layout.name!r} has no draft group; use a layout with a draft group "
             "or turn speculative off"
         )
-    if settings.speculative and settings.backend not in _DRAFT_CAPABLE:
+    backend = None if settings.backend == "none" else backend_class(settings.backend, _ARENA_KINDS[settings.arena])
+    if settings.speculative and not (backend is not None and backend.draft_vectors):
         raise InvalidArgument(
-            f"speculative=true needs a backend that carries separate draft vectors ({sorted(_DRAFT_CAPABLE)}); "
+            f"speculative=true needs a backend that carries separate draft vectors ({draft_capable()}); "
             f"backend={settings.backend!r} cannot: set backend, or turn speculative off"
         )
-    if settings.backend == "mooncake":
-        # Unavailable with the install commands (for arena=cuda: of the CUDA build), InvalidArgument
-        # for a transport variable kvd cannot run with; sets Mooncake's env defaults first.
-        from kvd.backends.mooncake import check_installed
-
-        info = check_installed(cuda_arena=settings.arena == "cuda")
-        log.info("mooncake backend: %s", info.describe())
-    if settings.backend == "nixl":
-        # Unavailable with the install command; sets UCX_MODULES=^ib (no InfiniBand) before NIXL loads.
-        from kvd.backends.nixl import check_installed as nixl_installed
-
-        log.info("nixl backend: %s", nixl_installed())
+    if backend is not None:
+        # Unavailable with the install commands (mooncake with arena=cuda: of the CUDA build),
+        # InvalidArgument for a transport variable kvd cannot run with; sets the transport's
+        # environment defaults before it loads.
+        info = backend.startup_check(_ARENA_KINDS[settings.arena])
+        if info is not None:
+            log.info("%s backend: %s", settings.backend, info)
     if settings.arena == "cuda":
         _check_cuda(settings, handle_path or handle_socket_path(settings))
     return layout
@@ -109,7 +106,7 @@ def _check_cuda(settings: Settings, handle_path: str) -> None:
             f"cuda_device={settings.cuda_device} does not exist: this process sees {count} CUDA device(s) "
             f"(CUDA_VISIBLE_DEVICES applies); set cuda_device below {count}"
         )
-    from kvd.memory.vmm import driver
+    from kvd.memory.cuda import driver
 
     driver()  # Unavailable naming the cuda-python package when it is missing
     check_path(handle_path)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hmac
 import os
 
-from kvd.memory.vmm import gpu_uuid
+from kvd.memory.cuda import gpu_uuid
 from kvd.errors import FailedPrecondition, PermissionDenied
 from kvd.ipc.fdpass import MAX_FDS, HandleHeader, HandleRequest
 from kvd.daemon.node import Node

@@ -154,6 +154,17 @@ def test_speculative_combinations_refused_at_start(tmp_path, overrides, phrase):
     assert sorted(os.listdir(tmp_path)) == []  # refused before the arena or the socket was made
 
 
+def test_speculative_asks_the_backend_class_whether_it_carries_draft_vectors(tmp_path, monkeypatch):
+    """The draft-vector refusal reads the class's capability (kvd.backends.registry), not a list of names."""
+    from kvd.backends.local import LocalBackend
+
+    s = load_settings(listen_unix=str(tmp_path / "kvd.sock"), arena_dir=str(tmp_path), speculative=True, backend="local")
+    validate(s)
+    monkeypatch.setattr(LocalBackend, "draft_vectors", False)
+    with pytest.raises(InvalidArgument, match=r"draft vectors \(\['mooncake', 'nixl'\]\); backend='local' cannot"):
+        validate(s)
+
+
 def test_speculative_with_a_draft_capable_backend_starts(tmp_path):
     s = load_settings(listen_unix=str(tmp_path / "kvd.sock"), arena_bytes=MiB, speculative=True, backend="local")
     validate(s)
@@ -235,7 +246,7 @@ def _pretend_cuda(monkeypatch, devices: int = 1) -> None:
 def test_cuda_arena_refusals_name_the_device_and_the_package(tmp_path, monkeypatch):
     import sys
 
-    from kvd.memory import vmm as arena_cuda
+    from kvd.memory import cuda as arena_cuda
     from kvd.errors import Unavailable
 
     _pretend_cuda(monkeypatch, devices=2)
@@ -315,7 +326,7 @@ def test_mooncake_transport_variables_kvd_cannot_run_with_are_refused_at_start(t
 def test_attaching_a_cuda_arena_without_cuda_says_why():
     import torch
 
-    from kvd.client.client import _attach
+    from kvd.client.attach import _attach
     from kvd.errors import Unavailable
     from kvd.pool.presets import preset
     from kvd.v1 import kvd_pb2 as pb

@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from kvd.copy import kernels
+from kvd.copy import kernels, translate
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.copy.runs import coalesce, copy_runs
+from kvd.copy.pages import copy_runs
+from kvd.copy.runs import coalesce
 
 
 def test_move_pages_on_cpu_is_copy_runs() -> None:
@@ -27,19 +28,20 @@ def test_move_pages_on_cpu_is_copy_runs() -> None:
 
 def test_translate_on_cpu() -> None:
     v2p = torch.tensor([5, -1, 7, 9], dtype=torch.int32)
-    assert kernels.translate(v2p, torch.tensor([3, 0, 2])).tolist() == [9, 5, 7]
-    assert kernels.translate(v2p, torch.tensor([3, 4, -1], dtype=torch.int32)).tolist() == [9, -1, -1]
-    assert kernels.translate(v2p, torch.empty(0, dtype=torch.int64)).numel() == 0
+    assert translate.translate(v2p, torch.tensor([3, 0, 2])).tolist() == [9, 5, 7]
+    assert translate.translate(v2p, torch.tensor([3, 4, -1], dtype=torch.int32)).tolist() == [9, -1, -1]
+    assert translate.translate(v2p, torch.empty(0, dtype=torch.int64)).numel() == 0
     with pytest.raises(InvalidArgument, match=r"must lie in \[0, 4\)"):
-        kernels.translate(v2p, torch.tensor([4]), check=True)
+        translate.translate(v2p, torch.tensor([4]), check=True)
     with pytest.raises(InvalidArgument, match="must be 1-D"):
-        kernels.translate(v2p.view(2, 2), torch.tensor([0]))
+        translate.translate(v2p.view(2, 2), torch.tensor([0]))
 
 
 def test_missing_cuda_python_is_unavailable(monkeypatch) -> None:
+    import kvd.memory.cuda
     import kvd.memory.vmm as ac
 
-    monkeypatch.setattr(ac, "_DRIVER", None)
+    monkeypatch.setattr(kvd.memory.cuda, "_DRIVER", None)
     monkeypatch.setitem(sys.modules, "cuda", None)  # makes `import cuda...` raise ImportError
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     with pytest.raises(Unavailable, match="cuda-python"):

@@ -6,9 +6,10 @@ import pytest
 import torch
 from gpu_kit import GPU, NEEDS_TRITON
 
-from kvd.copy import kernels, runs
+from kvd.copy import kernels, runs, translate
 from kvd.errors import InvalidArgument
-from kvd.copy.runs import Runs, coalesce, copy_runs
+from kvd.copy.pages import copy_runs
+from kvd.copy.runs import Runs, coalesce
 
 pytestmark = [*GPU, NEEDS_TRITON]
 
@@ -176,7 +177,7 @@ def test_copy_runs_dispatches_cuda_views_to_the_kernel(monkeypatch) -> None:
     g = view.cuda()
     r = coalesce(torch.tensor([0, 1, 2, 9]), torch.tensor([20, 21, 22, 30]))
     copy_runs(g, g, r)
-    copy_runs(view, view, r)  # the CPU path stays in runs.py
+    copy_runs(view, view, r)  # the CPU path stays on the host (runs.copy_host)
     assert calls == [2]
     assert torch.equal(g.cpu(), view)
 
@@ -332,32 +333,32 @@ def test_translate_matches_cpu(n: int, id_dtype: torch.dtype) -> None:
     v2p = torch.randint(-1, 1 << 24, (table,), dtype=torch.int32, generator=gen)
     vids = torch.randint(0, table, (n,), dtype=id_dtype, generator=gen)
     ref = v2p.index_select(0, vids.to(torch.int64))
-    out = kernels.translate(v2p.cuda(), vids.cuda())
+    out = translate.translate(v2p.cuda(), vids.cuda())
     assert out.is_cuda and out.dtype == torch.int32 and out.shape == vids.shape
     assert torch.equal(out.cpu(), ref)
-    assert torch.equal(kernels.translate(v2p, vids), ref)  # the CPU fallback
+    assert torch.equal(translate.translate(v2p, vids), ref)  # the CPU fallback
     # 2-D ids keep their shape
     if n >= 1000:
-        assert torch.equal(kernels.translate(v2p.cuda(), vids[:1000].cuda().view(10, 100)).cpu(), ref[:1000].view(10, 100))
+        assert torch.equal(translate.translate(v2p.cuda(), vids[:1000].cuda().view(10, 100)).cpu(), ref[:1000].view(10, 100))
 
 
 def test_translate_out_of_range() -> None:
     v2p = torch.arange(100, dtype=torch.int32) * 3
     vids = torch.tensor([0, 99, 100, -1, 5])
     want = torch.tensor([0, 297, -1, -1, 15], dtype=torch.int32)
-    assert torch.equal(kernels.translate(v2p.cuda(), vids.cuda()).cpu(), want)
-    assert torch.equal(kernels.translate(v2p, vids), want)
+    assert torch.equal(translate.translate(v2p.cuda(), vids.cuda()).cpu(), want)
+    assert torch.equal(translate.translate(v2p, vids), want)
     for table in (v2p, v2p.cuda()):
         with pytest.raises(InvalidArgument, match=r"virtual ids must lie in \[0, 100\)"):
-            kernels.translate(table, vids.to(table.device), check=True)
+            translate.translate(table, vids.to(table.device), check=True)
     with pytest.raises(InvalidArgument, match="ids must be integers"):
-        kernels.translate(v2p.cuda(), torch.zeros(3, device="cuda"))
+        translate.translate(v2p.cuda(), torch.zeros(3, device="cuda"))
 
 
-@pytest.mark.parametrize("label", list(kernels.TRANSLATE_VARIANTS))
+@pytest.mark.parametrize("label", list(translate.TRANSLATE_VARIANTS))
 def test_translate_variants_match_cpu(label: str) -> None:
     """Every tuning gives index_select's result, -1 for ids outside the table, on even and ragged sizes."""
-    tu = kernels.TRANSLATE_VARIANTS[label]
+    tu = translate.TRANSLATE_VARIANTS[label]
     gen = torch.Generator().manual_seed(len(label))
     table = 1 << 20
     v2p = torch.randint(-1, 1 << 24, (table,), dtype=torch.int32, generator=gen)
@@ -372,7 +373,7 @@ def test_translate_variants_match_cpu(label: str) -> None:
         ref = torch.where(inside, v2p[vids.clamp(0, table - 1)], torch.full_like(v2p[:1], -1))
         for dt in (torch.int32, torch.int64):
             v = vids.to(dt) if dt == torch.int64 else vids.clamp(-(1 << 31), (1 << 31) - 1).to(dt)
-            out = kernels.translate(g_v2p, v.cuda(), tuning=tu)
+            out = translate.translate(g_v2p, v.cuda(), tuning=tu)
             assert out.dtype == torch.int32 and torch.equal(out.cpu(), ref), (n, dt)
     with pytest.raises(InvalidArgument, match="power of two"):
-        kernels.translate(g_v2p, vids.cuda(), tuning=tu, block=1000)
+        translate.translate(g_v2p, vids.cuda(), tuning=tu, block=1000)

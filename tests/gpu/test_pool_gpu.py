@@ -18,7 +18,7 @@ import torch
 from gpu_kit import GPU, NEEDS_TRITON, NEEDS_VMM
 from pool_testkit import phys_key, sizings
 
-from kvd.copy import kernels
+from kvd.copy import kernels, translate
 from kvd.memory.arena import ShmArena
 from kvd.errors import KvdError
 from kvd.pool.layout import GroupKind
@@ -176,9 +176,9 @@ def test_translation_matches_cpu(mirror_factory) -> None:
     for kind, a in m.cpu.groups.items():
         vids = torch.randint(0, a.v2p.numel(), (50_000,), generator=gen)
         ref = m.cpu.translate(kind, vids)
-        got = kernels.translate(m.gpu.groups[kind].v2p.cuda(), vids.cuda())
+        got = translate.translate(m.gpu.groups[kind].v2p.cuda(), vids.cuda())
         assert torch.equal(got.cpu(), ref), kind
-        assert torch.equal(kernels.translate(a.v2p, vids), ref)
+        assert torch.equal(translate.translate(a.v2p, vids), ref)
 
 
 TINY = preset("tiny-hybrid")

@@ -94,7 +94,7 @@ def test_copy_engine_blocks_go_as_one_batch_off_the_default_stream(dst_gpu, monk
     """Scattered blocks from GPU 0 into memory on GPU ``dst_gpu``: on a stream of its own they go
     as one cuMemcpyBatchAsync and land exactly; on the legacy default stream (which the driver
     refuses for batches) block by block, landing the same."""
-    from kvd.backends import local_cuda as lc
+    from kvd.copy import blocks as lc
 
     monkeypatch.setattr(lc, "_batch_ok", lc._batch_ok)  # a refusal here must not switch batches off for later tests
 

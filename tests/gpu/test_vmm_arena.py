@@ -137,7 +137,7 @@ def test_chunks_are_rdma_capable_exactly_where_the_device_supports_it(vmm_arena_
     """The allocation flag an RDMA NIC needs to register VMM memory (Mooncake's GPUDirect path)
     is set when the device reports GPUDirect RDMA on virtual memory, and only then; the chunks
     still export and the bytes still read back."""
-    from kvd.memory.vmm import _ok, driver, gpu_direct_rdma_vmm
+    from kvd.memory.cuda import _ok, driver, gpu_direct_rdma_vmm
 
     cu = driver()
     a = vmm_arena_factory(GiB, 5 * MiB, chunk_bytes=4 * MiB)  # two chunks
