@@ -19,10 +19,11 @@ from kvd.errors import KvdError
 if TYPE_CHECKING:
     from kvd.server.app import Daemon
 
-__all__ = ["main"]
+__all__ = ["main", "serve_parser", "cmd_serve"]
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def serve_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and its flags to ``sub``; a launcher that wraps ``kvd serve`` reuses it with :func:`cmd_serve`."""
     p = sub.add_parser(
         "serve",
         help="run a kvd daemon in the foreground",
@@ -89,7 +90,7 @@ def _device_flag(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace) -> int:
     from kvd.engine.demo import DemoOptions, run_demo
 
     requests = args.requests if args.requests is not None else (16 if args.quick else 64)
@@ -116,7 +117,7 @@ def cmd_serve(args: argparse.Namespace, on_start: Callable[[Daemon], None] | Non
     return 0
 
 
-def format_status(st) -> str:
+def _format_status(st) -> str:
     """A readable table of a :class:`kvd.records.NodeStats`."""
     p = st.pool
     lines = [
@@ -149,23 +150,23 @@ def _h(n: int) -> str:
     return str(n)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _cmd_status(args: argparse.Namespace) -> int:
     from kvd.client import Client
 
     with Client.connect(args.address, name="kvd-status", timeout=5) as kv:
-        print(format_status(kv.stats()))
+        print(_format_status(kv.stats()))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd", description="kvd: per-node KV-cache daemon for disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    _serve_parser(sub)
+    serve_parser(sub)
     _status_parser(sub)
     _demo_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo}[args.cmd](args)
+        return {"serve": cmd_serve, "status": _cmd_status, "demo": _cmd_demo}[args.cmd](args)
     except KvdError as exc:
         print(f"kvd {args.cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

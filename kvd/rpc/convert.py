@@ -46,6 +46,7 @@ __all__ = [
     "parse_request",
     "check_strings",
     "STRING_LIMITS",
+    "grpc_target",
 ]
 
 M = TypeVar("M", bound=Message)
