@@ -142,7 +142,7 @@ def _format_status(st) -> str:
     return "\n".join(lines)
 
 
-def _h(n: int) -> str:
+def _h(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
