@@ -19,7 +19,7 @@
 #   * arena=cuda: both containers must see the same GPU (the engine imports the exported chunks on
 #     that device) and share an IPC namespace, as CUDA IPC wants (a Kubernetes pod does).
 #
-# Ports (tests/test_deploy.py keeps EXPOSE equal to deploy/docker/kvd.yaml and the MC_* below): 50051 gRPC for
+# Ports (tests/deploy/test_deploy.py keeps EXPOSE equal to deploy/docker/kvd.yaml and the MC_* below): 50051 gRPC for
 # engines and peer daemons (listen_tcp), 9470 Prometheus /metrics (metrics_port), 17000-17003
 # Mooncake's handshake and data ports (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT: the engine draws both
 # there; it listens on every interface whatever transfer_host says). Peers on other hosts must

@@ -3,6 +3,7 @@
 #   make demo   -> a prefill node and a decode node on loopback, every output checked (kvd demo)
 #   make demo-gpu -> the same with both daemons' arenas, both engines and the reference on GPU 0
 #   make demo-gpu2 -> the same split over two GPUs: the prefill role on GPU 0, the decode role on GPU 1
+#   make typecheck -> mypy over kvd/ (pyproject's [tool.mypy]: strict on the core packages); CI runs it first
 #   make test   -> the whole CPU test suite (what CI runs)
 PY        ?= python3
 VENV      ?= .venv
@@ -14,7 +15,7 @@ TORCH_PIN ?= torch==2.13.0
 # NIXL_PKGS="nixl-cu13==1.5.1 nixl==1.5.1".
 NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 
-.PHONY: venv demo demo-gpu demo-gpu2 serve test bench clean proto
+.PHONY: venv demo demo-gpu demo-gpu2 serve typecheck test bench clean proto
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -53,6 +54,10 @@ demo-gpu2:
 serve: venv
 	$(BIN)/kvd serve
 
+# mypy reads its files and settings from pyproject.toml ([tool.mypy]).
+typecheck: venv
+	$(BIN)/mypy
+
 # pytest's exit 5 ("no tests collected") is a broken suite here, not a pass: it fails too, saying so.
 test: venv
 	@$(BIN)/python -m pytest -q; rc=$$?; \
@@ -65,7 +70,7 @@ bench: venv
 	$(BIN)/python bench/send_many.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .mypy_cache
 
 # Regenerate the committed gRPC stubs (python, grpc, typed .pyi) from proto/.
 # tests/daemon/test_proto_stubs.py fails when the committed stubs differ from what this produces.

@@ -20,10 +20,11 @@ from kvd.errors import KvdError
 if TYPE_CHECKING:
     from kvd.server.app import Daemon
 
-__all__ = ["main"]
+__all__ = ["main", "serve_parser", "cmd_serve"]
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def serve_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` and its flags to ``sub``; a launcher that wraps ``kvd serve`` reuses it with :func:`cmd_serve`."""
     p = sub.add_parser(
         "serve",
         help="run a kvd daemon in the foreground",
@@ -65,7 +66,7 @@ def _top_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--once", action="store_true", help="print one screen (rates over one interval) and exit")
 
 
-def cmd_top(args: argparse.Namespace) -> int:
+def _cmd_top(args: argparse.Namespace) -> int:
     from kvd.client import Client
     from kvd.tools.top import run_top
 
@@ -104,7 +105,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
+def _cmd_plan(args: argparse.Namespace) -> int:
     import json
 
     from kvd.config import parse_bytes
@@ -180,7 +181,7 @@ def _device_flag(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace) -> int:
     from kvd.engine.demo import DemoOptions, run_demo
 
     requests = args.requests if args.requests is not None else (16 if args.quick else 64)
@@ -207,7 +208,7 @@ def cmd_serve(args: argparse.Namespace, on_start: Callable[[Daemon], None] | Non
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _cmd_status(args: argparse.Namespace) -> int:
     from kvd.client import Client
 
     import json
@@ -226,14 +227,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd", description="kvd: per-node KV-cache daemon for disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    _serve_parser(sub)
+    serve_parser(sub)
     _status_parser(sub)
     _demo_parser(sub)
     _plan_parser(sub)
     _top_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"serve": cmd_serve, "status": cmd_status, "demo": cmd_demo, "plan": cmd_plan, "top": cmd_top}[args.cmd](args)
+        return {"serve": cmd_serve, "status": _cmd_status, "demo": _cmd_demo, "plan": _cmd_plan, "top": _cmd_top}[args.cmd](args)
     except KvdError as exc:
         print(f"kvd {args.cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -179,8 +179,9 @@ _BY_NAME: dict[str, type[KvdError]] = {cls.__name__: cls for cls in CODES}
 # limit, a server out of threads), not the pool's capacity -- a CapacityError would make an
 # engine wait for memory that is not the problem. It stays the general class, named by its code.
 _BY_CODE: dict[int, type[KvdError]] = {
-    code: cls for cls, code in CODES.items() if code != Code.RESOURCE_EXHAUSTED
-} | {Code.CANCELLED: Aborted}
+    **{code: cls for cls, code in CODES.items() if code != Code.RESOURCE_EXHAUSTED},
+    Code.CANCELLED: Aborted,
+}
 #: Bytes of a Pinned error's holders in its metadata; whole labels only, the rest counted. With
 #: a message of MAX_MESSAGE_BYTES (percent-encoded: up to 3x) the status stays under gRPC's 8 KiB.
 MAX_HOLDERS_BYTES = 1024

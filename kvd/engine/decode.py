@@ -133,7 +133,8 @@ class DecodeEngine:
             except CapacityError:
                 # Requests already retracted go first: wait for memory rather than retract more.
                 if self.retracted or not self._retract_one():
-                    return self._defer(req.rid)
+                    self._defer(req.rid)
+                    return None
         lease = self.kv.acquire_lease(req.rid, "recv", ttl=self.cfg.lease_ttl, vectors=vec)  # type: ignore[attr-defined]
         self.stats.recv_leases += 1
         self.awaiting[req.rid] = _Seq(req, vec, length=len(req.prompt), draft_len=len(req.prompt))

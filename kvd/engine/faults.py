@@ -97,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     sends with fault ``NAME`` installed (test only: the demo's ``--fault``)."""
     import argparse
 
-    from kvd.cli import _serve_parser, cmd_serve
+    from kvd.cli import cmd_serve, serve_parser
     from kvd.errors import KvdError
 
     ap = argparse.ArgumentParser(prog="python -m kvd.engine.faults", description=main.__doc__)
     ap.add_argument("fault", choices=sorted(FAULTS))
-    _serve_parser(ap.add_subparsers(dest="cmd", required=True))
+    serve_parser(ap.add_subparsers(dest="cmd", required=True))
     args = ap.parse_args(argv)
     try:
         return cmd_serve(args, on_start=lambda d: install(d, FAULTS[args.fault]))

@@ -40,6 +40,7 @@ logits) lives on the model's device; the arena views it reads must be on that de
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -231,7 +232,7 @@ class Model:
                 w1=rnd(d, cfg.mlp_hidden, scale=1 / math.sqrt(d)), w2=rnd(cfg.mlp_hidden, d, scale=1 / math.sqrt(cfg.mlp_hidden)),
             ))
 
-    def forward(self, tokens: list[int] | torch.Tensor, start: int, seq: SeqKV, pending: Pending) -> torch.Tensor:
+    def forward(self, tokens: Sequence[int] | torch.Tensor, start: int, seq: SeqKV, pending: Pending) -> torch.Tensor:
         """Logits (float64 ``[T, vocab]``) for ``tokens`` at positions ``start..start+T-1``.
 
         Past KV: positions ``[0, pending.start)`` are read from the arena via ``seq`` (only the

@@ -25,6 +25,7 @@ tensor on another device fails, it is never copied across silently).
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 
@@ -93,6 +94,7 @@ class SeqKV:
         pages, p0 = self._pages(group, lo, hi)
         ps = self.kv.page_size[group]
         view = self.kv.views[group][layer]
+        assert view.v is not None, f"group {group} holds state, not K/V: read_state reads it"
         off = lo - p0 * ps
         k = view.k.index_select(0, pages).flatten(0, 1)[off : off + hi - lo]
         v = view.v.index_select(0, pages).flatten(0, 1)[off : off + hi - lo]
@@ -107,6 +109,7 @@ class SeqKV:
         page = ids[pos // ps - first].to(torch.int64)  # offsets are computed on the host (CPU vectors), moved once
         slot = pos % ps
         view = self.kv.views[group][layer]
+        assert view.v is not None, f"group {group} holds state, not K/V: write_state writes it"
         if k.device != view.k.device or v.device != view.k.device:
             raise ValueError(f"K/V on {k.device}/{v.device} for arena views on {view.k.device}")
         _put_rows(view.k, page, slot, k)
@@ -153,7 +156,8 @@ def _put_rows(view: torch.Tensor, page: torch.Tensor, slot: torch.Tensor, rows: 
     if rows.shape[0] != page.numel() or rows.shape[1:] != view.shape[2:]:
         raise ValueError(f"rows of shape {tuple(rows.shape)} for {page.numel()} positions of a view {tuple(view.shape)}")
     inner = _inner_offsets(tuple(view.shape[2:]), tuple(view.stride()[2:]))
-    base = view.storage_offset() + page * view.stride(0) + slot * view.stride(1)
+    # A tensor (torch's stubs type int + tensor as a SymInt too).
+    base = cast(torch.Tensor, view.storage_offset() + page * view.stride(0) + slot * view.stride(1))
     offs = (base.view(-1, *[1] * (view.dim() - 2)) + inner).reshape(-1)
     flat = torch.as_strided(view, (view.untyped_storage().nbytes() // view.element_size(),), (1,), 0)
     flat.index_put_((offs.to(view.device),), rows.reshape(-1).to(view.dtype))

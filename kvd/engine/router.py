@@ -28,6 +28,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import cast
 from multiprocessing.connection import Connection, wait
 
 import torch
@@ -270,7 +271,7 @@ class Router:
                 inflight += 1
             if time.monotonic() > deadline:
                 raise TimeoutError(f"router: {len(requests) - len(out.completions)} requests still unfinished after {timeout_s:.0f} s")
-            for conn in wait([self.prefill, self.decode], timeout=1.0):
+            for conn in cast("list[Connection]", wait([self.prefill, self.decode], timeout=1.0)):  # the objects given
                 msg = recv_or_raise(conn)
                 now = time.perf_counter()
                 if isinstance(msg, Crashed):
@@ -304,7 +305,7 @@ class Router:
         deadline = time.monotonic() + timeout_s
         pending = [self.prefill, self.decode]
         while pending and time.monotonic() < deadline:
-            for conn in wait(pending, timeout=max(0.0, deadline - time.monotonic())):
+            for conn in cast("list[Connection]", wait(pending, timeout=max(0.0, deadline - time.monotonic()))):
                 try:
                     msg = conn.recv()
                 except EOFError:

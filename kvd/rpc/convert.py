@@ -8,7 +8,8 @@ parse, or a string over its bound (:mod:`kvd.limits`), are INVALID_ARGUMENT nami
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Iterable
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ __all__ = [
     "parse_request",
     "check_strings",
     "STRING_LIMITS",
+    "grpc_target",
 ]
 
 M = TypeVar("M", bound=Message)
@@ -73,7 +75,7 @@ def vectors_to_pb(v: IndexVectors) -> pb.IndexVectors:
 
 
 def vectors_from_pb(m: pb.IndexVectors) -> IndexVectors:
-    def t(xs) -> torch.Tensor:
+    def t(xs: Iterable[int]) -> torch.Tensor:
         # numpy reads the repeated field ~8x faster than torch.tensor(list(xs)); np.array copies,
         # so the tensor owns fresh, writable int32 memory.
         return torch.from_numpy(np.array(xs, dtype=np.int32))
@@ -112,7 +114,7 @@ def lease_kind_from_pb(k: int) -> LeaseKind:
     raise InvalidArgument(f"lease kind must be SEND or RECV, got {k}")
 
 
-def lease_kind_to_pb(k: LeaseKind) -> int:
+def lease_kind_to_pb(k: LeaseKind) -> pb.LeaseKind.ValueType:
     return pb.SEND if k is LeaseKind.SEND else pb.RECV
 
 
@@ -227,7 +229,9 @@ STRING_LIMITS: dict[str, int] = {"reason": MAX_REASON_BYTES}
 
 # Per message type: (field, bound or 0, repeated, map entry's value plan or None, nested plan or
 # None) for each field that holds a string somewhere below it.
-_Plan = tuple[tuple[FieldDescriptor, int, bool, "tuple | None", "tuple | None"], ...]
+_Plan = tuple["_Row", ...]
+_Row = tuple[FieldDescriptor, int, bool, "_Entry | None", "_Plan | None"]
+_Entry = tuple[FieldDescriptor, FieldDescriptor, "_Plan | None"]  # a map's key and value fields, the value's plan
 _PLANS: dict[str, _Plan] = {}
 
 
@@ -236,19 +240,20 @@ def _plan(d: Descriptor) -> _Plan:
     if got is not None:
         return got
     _PLANS[d.full_name] = ()  # while it is planned: a type that contains itself is checked one level deep
-    rows = []
+    rows: list[_Row] = []
     for f in d.fields:
         repeated = f.is_repeated
         if f.type == FieldDescriptor.TYPE_STRING:
             rows.append((f, STRING_LIMITS.get(f.name, MAX_ID_BYTES), repeated, None, None))
         elif f.type == FieldDescriptor.TYPE_MESSAGE:
-            if f.message_type.GetOptions().map_entry:  # keys and values: both bounded
-                key, value = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
-                vplan = _plan(value.message_type) if value.type == FieldDescriptor.TYPE_MESSAGE else None
+            mt = cast(Descriptor, f.message_type)  # set on every message field
+            if mt.GetOptions().map_entry:  # keys and values: both bounded
+                key, value = mt.fields_by_name["key"], mt.fields_by_name["value"]
+                vplan = _plan(cast(Descriptor, value.message_type)) if value.type == FieldDescriptor.TYPE_MESSAGE else None
                 if key.type == FieldDescriptor.TYPE_STRING or value.type == FieldDescriptor.TYPE_STRING or vplan:
                     rows.append((f, STRING_LIMITS.get(f.name, MAX_ID_BYTES), False, (key, value, vplan), None))
             else:
-                sub = _plan(f.message_type)
+                sub = _plan(mt)
                 if sub:
                     rows.append((f, 0, repeated, None, sub))
     plan = _PLANS[d.full_name] = tuple(rows)
@@ -292,7 +297,7 @@ def check_strings(method: str, msg: Message) -> None:
     """InvalidArgument unless every string field of request ``msg`` (nested and repeated ones too)
     is within its bound (:data:`STRING_LIMITS`, else :data:`~kvd.limits.MAX_ID_BYTES`). The
     message names ``method``, the field's path, its length and the limit. Changes nothing."""
-    hit = _over(msg, _plan(msg.DESCRIPTOR))
+    hit = _over(msg, _plan(cast(Descriptor, msg.DESCRIPTOR)))
     if hit is not None:
         path, value, n, limit = hit
         raise InvalidArgument(

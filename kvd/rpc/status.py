@@ -12,7 +12,8 @@ with the same message over every transport.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import cast
 
 import grpc
 
@@ -38,9 +39,11 @@ def from_rpc_error(err: grpc.RpcError) -> E.KvdError:
     """The kvd exception a ``grpc.RpcError`` stands for (the caller raises it ``from err``)."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else None) or str(err)
-    md = {}
+    md: dict[str, str] = {}
     try:
-        md = {k: v for k, v in (err.trailing_metadata() or ())}
+        # Sync calls give _Metadatum namedtuples, aio calls an aio.Metadata: both iterate as (key, value).
+        pairs = cast("Iterable[tuple[str, str]]", err.trailing_metadata() or ())
+        md = {k: v for k, v in pairs}
     except Exception:  # some transport errors carry no metadata
         pass
     return from_status(code, details, md)

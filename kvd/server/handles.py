@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from typing import Protocol, cast
 
 from kvd.memory.cuda import gpu_uuid
 from kvd.errors import FailedPrecondition, PermissionDenied
@@ -26,6 +27,15 @@ from kvd.ipc.fdpass import MAX_FDS, HandleHeader, HandleRequest
 from kvd.daemon.node import Node
 
 __all__ = ["ArenaHandles"]
+
+
+class _Exporting(Protocol):
+    """What an arena that hands out fds has (a CudaVmmArena; tests: memfd stand-ins)."""
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]: ...
+
+    def export_fds(self) -> list[tuple[int, int]]: ...
 
 
 class ArenaHandles:
@@ -72,7 +82,8 @@ class ArenaHandles:
             pool = self.node.pool
             arena = pool.arena
             backed = arena.backed
-            chunks = [(off, size) for off, size in arena.chunks if off < backed]
+            exporting = cast(_Exporting, arena)  # the daemon serves handles only for such arenas
+            chunks = [(off, size) for off, size in exporting.chunks if off < backed]
             if not chunks:
                 raise FailedPrecondition(
                     f"arena {arena.region_id} has no backed bytes to share yet; finalize the pool first"
@@ -83,7 +94,7 @@ class ArenaHandles:
                     "message can carry; back a smaller arena (chunks are at most 1 GiB each)"
                 )
             header = self._header(arena.region_id, pool.boot_id, backed, tuple(size for _, size in chunks))
-            exported = arena.export_fds()
+            exported = exporting.export_fds()
             # Chunks past the backed prefix (none today: the arena releases them on shrink) are
             # never handed out.
             for fd, _ in exported[len(chunks) :]:

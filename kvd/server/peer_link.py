@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import cast
 
 import grpc
 from google.protobuf.message import Message
@@ -110,12 +111,14 @@ class DaemonPeerLink:
         self._call(address, "AbortSend", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES)))
 
     def heartbeat(self, address: str, sender: str, refs: list[TransferRef], via: SocketRoute | None = None) -> list[int]:
-        r = self._call(address, "Heartbeat", pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs]), via)
+        req = pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs])
+        r = cast(pb.HeartbeatResponse, self._call(address, "Heartbeat", req, via))
         return list(r.dead_lease_ids)
 
     def transfer_metadata(self, address: str, agent: str) -> bytes:
         """The receiver's data-plane metadata for ``agent`` (backend=nixl), over gRPC."""
-        return self._call(address, "TransferMetadata", pb.TransferMetadataRequest(agent=agent)).metadata
+        r = cast(pb.TransferMetadataResponse, self._call(address, "TransferMetadata", pb.TransferMetadataRequest(agent=agent)))
+        return r.metadata
 
     def close(self) -> None:
         self.sockets.close()

@@ -99,7 +99,7 @@ class _Base:
     @staticmethod
     def _meta(context: grpc.ServicerContext, key: str) -> str:
         for k, v in context.invocation_metadata() or ():
-            if k == key:
+            if k == key and isinstance(v, str):  # bytes only under -bin keys, which kvd does not use
                 return v
         return ""
 

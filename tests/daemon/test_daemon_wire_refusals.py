@@ -3,7 +3,7 @@ not parse are INVALID_ARGUMENT naming the method, on every method of both gRPC s
 the peer socket; a status always fits gRPC's metadata limit; gRPC's own RESOURCE_EXHAUSTED is
 never taken for kvd's CapacityError. Each refusal leaves the pool as it was and the daemon
 serving the next caller. (The client-chosen strings' bounds per field are in
-test_daemon_bad_inputs.py; the handle socket's refusals in tests/test_fdpass.py.)"""
+test_daemon_bad_inputs.py; the handle socket's refusals in tests/core/test_fdpass.py.)"""
 
 from __future__ import annotations
 

@@ -42,11 +42,9 @@ import collections
 import math
 import os
 import random
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
@@ -54,8 +52,6 @@ import torch
 from google.protobuf import descriptor as D
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 
 import handoff_kit as hk  # noqa: E402
 

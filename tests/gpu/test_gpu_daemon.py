@@ -29,9 +29,6 @@ import pytest
 import torch
 from gpu_kit import GPU, NEEDS_TRITON, NEEDS_VMM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
-
 import daemon_kit as dk
 import handoff_kit as hk
 

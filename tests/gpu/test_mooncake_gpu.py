@@ -17,15 +17,10 @@ build (the CPU build's refusal is tested on the CPU: tests/daemon/test_daemon_co
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from gpu_kit import GPU, HAS_CUDA, NEEDS_TRITON, NEEDS_VMM, mooncake_cuda_missing
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 
 import handoff_kit as hk  # noqa: E402
 from test_gpu_daemon import cuda_pair, hand_off_like_the_cpu_path  # noqa: E402

@@ -10,22 +10,17 @@ chunks for its own GPU (peer access over NVLink or PCIe P2P) and its kernel writ
   the sender's arena unchanged; a second request reuses the mapping.
 
 Skipped without two GPUs, or when cuda:0 has no peer access to cuda:1 (the daemon refuses that
-with FailedPrecondition; tests/test_local_cuda_backend.py covers the refusal on the CPU).
+with FailedPrecondition; tests/core/test_local_cuda_backend.py covers the refusal on the CPU).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 from gpu_kit import GPU, NEEDS_TRITON, NEEDS_VMM
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 
 import handoff_kit as hk  # noqa: E402
 from test_gpu_daemon import cuda_pair, engines, hand_off_like_the_cpu_path, send_many_like_the_cpu_path  # noqa: E402

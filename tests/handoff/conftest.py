@@ -20,17 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 
 import daemon_kit as dk  # noqa: E402
 import handoff_kit as hk  # noqa: E402

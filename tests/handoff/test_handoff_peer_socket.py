@@ -11,7 +11,7 @@ of conftest), or, for a field check behind the seal, a ticket the in-process dae
 Which path a call took is read from the daemons' metrics: ``kvd_peer_calls_total{method, path}``
 on the caller, ``kvd_peer_socket_calls_total{method, code}`` and the gRPC
 ``kvd_rpc_duration_seconds_count{method, code}`` on the receiver. Framing and the caller's pool
-are tested without daemons in ``tests/test_peer_socket.py``.
+are tested without daemons in ``tests/core/test_peer_socket.py``.
 """
 
 from __future__ import annotations

@@ -4,14 +4,11 @@ process, backend ``local``): a doc a newcomer copies must not rot."""
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "daemon"))
 
 import daemon_kit as dk  # noqa: E402
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _example() -> str:

@@ -1,6 +1,6 @@
-"""The peer side of tests/test_backends.py, run as its own process.
+"""The peer side of tests/core/test_backends.py, run as its own process.
 
-    python tests/backend_peer.py BACKEND RESERVED BACKED
+    python tests/core/backend_peer.py BACKEND RESERVED BACKED
 
 Creates a ShmArena, fills it with the pattern ``i % 251``, registers it with a backend and
 prints one JSON line: ``{"endpoint", "base", "backed", "path", "region_id", "registration_seconds"}``.
@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

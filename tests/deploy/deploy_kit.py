@@ -1,7 +1,7 @@
 """Helpers of the deployment tests (``test_deploy.py``, ``test_helm_chart.py``): where the files
 are, kvd settings as kvd itself loads them, ``KVD_*`` names, PromQL names and matchers.
 
-Not a test module; the tests import it as ``deploy_kit`` (pytest puts ``tests/`` on the path).
+Not a test module; the tests import it as ``deploy_kit`` (pytest puts this folder on the path).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import yaml
 
 from kvd.config import Settings, load_settings, unknown_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile"
 IMAGE_CONFIG = REPO / "deploy" / "docker" / "kvd.yaml"
 COMPOSE = REPO / "deploy" / "compose.yaml"

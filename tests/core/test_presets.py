@@ -14,7 +14,7 @@ from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.pool.layout import GroupKind, Layout
 from kvd.pool.presets import PRESETS, load_layout, preset, preset_names
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Seed 004: v2p lengths SGLang's unified pool reported (num_pages + 1 entries each).
 SEED_004_V2P = {

@@ -20,12 +20,9 @@ import shutil
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import deploy_kit as K
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "daemon"))
 
 import daemon_kit as dk  # noqa: E402
 

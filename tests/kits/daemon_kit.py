@@ -1,8 +1,8 @@
 """Helpers for the tier-2 daemon tests: start a daemon in-process or as a subprocess, wait for
 conditions, assert kvd errors together with their gRPC status codes, scrape metrics.
 
-Not a test module (no ``test_`` prefix); the fixtures in ``conftest.py`` of this folder and the
-test files import it as ``daemon_kit``.
+Not a test module (no ``test_`` prefix); ``tests/daemon/conftest.py``, the handoff, deploy and GPU
+tests import it as ``daemon_kit`` (``tests/kits`` is on the path: pyproject's pytest ``pythonpath``).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Helpers for the handoff tests: a prefill/decode pair of daemons, churn that scatters pages,
 arena bytes in and out, and the "no leaked pages" proofs.
 
-Not a test module; ``conftest.py`` of this folder builds the fixtures from it. Daemons start
-through ``tests/daemon/daemon_kit.py`` (``start_subproc`` / ``start_inproc``).
+Not a test module; ``tests/handoff/conftest.py`` builds the fixtures from it. Daemons start
+through ``tests/kits/daemon_kit.py`` (``start_subproc`` / ``start_inproc``).
 
 The test process plays both engines: one :class:`~kvd.client.Client` per daemon, and the arenas
 attached into this process to write the prefill's KV and read what landed on the decode side.

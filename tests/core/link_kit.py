@@ -3,7 +3,7 @@
 :class:`CheckingLink` is a :class:`~kvd.handoff.link.PeerLink` into a receiving :class:`~kvd.daemon.node.Node`
 of this process: the calls a sender's Outbox makes reach the receiver as they would through a
 daemon (``kvd.server.peer_calls.PeerCalls``), minus the wire. Used by
-``tests/test_handoff_core.py`` and ``tests/test_handoff_many.py``; the loopback tier
+``tests/core/test_handoff_core.py`` and ``tests/core/test_handoff_many.py``; the loopback tier
 (``tests/handoff``) runs the real link between daemons.
 """
 

@@ -1,4 +1,4 @@
-"""Data-plane backends against a peer in another process (tests/backend_peer.py).
+"""Data-plane backends against a peer in another process (tests/core/backend_peer.py).
 
 Each backend writes scattered blocks from this process into a peer arena owned by a child
 process, and the peer hashes its own bytes: the blocks must land, everything else must stay.
@@ -29,7 +29,7 @@ from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, Unavailable
 
 MiB = 1 << 20
 PEER_SCRIPT = os.path.join(os.path.dirname(__file__), "backend_peer.py")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _mooncake_missing() -> str:
@@ -58,7 +58,7 @@ BACKENDS = [
 
 
 def pattern(lo: int, hi: int) -> torch.Tensor:
-    """The peer's initial bytes (same formula as tests/backend_peer.py)."""
+    """The peer's initial bytes (same formula as backend_peer.py)."""
     return (torch.arange(lo, hi, dtype=torch.int64) % 251).to(torch.uint8)
 
 
