@@ -283,6 +283,14 @@ class _Surface:
         req = pb.AllocateRequest(requests=_specs([AllocSpec(rid, tokens, receive)]))
         return self._call("Allocate", req, lambda r: vectors_from_pb(r.vectors[0]))
 
+    def allocate_recv(self, rid: str, tokens: int) -> tuple[IndexVectors, LeaseInfo]:
+        """Decode side, in one call: :meth:`allocate` ``rid`` with ``receive=True`` and
+        :meth:`acquire_lease` a RECV lease on those vectors (``lease.ticket``: for the prefill
+        side). All or nothing: a refusal of either leaves nothing allocated or leased."""
+        spec = _specs([AllocSpec(rid, tokens, True)])[0]
+        spec.lease = True  # the lease takes the daemon's lease TTL (renew_lease changes it)
+        return self._call("Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), _lease(r.leases[0])))
+
     def allocate_many(self, specs: Sequence[AllocSpec | tuple]) -> list[IndexVectors]:
         """All or nothing; CapacityError carries ``shortfall_bytes``."""
         return self._call("Allocate", pb.AllocateRequest(requests=_specs(specs)), lambda r: [vectors_from_pb(v) for v in r.vectors])
@@ -361,12 +369,19 @@ class _Surface:
         req = pb.BeginSendRequest(rid=rid, ticket=ticket, chunk_tokens=_chunk_tokens(chunk_tokens))
         return self._call("BeginSend", req, lambda r: r.opened)
 
-    def send(self, rid: str, ticket: bytes, *, start: int = 0, end: int | None = None, last: bool = True) -> SendResult:
+    def send(
+        self, rid: str, ticket: bytes, *, start: int = 0, end: int | None = None, last: bool = True, free: bool = False
+    ) -> SendResult:
         """Prefill side: move tokens ``[start, end)`` of ``rid`` (whose KV is written) to the
         decode daemon that issued ``ticket``. Call once per chunk; ``last`` moves the state and
         makes the request ready there. Raises before any write when the ticket is stale, for
-        another layout, or its lease is gone."""
-        return self._call("Send", _send_request(SendSpec(rid, ticket, start, end, last)), send_result_from_pb)
+        another layout, or its lease is gone. ``free`` (with ``last``): the daemon also frees
+        ``rid`` once the Send succeeded, saving the :meth:`free` call; the result's ``phases``
+        then has ``"free"`` (absent: it could not be freed, e.g. another lease pins it, and stays
+        allocated: free it later)."""
+        req = _send_request(SendSpec(rid, ticket, start, end, last))
+        req.free = free
+        return self._call("Send", req, send_result_from_pb)
 
     def send_many(self, items: Sequence[SendSpec | tuple]) -> SendOutcomes:
         """Prefill side: many independent :meth:`send` calls in one, e.g. every request one
