@@ -344,8 +344,10 @@ class Daemon:
         add_to_server(server, kvd_service, "Kvd")
         engine_server: EngineSocketServer | None = None
         if settings.listen_unix and settings.fast_socket:
-            engine_server = EngineSocketServer(fast_path(os.path.abspath(settings.listen_unix)), kvd_service,
-                                               group=settings.group_access).start()
+            engine_server = EngineSocketServer(
+                fast_path(os.path.abspath(settings.listen_unix)), kvd_service, group=settings.group_access,
+                observe=lambda method, code, s: metrics.rpc_seconds.labels(method, code).observe(s),  # one series for both transports
+            ).start()
             _undo(undo, "the engine socket", engine_server.stop)
         add_to_server(server, PeerService(node, endpoint, calls), "Peer")
         hs = health.HealthServicer()

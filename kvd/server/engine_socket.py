@@ -35,7 +35,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -115,7 +116,7 @@ class EngineSocketServer(UnixServer):
     ``group``: the socket file group-writable (``group_access``), as the gRPC one."""
 
     def __init__(self, path: str, service: KvdService, *, timeout: float = 5.0, max_connections: int = MAX_CONNECTIONS,
-                 group: bool = False) -> None:
+                 group: bool = False, observe: Callable[[str, str, float], None] | None = None) -> None:
         super().__init__(path, "fast_socket", "engine calls", group=group)
         self.service = service
         self.timeout = timeout
@@ -124,6 +125,8 @@ class EngineSocketServer(UnixServer):
         self._lock = threading.Lock()
         self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
         self.refused = self.dropped = 0
+        #: called with (method, status code name, seconds) after each call: the daemon's RPC latency histogram
+        self.observe = observe
         # the bound handlers, by frame kind: one dict lookup per call
         self._handlers: dict[int, Any] = {k: getattr(service, m.name) for k, m in METHODS.items()}
 
@@ -211,6 +214,7 @@ class EngineSocketServer(UnixServer):
         session id an OpenSession opened ("" otherwise)."""
         if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
             raise _Close(_refusal(InvalidArgument(f"engine socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
+        t0 = time.perf_counter()
         body = recv_exact(conn, n) if n else b""
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
@@ -233,6 +237,8 @@ class EngineSocketServer(UnixServer):
             reply, code = frame(REFUSED, st), code_from_int(st.code).name
         with self._lock:
             self._answered[(name, code)] = self._answered.get((name, code), 0) + 1
+        if self.observe is not None:
+            self.observe(name, code, time.perf_counter() - t0)
         return reply, sid
 
     def _close(self, conn: socket.socket, reply: bytes) -> None:
