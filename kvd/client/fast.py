@@ -80,6 +80,16 @@ def fast_socket_of(address: str) -> str | None:
         return None
 
 
+def _body(method: str, request: Message) -> bytes:
+    """The request serialised; RESOURCE_EXHAUSTED (without kvd's metadata: a transport limit, as a
+    gRPC channel refuses it) when it is over the frame limit, before anything is sent."""
+    body = request.SerializeToString()
+    if len(body) > MAX_FRAME:
+        _raise(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+               f"{method}: a request of {len(body):,d} bytes exceeds the engine socket's {MAX_FRAME:,d}-byte limit", {})
+    return body
+
+
 def _decode(method: str, kind: int, body: bytes) -> Any:
     if kind == OK:
         return _RESPONSES[method].FromString(body)
@@ -110,13 +120,13 @@ class FastChannel:
         return s
 
     def call(self, method: str, request: Message, timeout: float | None) -> Any:
+        body = _body(method, request)
         with self._lock:
             s = self._free.pop() if self._free else None
         try:
             if s is None:
                 s = self._open()
             s.settimeout(timeout)
-            body = request.SerializeToString()
             s.sendall(HEAD.pack(len(body), METHOD_IDS[method]) + body)
             kind, data = read_frame(s, MAX_FRAME)
         except E.KvdError:
@@ -172,11 +182,11 @@ class AsyncFastChannel:
         return kind, await r.readexactly(n)
 
     async def call(self, method: str, request: Message, timeout: float | None) -> Any:
+        body = _body(method, request)
         conn = self._free.pop() if self._free else None
         try:
             if conn is None:
                 conn = await self._open()
-            body = request.SerializeToString()
             conn[1].write(HEAD.pack(len(body), METHOD_IDS[method]) + body)
             kind, data = await asyncio.wait_for(self._read(conn[0]), timeout)
         except E.KvdError:
