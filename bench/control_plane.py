@@ -5,13 +5,15 @@
 
 A daemon is started in its own process (``python -m kvd.cli serve``, the ``gemma-4-31b-it-tp2``
 layout by default) listening on a Unix socket (the engine's default path) and on TCP loopback.
-Clients are separate processes, each with its own :class:`kvd.client.Client` (own session,
+Transports: ``fast`` (the engine socket beside the Unix listener, :mod:`kvd.client.fast`), ``unix``
+(gRPC on the Unix socket), ``tcp`` (gRPC on loopback). Clients are separate processes, each with its own :class:`kvd.client.Client` (own session,
 channel and GIL): 1 client, then 8 clients at once. Nothing is shared with the daemon's GIL.
 
 Calls, each timed one by one on the client (wall time of the blocking call, parse included):
 
 * ``echo``: ``Echo`` with an empty payload, the same server, transport and interceptor; the
-  baseline every other row is compared against (same transport, same client count).
+  baseline every other row is compared against (same transport, same client count): over
+  ``fast`` (the engine socket, issue 16) it is a bare framed round trip on the same socket.
 * ``allocate``: ``Allocate`` of one request (``--tokens`` tokens, computed here -- the prefill
   side, so ``full`` and ``swa`` hold a page id per page: 256 + 256 ids at 4096 tokens).
 * ``vectors`` (``GetVectors``), ``lease SEND`` (``AcquireLease``), ``release``
@@ -91,7 +93,7 @@ class Plan:
     warmup: int
 
 
-def worker(wid: int, address: str, plan: Plan, barrier, out) -> None:
+def worker(wid: int, address: str, plan: Plan, barrier, out, transport: str = "unix") -> None:
     from kvd.client import Client
     from kvd.records import AllocSpec
 
@@ -121,7 +123,7 @@ def worker(wid: int, address: str, plan: Plan, barrier, out) -> None:
         win.setdefault(name, []).append((t_start, t_end))
         return res
 
-    kv = Client.connect(address, name=f"bench-{wid}")
+    kv = Client.connect(address, name=f"bench-{wid}", transport="fast" if transport == "fast" else "grpc")
     try:
         tok, recv = plan.tokens, plan.receive
 
@@ -188,7 +190,7 @@ def run_config(address: str, transport: str, clients: int, plan: Plan) -> dict[s
     ctx = mp.get_context("fork")  # the parent never opens a gRPC channel, so forking is safe
     barrier = ctx.Barrier(clients)
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(w, address, plan, barrier, out), daemon=True) for w in range(clients)]
+    procs = [ctx.Process(target=worker, args=(w, address, plan, barrier, out, transport), daemon=True) for w in range(clients)]
     for p in procs:
         p.start()
     got = [out.get(timeout=600) for _ in procs]
@@ -273,7 +275,8 @@ def main() -> None:
     calls = args.calls or (512 if args.quick else 3072)
     rounds = 128 if args.quick else 768
     batches = 8 if args.quick else 48
-    transports = ["unix"] if (args.quick or args.no_tcp) else ["unix", "tcp"]
+    # fast: the engine socket (<unix>.fast, kvd.client.fast); unix: gRPC on the Unix socket; tcp: gRPC on loopback
+    transports = ["fast", "unix"] if (args.quick or args.no_tcp) else ["fast", "unix", "tcp"]
 
     per_req = request_bytes(args.layout, args.tokens, args.receive)
     live = max(client_counts) * (max(cycle, args.batch) + 2)
@@ -293,7 +296,7 @@ def main() -> None:
     other_share: dict[tuple[str, int], float] = {}
     try:
         for transport in transports:
-            address = d.unix if transport == "unix" else d.tcp
+            address = d.tcp if transport == "tcp" else d.unix
             for n in client_counts:
                 plan = Plan(
                     tokens=args.tokens, receive=args.receive, batch=args.batch, cycle=cycle,

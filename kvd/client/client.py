@@ -27,7 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from kvd.client.attach import Attachment, _attach
-from kvd.errors import InvalidArgument, Unavailable
+from kvd.errors import InvalidArgument, KvdError, Unavailable
 from kvd.pool.layout import Layout
 from kvd.records import (
     Activity, AllocSpec, CompactionResult, Envelope, GroupStats, IndexVectors, LeaseKind, NodeStats, PoolStats, SendResult,
@@ -36,6 +36,7 @@ from kvd.records import (
 from kvd.rpc.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
+from kvd.client import fast as _fast
 from kvd.rpc.convert import (
     SESSION_KEY,
     activity_from_pb,
@@ -211,6 +212,14 @@ class _Surface:
         req = pb.AllocateRequest(requests=_specs([AllocSpec(rid, tokens, receive)]))
         return self._call("Allocate", req, lambda r: vectors_from_pb(r.vectors[0]))
 
+    def allocate_recv(self, rid: str, tokens: int) -> tuple[IndexVectors, LeaseInfo]:
+        """Decode side, in one call: :meth:`allocate` ``rid`` with ``receive=True`` and
+        :meth:`acquire_lease` a RECV lease on those vectors (``lease.ticket``: for the prefill
+        side). All or nothing: a refusal of either leaves nothing allocated or leased."""
+        spec = _specs([AllocSpec(rid, tokens, True)])[0]
+        spec.lease = True  # the lease takes the daemon's lease TTL (renew_lease changes it)
+        return self._call("Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), _lease(r.leases[0])))
+
     def allocate_many(self, specs: Sequence[AllocSpec | tuple]) -> list[IndexVectors]:
         """All or nothing; CapacityError carries ``shortfall_bytes``."""
         return self._call("Allocate", pb.AllocateRequest(requests=_specs(specs)), lambda r: [vectors_from_pb(v) for v in r.vectors])
@@ -289,12 +298,19 @@ class _Surface:
         req = pb.BeginSendRequest(rid=rid, ticket=ticket, chunk_tokens=_chunk_tokens(chunk_tokens))
         return self._call("BeginSend", req, lambda r: r.opened)
 
-    def send(self, rid: str, ticket: bytes, *, start: int = 0, end: int | None = None, last: bool = True) -> SendResult:
+    def send(
+        self, rid: str, ticket: bytes, *, start: int = 0, end: int | None = None, last: bool = True, free: bool = False
+    ) -> SendResult:
         """Prefill side: move tokens ``[start, end)`` of ``rid`` (whose KV is written) to the
         decode daemon that issued ``ticket``. Call once per chunk; ``last`` moves the state and
         makes the request ready there. Raises before any write when the ticket is stale, for
-        another layout, or its lease is gone."""
-        return self._call("Send", _send_request(SendSpec(rid, ticket, start, end, last)), send_result_from_pb)
+        another layout, or its lease is gone. ``free`` (with ``last``): the daemon also frees
+        ``rid`` once the Send succeeded, saving the :meth:`free` call; the result's ``phases``
+        then has ``"free"`` (absent: it could not be freed, e.g. another lease pins it, and stays
+        allocated: free it later)."""
+        req = _send_request(SendSpec(rid, ticket, start, end, last))
+        req.free = free
+        return self._call("Send", req, send_result_from_pb)
 
     def send_many(self, items: Sequence[SendSpec | tuple]) -> SendOutcomes:
         """Prefill side: many independent :meth:`send` calls in one, e.g. every request one
@@ -335,9 +351,13 @@ _CHANNEL_OPTIONS = [
 class Client(_Surface):
     """Synchronous client. Use :meth:`connect`; close (or use as a context manager) when done."""
 
-    def __init__(self, channel: grpc.Channel, session_id: str, ttl: float, timeout: float | None) -> None:
+    def __init__(
+        self, channel: grpc.Channel | None, session_id: str, ttl: float, timeout: float | None, fast: _fast.FastChannel | None = None
+    ) -> None:
         self._channel = channel
-        self._stub = pb_grpc.KvdStub(channel)
+        self._stub = pb_grpc.KvdStub(channel) if channel is not None else None
+        self._fast = fast  # the engine socket (kvd.client.fast), else gRPC
+        self.transport = "fast" if fast is not None else "grpc"
         self.session_id = session_id
         self.ttl = ttl
         self.timeout = timeout
@@ -347,7 +367,25 @@ class Client(_Surface):
         self._hb.start()
 
     @classmethod
-    def connect(cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0) -> Client:
+    def connect(
+        cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0, transport: str = "auto"
+    ) -> Client:
+        """Open a session on the daemon at ``address``. ``transport``: "auto" uses the daemon's
+        engine socket when it serves one beside a ``unix:`` address (the same calls, several times
+        cheaper: :mod:`kvd.client.fast`), else gRPC; "grpc" or "fast" force one."""
+        path = _fast.pick(address, transport)
+        if path is not None:
+            fc = _fast.FastChannel(path)
+            try:
+                s = fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+            except Unavailable:
+                fc.close()
+                if transport == "fast":
+                    raise  # else: a socket file nobody serves (a daemon gone); gRPC says why
+            except BaseException:
+                fc.close()
+                raise
         channel = grpc.insecure_channel(grpc_target(address), options=_CHANNEL_OPTIONS)
         stub = pb_grpc.KvdStub(channel)
         try:
@@ -358,17 +396,21 @@ class Client(_Surface):
         return cls(channel, s.session_id, s.ttl_seconds, timeout)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
+        return parse(self._raw(method, request, self.timeout))
+
+    def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
+        if self._fast is not None:
+            return self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
         try:
-            reply = getattr(self._stub, method)(request, metadata=self._md, timeout=self.timeout)
+            return getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
-        return parse(reply)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.ttl / 3):
             try:
-                self._stub.KeepAlive(pb.KeepAliveRequest(), metadata=self._md, timeout=self.ttl / 3)
-            except grpc.RpcError:
+                self._raw("KeepAlive", pb.KeepAliveRequest(), self.ttl / 3)
+            except KvdError:
                 pass  # the next call surfaces the error; the heartbeat only keeps the session warm
 
     def close(self, *, free_requests: bool = True) -> None:
@@ -378,10 +420,13 @@ class Client(_Surface):
             return
         self._closed.set()
         try:
-            self._stub.CloseSession(pb.CloseSessionRequest(free_requests=free_requests), metadata=self._md, timeout=5)
-        except grpc.RpcError:
+            self._raw("CloseSession", pb.CloseSessionRequest(free_requests=free_requests), 5)
+        except KvdError:
             pass
-        self._channel.close()
+        if self._fast is not None:
+            self._fast.close()
+        if self._channel is not None:
+            self._channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -393,9 +438,14 @@ class Client(_Surface):
 class AsyncClient(_Surface):
     """asyncio client: the same methods as :class:`Client`, each returning an awaitable."""
 
-    def __init__(self, channel: grpc.aio.Channel, session_id: str, ttl: float, timeout: float | None) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel | None, session_id: str, ttl: float, timeout: float | None,
+        fast: _fast.AsyncFastChannel | None = None,
+    ) -> None:
         self._channel = channel
-        self._stub = pb_grpc.KvdStub(channel)
+        self._stub = pb_grpc.KvdStub(channel) if channel is not None else None
+        self._fast = fast
+        self.transport = "fast" if fast is not None else "grpc"
         self.session_id = session_id
         self.ttl = ttl
         self.timeout = timeout
@@ -403,7 +453,23 @@ class AsyncClient(_Surface):
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
 
     @classmethod
-    async def connect(cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0) -> AsyncClient:
+    async def connect(
+        cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0, transport: str = "auto"
+    ) -> AsyncClient:
+        """As :meth:`Client.connect` (``transport`` too)."""
+        path = _fast.pick(address, transport)
+        if path is not None:
+            fc = _fast.AsyncFastChannel(path)
+            try:
+                s = await fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+            except Unavailable:
+                await fc.close()
+                if transport == "fast":
+                    raise
+            except BaseException:
+                await fc.close()
+                raise
         channel = grpc.aio.insecure_channel(grpc_target(address), options=_CHANNEL_OPTIONS)
         stub = pb_grpc.KvdStub(channel)
         try:
@@ -415,29 +481,36 @@ class AsyncClient(_Surface):
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
         async def go():
-            try:
-                reply = await getattr(self._stub, method)(request, metadata=self._md, timeout=self.timeout)
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from exc
-            return parse(reply)
+            return parse(await self._raw(method, request, self.timeout))
 
         return go()  # type: ignore[return-value]  # an awaitable of T
+
+    async def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
+        if self._fast is not None:
+            return await self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
+        try:
+            return await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
 
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.ttl / 3)
             try:
-                await self._stub.KeepAlive(pb.KeepAliveRequest(), metadata=self._md, timeout=self.ttl / 3)
-            except grpc.RpcError:
+                await self._raw("KeepAlive", pb.KeepAliveRequest(), self.ttl / 3)
+            except KvdError:
                 pass
 
     async def close(self, *, free_requests: bool = True) -> None:
         self._hb.cancel()
         try:
-            await self._stub.CloseSession(pb.CloseSessionRequest(free_requests=free_requests), metadata=self._md, timeout=5)
-        except grpc.RpcError:
+            await self._raw("CloseSession", pb.CloseSessionRequest(free_requests=free_requests), 5)
+        except KvdError:
             pass
-        await self._channel.close()
+        if self._fast is not None:
+            await self._fast.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self

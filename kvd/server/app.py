@@ -44,6 +44,7 @@ from kvd.server.metrics import Metrics
 from kvd.server.peer_calls import PeerCalls
 from kvd.handoff.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
+from kvd.server.engine_socket import EngineSocketServer, fast_path
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
 from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
@@ -199,6 +200,7 @@ class Daemon:
     handles: HandleServer | None = None  # arena=cuda: hands the arena's fds to engines and peers
     peer_socket: PeerSocketServer | None = None  # a same-host sender's calls (CheckTicket, Commit, ...)
     tickets: Tickets | None = None  # mints and checks this boot's tickets (its key never leaves the process)
+    engine_socket: EngineSocketServer | None = None  # the engine's calls without gRPC (<listen_unix>.fast)
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -335,7 +337,15 @@ class Daemon:
                 tickets.issuer = endpoint.issuer
 
             node.on_backing_change.append(_renamed)
-        add_to_server(server, KvdService(node, endpoint, outbox, link, tickets), "Kvd")
+        kvd_service = KvdService(node, endpoint, outbox, link, tickets)
+        add_to_server(server, kvd_service, "Kvd")
+        engine_server: EngineSocketServer | None = None
+        if settings.listen_unix and settings.fast_socket:
+            engine_server = EngineSocketServer(
+                fast_path(os.path.abspath(settings.listen_unix)), kvd_service, group=settings.group_access,
+                observe=lambda method, code, s: metrics.rpc_seconds.labels(method, code).observe(s),  # one series for both transports
+            ).start()
+            _undo(undo, "the engine socket", engine_server.stop)
         add_to_server(server, PeerService(node, endpoint, calls), "Peer")
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -356,6 +366,7 @@ class Daemon:
         d = cls(
             settings, node, server, hs, addresses, metrics,
             backend=backend, outbox=outbox, link=link, handles=handle_server, peer_socket=peer_server, tickets=tickets,
+            engine_socket=engine_server,
         )
         _undo(undo, "the sweeper and heartbeat threads", d._stop.set)  # both leave at their next wait
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
@@ -387,6 +398,8 @@ class Daemon:
         self._stop.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(self.settings.grace_s if grace is None else grace).wait()
+        if self.engine_socket is not None:
+            self.engine_socket.stop()  # engines see EOF: their next call is Unavailable, as over gRPC
         if self.peer_socket is not None:
             self.peer_socket.stop()  # callers see EOF and use gRPC, which is stopped too: Unavailable
         if self.metrics:

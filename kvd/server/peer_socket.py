@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
 import threading
 from collections.abc import Callable
 from typing import NamedTuple
@@ -61,6 +60,7 @@ from kvd.errors import InvalidArgument, KvdError, Unavailable
 from kvd.records import PeerSocketStats
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import code_from_int
+from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame, read_head
 from kvd.ipc.unix_socket import UnixServer, recv_exact
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import parse_request, status_to_pb
@@ -72,14 +72,6 @@ __all__ = [
 
 log = logging.getLogger("kvd.peer_socket")
 
-_HEAD = struct.Struct(">IB")
-#: Kind of the first frame of a connection, both ways.
-HELLO = 0
-#: Reply kinds: the rpc's response message, or a PeerStatus refusal.
-OK, REFUSED = 0, 1
-#: The largest frame either side reads: the gRPC server's message limit, so a ticket that fits a
-#: gRPC call fits here too.
-MAX_FRAME = 64 << 20
 #: The largest hello the server reads from a caller that has not authenticated yet.
 MAX_HELLO = 4096
 #: Connections one daemon serves at once (a thread each); more are refused, and their callers
@@ -113,22 +105,6 @@ METHODS: dict[int, Method] = {
     )
 }
 METHOD_IDS: dict[str, int] = {m.name: m.id for m in METHODS.values()}
-
-
-def frame(kind: int, msg: Message) -> bytes:
-    body = msg.SerializeToString()
-    return _HEAD.pack(len(body), kind) + body
-
-
-def read_head(sock: socket.socket) -> tuple[int, int] | None:
-    """``(body length, kind)`` of the next frame, or None when the peer closed between frames."""
-    first = sock.recv(_HEAD.size)
-    if not first:
-        return None
-    if len(first) < _HEAD.size:
-        first += recv_exact(sock, _HEAD.size - len(first))
-    n, kind = _HEAD.unpack(first)
-    return n, kind
 
 
 def _refusal(exc: BaseException) -> tuple[bytes, grpc.StatusCode]:

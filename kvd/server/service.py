@@ -25,7 +25,7 @@ from kvd.handoff.flight import SendItem, check_batch_size
 from kvd.handoff.outbox import Outbox
 from kvd.handoff.inbox import inbox_of
 from kvd.daemon.node import Node
-from kvd.records import AllocSpec
+from kvd.records import AllocSpec, LeaseKind
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import to_status
 from kvd.handoff.ticket import Issuer, Tickets, read as read_ticket
@@ -208,9 +208,31 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Allocate(self, request: pb.AllocateRequest, context):
         def go():
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
-            return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in self.node.allocate(self._session(context), specs)])
+            session = self._session(context)
+            if not any(s.lease for s in request.requests):
+                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in self.node.allocate(session, specs)])
+            return self._allocate_leased(session, specs, [s.lease for s in request.requests])
 
         return self._run(context, go)
+
+    def _allocate_leased(self, session: str, specs: list[AllocSpec], lease: list[bool]) -> pb.AllocateResponse:
+        """Allocate ``specs`` and take a RECV lease (its ticket minted) on each one ``lease``
+        marks, all under the node's lock: all or nothing (a failure releases what it leased and
+        frees what it allocated, then raises)."""
+        with self.node.lock:
+            vecs = self.node.allocate(session, specs)
+            leases: list[pb.Lease] = []
+            try:
+                for spec, v, want in zip(specs, vecs, lease):
+                    if want:
+                        got, vec = self.node.acquire_lease(session, spec.rid, LeaseKind.RECV, boot_id=v.boot_id, epoch=v.epoch, known=v)
+                        leases.append(self._lease_pb(got, vec))
+            except BaseException:
+                for le in leases:
+                    self.node.release_lease(session, le.lease_id)
+                self.node.free(session, [s.rid for s in specs])
+                raise
+            return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in vecs], leases=leases)
 
     def CanAllocate(self, request: pb.CanAllocateRequest, context):
         def go():
@@ -317,11 +339,21 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
     def Send(self, request: pb.SendRequest, context):
         def go():
+            if request.free and not request.last:
+                raise InvalidArgument(f"Send of {quote(request.rid)}: free=true needs last=true (a request is freed after its last chunk)")
             session, outbox = self._sender(context)
             r = outbox.send(
                 session, request.rid, read_ticket(request.ticket), request.ticket, request.token_start, request.token_end or None, request.last
             )
-            return send_result_to_pb(r)
+            reply = send_result_to_pb(r)
+            if request.free:
+                t0 = time.perf_counter()
+                try:
+                    self.node.free(session, [request.rid])
+                    reply.phase_seconds["free"] = time.perf_counter() - t0
+                except KvdError as exc:  # the Send succeeded: say so; the engine frees it later
+                    log.info("Send of %s: sent, but not freed: %s", quote(request.rid), exc)
+            return reply
 
         return self._run(context, go)
 

@@ -390,22 +390,26 @@ class AllocSpec(_message.Message):
     RID_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     RECEIVE_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
     """the caller's request id: 1 to 256 bytes of UTF-8"""
     tokens: _builtins.int
     """int64 so a negative count reaches the server and gets a clear error"""
     receive: _builtins.bool
     """KV arrives by transfer: bind only the SWA window tail"""
+    lease: _builtins.bool
+    """also take a RECV lease on it (its ticket minted), as AcquireLease(rid, RECV)"""
     def __init__(
         self,
         *,
         rid: _builtins.str = ...,
         tokens: _builtins.int = ...,
         receive: _builtins.bool = ...,
+        lease: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["receive", b"receive", "rid", b"rid", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "receive", b"receive", "rid", b"rid", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,16 +440,22 @@ class AllocateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     VECTORS_FIELD_NUMBER: _builtins.int
+    LEASES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def vectors(self) -> _containers.RepeatedCompositeFieldContainer[Global___IndexVectors]: ...
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Lease]:
+        """one per spec with lease = true, in the specs' order (all or nothing)"""
+
     def __init__(
         self,
         *,
         vectors: _abc.Iterable[Global___IndexVectors] | None = ...,
+        leases: _abc.Iterable[Global___Lease] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["vectors", b"vectors"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases", "vectors", b"vectors"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1461,6 +1471,7 @@ class SendRequest(_message.Message):
     TOKEN_START_FIELD_NUMBER: _builtins.int
     TOKEN_END_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
     ticket: _builtins.bytes
     """the decode daemon's ticket, unchanged"""
@@ -1468,6 +1479,8 @@ class SendRequest(_message.Message):
     token_end: _builtins.int
     """0: up to the request's length"""
     last: _builtins.bool
+    free: _builtins.bool
+    """with last: once the Send succeeded, free rid here as Free would (its SEND"""
     def __init__(
         self,
         *,
@@ -1476,10 +1489,11 @@ class SendRequest(_message.Message):
         token_start: _builtins.int = ...,
         token_end: _builtins.int = ...,
         last: _builtins.bool = ...,
+        free: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["last", b"last", "rid", b"rid", "ticket", b"ticket", "token_end", b"token_end", "token_start", b"token_start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free", b"free", "last", b"last", "rid", b"rid", "ticket", b"ticket", "token_end", b"token_end", "token_start", b"token_start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,9 +25,17 @@ def _no_arena_left_behind():
     assert not left, f"arena files of this session's daemons left behind: {left}"
 
 
+@pytest.fixture(params=["fast", "grpc"])
+def transport(request) -> str:
+    """How the tests' clients reach a daemon's Unix address: every client test runs over both
+    the engine socket and gRPC."""
+    return request.param
+
+
 @pytest.fixture
-def inproc(tmp_path) -> Target:
+def inproc(tmp_path, transport) -> Target:
     t = start_inproc(tmp_path)
+    t.transport = transport
     yield t
     stop_inproc(t)
 
@@ -43,12 +51,13 @@ def _subproc_daemon(tmp_path_factory) -> Target:
 
 
 @pytest.fixture
-def subproc(_subproc_daemon) -> Target:
+def subproc(_subproc_daemon, transport) -> Target:
     assert _subproc_daemon.proc.poll() is None, "the shared subprocess daemon died"
+    _subproc_daemon.transport = transport
     yield _subproc_daemon
     _subproc_daemon.close_clients()
 
 
 @pytest.fixture(params=["inproc", "subproc"])
-def target(request) -> Target:
+def target(request, transport) -> Target:  # noqa: ARG001 -- transport: its parameter, known before getfixturevalue
     return request.getfixturevalue(request.param)

@@ -65,12 +65,13 @@ def test_health_and_reflection(target, via):
 
 
 @pytest.fixture(params=["inproc", "subproc"])
-def metered(request, tmp_path):
+def metered(request, tmp_path, transport):
     """A daemon with its metrics endpoint on (in-process: one of its own; subprocess: the shared one)."""
     if request.param == "subproc":
         yield request.getfixturevalue("subproc")
         return
     t = start_inproc(tmp_path, metrics_port=0)
+    t.transport = transport
     yield t
     stop_inproc(t)
 

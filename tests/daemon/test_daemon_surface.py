@@ -294,7 +294,7 @@ def test_async_client_same_surface_same_errors(target):
 
     async def main() -> dict:
         out: dict = {"errors": []}
-        async with await AsyncClient.connect(target.unix, name="async") as kv:
+        async with await AsyncClient.connect(target.unix, name="async", transport=target.transport) as kv:
             info = await kv.info()
             st = await kv.stats()
             out["boot"] = (info.boot_id, st.pool.boot_id)

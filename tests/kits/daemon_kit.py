@@ -126,8 +126,11 @@ class Target:
     daemon: Daemon | None = None
     proc: subprocess.Popen | None = None
     clients: list = field(default_factory=list)
+    #: how connect() reaches the Unix address: "fast" (the engine socket) or "grpc" (TCP is gRPC)
+    transport: str = "fast"
 
     def connect(self, *, tcp: bool = False, **kw: Any) -> Client:
+        kw.setdefault("transport", "grpc" if tcp else self.transport)
         c = Client.connect(self.tcp if tcp else self.unix, **kw)
         self.clients.append(c)
         return c

@@ -1,0 +1,137 @@
+"""The handoff's fixed cost (issue 16): one small request prefill -> decode, the whole control path.
+
+    .venv/bin/python bench/handoff_calls.py            # 400 handoffs per flow (about a minute on 2 cores)
+    .venv/bin/python bench/handoff_calls.py --quick    # 100 per flow
+
+Two daemons (``python -m kvd.cli serve --backend local``, ``tiny-hybrid`` by default) run as
+separate processes; this process is both engines, one client per daemon per flow. Per handoff of
+``--tokens`` tokens (16 by default), wall time on this side, from the decode side's first call to
+the last free:
+
+* ``old grpc``: today's flow over gRPC, 8 calls -- decode ``allocate(receive)``, ``acquire_lease
+  (recv)``; prefill ``allocate``, ``begin_send``, ``send``; decode ``wait_ready``; both ``free``.
+* ``old fast``: the same 8 calls over the engine socket (``transport="fast"``).
+* ``new fast``: 5 calls over the engine socket -- decode ``allocate_recv`` (allocate + RECV lease +
+  ticket); prefill ``allocate``, ``send(free=True)`` (the receiver's check runs inside the Send,
+  overlapped with its lease and plan, and the request is freed there); decode ``wait_ready``
+  (answered the moment the transfer is ready: no polling), ``free``.
+* ``new grpc``: the 5 calls over gRPC.
+* ``memcpy``: the same bytes (every page the Send moves) copied between two buffers here.
+
+Flows take turns handoff by handoff (so drift on a shared host hits them alike); the garbage
+collector is off while timing. Reported: median and p99 per flow, and ratios to ``old grpc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402
+
+FLOWS = ("old grpc", "old fast", "new fast", "new grpc")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="100 handoffs per flow")
+    ap.add_argument("--layout", default="tiny-hybrid", help="layout preset (default: %(default)s)")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=None, help="handoffs per flow (default 400; --quick 100)")
+    args = ap.parse_args()
+    n = args.repeats or (100 if args.quick else 400)
+
+    import numpy as np
+
+    from kvd.client import Client
+
+    opts = ("--backend", "local", "--layout", args.layout, "--arena-bytes", str(256 << 20))
+    cpu0, own0 = cpu_snap(), own_cpu()
+    dp, dd = BenchDaemon.spawn(*opts), BenchDaemon.spawn(*opts)
+    dp.wait_ready(), dd.wait_ready()
+    try:
+        cl = {}
+        for tr in ("grpc", "fast"):
+            cl[tr] = (Client.connect(dp.unix, name=f"prefill-{tr}", transport=tr), Client.connect(dd.unix, name=f"decode-{tr}", transport=tr))
+        tok = args.tokens
+        seq = [0]
+        nbytes = [0]
+
+        def old(tr: str) -> None:
+            p, d = cl[tr]
+            seq[0] += 1
+            rid = f"h{seq[0]}"
+            d.allocate(rid, tok, receive=True)
+            lease = d.acquire_lease(rid, "recv")
+            p.allocate(rid, tok)
+            p.begin_send(rid, lease.ticket)
+            r = p.send(rid, lease.ticket)
+            st = d.wait_ready(rid, 5)
+            p.free(rid)
+            d.free(rid)
+            assert st.ready, st
+            nbytes[0] = r.nbytes
+
+        def new(tr: str) -> None:
+            p, d = cl[tr]
+            seq[0] += 1
+            rid = f"h{seq[0]}"
+            _, lease = d.allocate_recv(rid, tok)
+            p.allocate(rid, tok)
+            r = p.send(rid, lease.ticket, free=True)
+            st = d.wait_ready(rid, 5)
+            d.free(rid)
+            assert st.ready and "free" in r.phases, (st, r.phases)
+
+        fns = {"old grpc": lambda: old("grpc"), "old fast": lambda: old("fast"), "new fast": lambda: new("fast"), "new grpc": lambda: new("grpc")}
+        for _ in range(30):  # warm-up: connections, server threads, plans, peer sockets
+            for f in fns.values():
+                f()
+        src = np.random.default_rng(0).integers(0, 255, max(1, nbytes[0]), dtype=np.uint8)
+        dst = np.empty_like(src)
+
+        def memcpy() -> None:
+            dst[:] = src
+
+        fns["memcpy"] = memcpy
+        lat: dict[str, list[float]] = {k: [] for k in fns}
+        pc = time.perf_counter
+        gc.disable()
+        for _ in range(n):
+            for k, f in fns.items():
+                t0 = pc()
+                f()
+                lat[k].append(pc() - t0)
+        gc.enable()
+        for p, d in cl.values():
+            p.close()
+            d.close()
+    finally:
+        dp.stop()
+        dd.stop()
+
+    def pct(xs: list[float], q: float) -> float:
+        s = sorted(xs)
+        return s[min(len(s) - 1, int(q * len(s)))] * 1e3
+
+    print(f"kvd handoff control path -- {cpu_model()}; {args.layout}, {args.tokens} tokens ({nbytes[0]:,d} B moved), "
+          f"backend local, {n} handoffs per flow")
+    print(f"| {'flow':<9} | calls | {'median ms':>9} | {'p99 ms':>7} | median / old grpc |")
+    print("|-----------|-------|-----------|---------|-------------------|")
+    base = statistics.median(lat["old grpc"])
+    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "memcpy": 0}
+    for k, xs in lat.items():
+        print(f"| {k:<9} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
+    print(others_line(cpu0, own0))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The client's side of the engine socket (:mod:`kvd.server.engine_socket`): Kvd calls framed on
+held Unix-socket connections, for :class:`kvd.client.Client` and :class:`kvd.client.AsyncClient`.
+
+Same messages as gRPC, same errors: a refusal comes back as the kvd exception
+:func:`kvd.errors.from_status` makes of its status, raised from a :class:`FastRpcError` (a
+``grpc.RpcError`` with ``code()``, ``details()`` and ``trailing_metadata()``), so code that
+looks at the cause of a kvd error sees the same thing over either transport. A connection that
+breaks mid-call is UNAVAILABLE, as a gRPC call to a stopped daemon is.
+
+A call blocks its connection until the reply (WaitReady until the transfer is ready), so each
+client keeps a small pool: a call takes a free connection or opens one (its hello names the
+client's session) and puts it back after the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import stat
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+
+from kvd import errors as E
+from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
+from kvd.rpc.engine_wire import METHOD_IDS, METHODS, fast_path
+from kvd.rpc.status import code_from_int
+from kvd.v1 import kvd_pb2 as pb
+
+__all__ = ["FastRpcError", "FastChannel", "AsyncFastChannel", "fast_socket_of"]
+
+_RESPONSES: dict[str, type[Message]] = {m.name: m.response for m in METHODS.values()}
+#: Idle connections a client keeps (more are closed after their call).
+KEEP = 8
+
+
+class FastRpcError(grpc.RpcError):
+    """A refusal (or a broken connection) on the engine socket, shaped as a gRPC error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, metadata: Mapping[str, str]) -> None:
+        super().__init__(details)
+        self._code, self._details, self._md = code, details, tuple(metadata.items())
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._md
+
+
+def _raise(code: int, message: str, md: Mapping[str, str]) -> None:
+    """Raise the kvd exception of a status, from a FastRpcError carrying it."""
+    raise E.from_status(code, message, md) from FastRpcError(code_from_int(code), message, md)
+
+
+def _broken(path: str, method: str, exc: BaseException, timeout: float | None) -> None:
+    """A call whose connection broke or timed out: DEADLINE_EXCEEDED or UNAVAILABLE, as over gRPC."""
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        _raise(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], f"{method}: no reply on engine socket {path} within {timeout}s", {})
+    _raise(grpc.StatusCode.UNAVAILABLE.value[0], f"{method}: engine socket {path}: {exc or type(exc).__name__}; is the daemon running?", {})
+
+
+def fast_socket_of(address: str) -> str | None:
+    """The engine socket of a daemon address (``unix:/p`` or ``/p``: ``/p.fast``), when a socket
+    file is there; None otherwise (TCP, or a daemon that serves none)."""
+    path = address.removeprefix("unix:") if address.startswith(("unix:", "/")) else None
+    if not path or path.startswith("//"):
+        return None
+    p = fast_path(os.path.abspath(path))
+    try:
+        return p if stat.S_ISSOCK(os.stat(p).st_mode) else None
+    except OSError:
+        return None
+
+
+def _body(method: str, request: Message) -> bytes:
+    """The request serialised; RESOURCE_EXHAUSTED (without kvd's metadata: a transport limit, as a
+    gRPC channel refuses it) when it is over the frame limit, before anything is sent."""
+    body = request.SerializeToString()
+    if len(body) > MAX_FRAME:
+        _raise(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+               f"{method}: a request of {len(body):,d} bytes exceeds the engine socket's {MAX_FRAME:,d}-byte limit", {})
+    return body
+
+
+def _decode(method: str, kind: int, body: bytes) -> Any:
+    if kind == OK:
+        return _RESPONSES[method].FromString(body)
+    st = pb.PeerStatus.FromString(body)
+    _raise(st.code, st.message, dict(st.metadata))
+
+
+class FastChannel:
+    """Blocking calls on ``path``, for :class:`kvd.client.Client` (thread-safe)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.session_id = ""
+        self._free: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _open(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.path)
+            if self.session_id:
+                s.sendall(frame(HELLO, pb.Session(session_id=self.session_id)))
+                _decode("OpenSession", *read_frame(s))
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def call(self, method: str, request: Message, timeout: float | None) -> Any:
+        body = _body(method, request)
+        with self._lock:
+            s = self._free.pop() if self._free else None
+        try:
+            if s is None:
+                s = self._open()
+            s.settimeout(timeout)
+            s.sendall(HEAD.pack(len(body), METHOD_IDS[method]) + body)
+            kind, data = read_frame(s, MAX_FRAME)
+        except E.KvdError:
+            raise
+        except OSError as exc:  # broken, closed or timed out mid-call: this connection is done
+            if s is not None:
+                s.close()
+            _broken(self.path, method, exc, timeout)
+        with self._lock:
+            if self._closed or len(self._free) >= KEEP:
+                s.close()
+            else:
+                self._free.append(s)
+        if method == "OpenSession" and kind == OK:
+            reply = _decode(method, kind, data)
+            self.session_id = reply.session_id
+            return reply
+        return _decode(method, kind, data)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for s in free:
+            s.close()
+
+
+class AsyncFastChannel:
+    """The same calls for :class:`kvd.client.AsyncClient`, on asyncio streams."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.session_id = ""
+        self._free: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._closed = False
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        r, w = await asyncio.open_unix_connection(self.path, limit=MAX_FRAME)
+        if self.session_id:
+            w.write(frame(HELLO, pb.Session(session_id=self.session_id)))
+            try:
+                _decode("OpenSession", *await self._read(r))
+            except BaseException:
+                w.close()
+                raise
+        return r, w
+
+    @staticmethod
+    async def _read(r: asyncio.StreamReader) -> tuple[int, bytes]:
+        n, kind = HEAD.unpack(await r.readexactly(HEAD.size))
+        if n > MAX_FRAME:
+            raise ConnectionError(f"a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")
+        return kind, await r.readexactly(n)
+
+    async def call(self, method: str, request: Message, timeout: float | None) -> Any:
+        body = _body(method, request)
+        conn = self._free.pop() if self._free else None
+        try:
+            if conn is None:
+                conn = await self._open()
+            conn[1].write(HEAD.pack(len(body), METHOD_IDS[method]) + body)
+            kind, data = await asyncio.wait_for(self._read(conn[0]), timeout)
+        except E.KvdError:
+            raise
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            if conn is not None:
+                conn[1].close()
+            _broken(self.path, method, exc, timeout)
+        except BaseException:  # cancelled mid-call: the reply would arrive on a reused connection
+            if conn is not None:
+                conn[1].close()
+            raise
+        if self._closed or len(self._free) >= KEEP:
+            conn[1].close()
+        else:
+            self._free.append(conn)
+        reply = _decode(method, kind, data)
+        if method == "OpenSession":
+            self.session_id = reply.session_id
+        return reply
+
+    async def close(self) -> None:
+        self._closed = True
+        free, self._free = self._free, []
+        for _, w in free:
+            w.close()
+
+
+TRANSPORTS = ("auto", "grpc", "fast")
+
+
+def pick(address: str, transport: str) -> str | None:
+    """The engine socket a client of ``address`` uses, or None for gRPC. ``transport``: "auto"
+    (the engine socket when the daemon serves one beside its ``unix:`` listener, else gRPC),
+    "grpc", or "fast" (InvalidArgument when there is none)."""
+    if transport not in TRANSPORTS:
+        raise E.InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    if transport == "grpc":
+        return None
+    path = fast_socket_of(address)
+    if path is None and transport == "fast":
+        raise E.InvalidArgument(
+            f"transport='fast': {address!r} has no engine socket beside it (a unix: address whose daemon runs "
+            "with fast_socket on serves one at <path>.fast); use transport='auto' or 'grpc'"
+        )
+    return path
+
+
+def bounded(method: str, request: Message, timeout: float | None) -> Message:
+    """The request as the engine socket sends it: a WaitReady waits no longer than the call's own
+    ``timeout`` (as gRPC's deadline bounds it on the daemon's side)."""
+    if method == "WaitReady" and timeout is not None:
+        assert isinstance(request, pb.WaitRequest)
+        request.timeout_seconds = min(request.timeout_seconds, max(0.0, timeout - 0.05))
+    return request

@@ -1,0 +1,69 @@
+"""Frames of protobuf messages on a held Unix stream socket: what kvd's two socket transports share.
+
+The peer socket (:mod:`kvd.server.peer_socket`: a sender's calls to a receiving daemon) and the
+engine socket (:mod:`kvd.server.engine_socket`: an engine's calls to its own daemon) carry the
+v1 protobuf messages of their gRPC services unchanged, one per frame, both ways::
+
+    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian, at most MAX_FRAME)
+
+A request's kind is its method id (each transport's table); a reply's kind is :data:`OK` (the
+rpc's response) or :data:`REFUSED` (a ``PeerStatus``: code, message and metadata of
+:func:`kvd.errors.to_status`, raised again by the caller through :func:`kvd.errors.from_status`).
+Kind :data:`HELLO` opens a connection where the transport has one.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from google.protobuf.message import Message
+
+from kvd.ipc.unix_socket import recv_exact
+
+__all__ = ["HEAD", "HELLO", "OK", "REFUSED", "MAX_FRAME", "frame", "read_head", "read_frame"]
+
+HEAD = struct.Struct(">IB")
+#: Kind of the first frame of a connection, both ways.
+HELLO = 0
+#: Reply kinds: the rpc's response message, or a PeerStatus refusal.
+OK, REFUSED = 0, 1
+#: The largest frame either side reads: the gRPC server's message limit, so a message that fits a
+#: gRPC call fits here too.
+MAX_FRAME = 64 << 20
+
+
+def frame(kind: int, msg: Message) -> bytes:
+    """One frame: ``msg`` serialised behind its head."""
+    body = msg.SerializeToString()
+    return HEAD.pack(len(body), kind) + body
+
+
+def read_head(sock: socket.socket) -> tuple[int, int] | None:
+    """``(body length, kind)`` of the next frame, or None when the peer closed between frames."""
+    first = sock.recv(HEAD.size)
+    if not first:
+        return None
+    if len(first) < HEAD.size:
+        first += recv_exact(sock, HEAD.size - len(first))
+    n, kind = HEAD.unpack(first)
+    return n, kind
+
+
+def read_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[int, bytes]:
+    """``(kind, body)`` of the next frame (a caller reading a reply). ConnectionError when the
+    peer closed, or sent a frame over ``limit`` bytes (the stream cannot be followed past it)."""
+    # One recv usually brings head and body together (replies are small): read what is there.
+    buf = sock.recv(65536)
+    if not buf:
+        raise ConnectionError("the daemon closed the connection")
+    if len(buf) < HEAD.size:
+        buf += recv_exact(sock, HEAD.size - len(buf))
+    n, kind = HEAD.unpack_from(buf)
+    if n > limit:
+        raise ConnectionError(f"a frame of {n:,d} bytes exceeds the {limit:,d}-byte limit")
+    have = len(buf) - HEAD.size
+    if have > n:
+        raise ConnectionError(f"{have - n} bytes past the end of a {n:,d}-byte frame: the stream is out of step")
+    body = buf[HEAD.size:] if have == n else buf[HEAD.size:] + recv_exact(sock, n - have)
+    return kind, body

@@ -1,0 +1,255 @@
+"""The engine socket: an engine's calls to its own daemon without gRPC.
+
+Every request an engine serves makes a handful of calls to its daemon (allocate, lease, send,
+wait, free). A Python gRPC unary call costs 0.6-1.3 ms even over a Unix socket; a request and
+reply framed on a held Unix socket between two Python processes costs tens of microseconds. So
+beside its gRPC listener on ``listen_unix`` a daemon serves the engine-facing Kvd service on
+``<listen_unix>.fast`` (``fast_socket``), and :class:`kvd.client.Client` uses it when it
+connects to a ``unix:`` address that has one. gRPC stays the public API: TCP, tooling (grpcurl,
+health, reflection), remote callers.
+
+The same messages, the same handlers, the same errors: frames (:mod:`kvd.ipc.frames`) carry the
+v1 Kvd request and response messages; every request is parsed by
+:func:`kvd.rpc.convert.parse_request` (junk is INVALID_ARGUMENT naming the method, as over gRPC);
+the handler is the gRPC servicer's own method (:class:`~kvd.server.service.KvdService`), given a
+small context (:class:`_Context`) in place of gRPC's: its session metadata, and an ``abort`` that
+ends the call with the status ``_run`` mapped (:func:`kvd.errors.to_status`), sent as a
+``PeerStatus`` frame that the client raises again through :func:`kvd.errors.from_status`::
+
+    engine (a connection per call in flight)             daemon (a thread per connection)
+    ── kind 1: OpenSessionRequest ──────────────────▶  KvdService.OpenSession; the connection
+    ◀── kind 0: Session | 1: PeerStatus ─────────────  now acts for that session
+    ── kind 0: Session {session_id} ────────────────▶  (another connection of the same client)
+    ◀── kind 0: Session | 1: PeerStatus, close ──────  acts for it once the daemon knows it
+    ── kind 7: AllocateRequest ─────────────────────▶  KvdService.Allocate(request, context)
+    ◀── kind 0: AllocateResponse | 1: PeerStatus ────
+
+A connection acts for one session, the one it opened or named in its hello (kind 0, a
+``Session`` message), so it carries no metadata per call; a session id is the same capability
+the ``kvd-session`` metadata is over gRPC. A call blocks its connection (WaitReady until the
+transfer is ready: pushed, not polled), so a client holds a few connections and uses a free one.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvd.errors import InvalidArgument, KvdError, Unavailable
+from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame, read_head
+from kvd.ipc.unix_socket import UnixServer, recv_exact
+from kvd.rpc.convert import SESSION_KEY, parse_request, status_to_pb
+from kvd.rpc.engine_wire import METHOD_IDS, METHODS, Method, fast_path
+from kvd.rpc.status import code_from_int
+from kvd.server.service import KvdService
+from kvd.v1 import kvd_pb2 as pb
+
+__all__ = ["EngineSocketServer", "METHODS", "METHOD_IDS", "Method", "MAX_CONNECTIONS", "fast_path"]
+
+log = logging.getLogger("kvd.engine_socket")
+
+#: Connections one daemon serves at once (a thread each); more are refused, and their callers
+#: use gRPC. An engine holds one per call it has in flight.
+MAX_CONNECTIONS = 256
+#: The largest hello the server reads.
+MAX_HELLO = 4096
+
+
+class _Aborted(Exception):
+    """``_Context.abort``: the call ends with this status (what gRPC's abort raises, here)."""
+
+    def __init__(self, status: pb.PeerStatus) -> None:
+        super().__init__(status.message)
+        self.status = status
+
+
+class _Context:
+    """What :class:`KvdService`'s handlers use of a ``grpc.ServicerContext``: the session's
+    metadata, trailing metadata and abort (both filled by ``_run``), and no deadline (the client
+    bounds WaitReady by its own timeout before it sends)."""
+
+    __slots__ = ("_md", "_trailing")
+
+    def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
+        self._md = md
+        self._trailing: Sequence[tuple[str, str]] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._md
+
+    def set_trailing_metadata(self, md: Sequence[tuple[str, str]]) -> None:
+        self._trailing = md
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(pb.PeerStatus(code=code.value[0], message=details, metadata=dict(self._trailing)))
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+class _Close(Exception):
+    """The connection cannot go on (a refused hello, a frame past the limit): reply, then close."""
+
+    def __init__(self, reply: bytes) -> None:
+        super().__init__()
+        self.reply = reply
+
+
+def _refusal(exc: BaseException) -> bytes:
+    return frame(REFUSED, status_to_pb(exc))
+
+
+class EngineSocketServer(UnixServer):
+    """Serves :data:`METHODS` of ``service`` on a Unix stream socket at ``path``.
+
+    A thread per connection (at most ``max_connections``; more get an Unavailable refusal and
+    close). A connection idles without limit between calls; a frame once begun must arrive
+    within ``timeout``. A caller that sends garbage gets an INVALID_ARGUMENT refusal (and, when
+    the stream can no longer be followed, the connection closes); neither stops the server.
+    ``group``: the socket file group-writable (``group_access``), as the gRPC one."""
+
+    def __init__(self, path: str, service: KvdService, *, timeout: float = 5.0, max_connections: int = MAX_CONNECTIONS,
+                 group: bool = False, observe: Callable[[str, str, float], None] | None = None) -> None:
+        super().__init__(path, "fast_socket", "engine calls", group=group)
+        self.service = service
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
+        self.refused = self.dropped = 0
+        #: called with (method, status code name, seconds) after each call: the daemon's RPC latency histogram
+        self.observe = observe
+        # the bound handlers, by frame kind: one dict lookup per call
+        self._handlers: dict[int, Any] = {k: getattr(service, m.name) for k, m in METHODS.items()}
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        with self._lock:
+            return len(self._conns)
+
+    def answered(self) -> dict[tuple[str, str], int]:
+        """Calls answered so far by ``(method, status code name)``; "OK" for a success."""
+        with self._lock:
+            return dict(self._answered)
+
+    def _end(self) -> None:
+        with self._lock:
+            conns = dict(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close would not)
+            except OSError:
+                pass
+        for t in conns.values():
+            t.join(self.timeout + 1.0)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        t = threading.Thread(target=self._serve, args=(conn,), name="kvd-engine-conn", daemon=True)
+        with self._lock:
+            busy = len(self._conns) >= self.max_connections
+            if not busy:
+                self._conns[conn] = t
+        if busy:
+            self._close(conn, _refusal(Unavailable(
+                f"engine socket {self.path} serves {self.max_connections} connections already; close idle clients or use gRPC")))
+            return
+        t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        md: tuple[tuple[str, str], ...] = ()  # the session this connection acts for
+        try:
+            while not self._stop.is_set():
+                conn.settimeout(None)  # idle between calls
+                head = read_head(conn)
+                if head is None:
+                    return  # the caller closed it
+                conn.settimeout(self.timeout)
+                n, kind = head
+                if kind == HELLO:
+                    md = self._hello(conn, n)
+                    continue
+                reply, sid = self._answer(conn, n, kind, md)
+                if sid:
+                    md = ((SESSION_KEY, sid),)
+                conn.sendall(reply)
+        except _Close as c:
+            self._close(conn, c.reply)
+        except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()
+            if not self._stop.is_set():
+                with self._lock:
+                    self.dropped += 1
+                log.info("engine socket: dropped a connection: %s", exc)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _hello(self, conn: socket.socket, n: int) -> tuple[tuple[str, str], ...]:
+        """A hello names the session this connection acts for: answered with it, or refused
+        and closed (not a Session message, an unknown session)."""
+        try:
+            if n > MAX_HELLO:
+                raise InvalidArgument(f"engine socket: a hello of {n:,d} bytes exceeds {MAX_HELLO}; send the Session OpenSession returned")
+            try:
+                hello = pb.Session.FromString(recv_exact(conn, n))
+            except DecodeError as exc:
+                raise InvalidArgument(f"engine socket: the hello does not parse as Session ({exc})") from exc
+            s = self.service.node.touch(hello.session_id)
+        except KvdError as exc:
+            raise _Close(_refusal(exc)) from exc
+        conn.sendall(frame(OK, pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.service.node.pool.boot_id)))
+        return ((SESSION_KEY, s.session_id),)
+
+    def _answer(self, conn: socket.socket, n: int, kind: int, md: tuple[tuple[str, str], ...]) -> tuple[bytes, str]:
+        """The reply frame to one call whose head was read (its body is read here), and the
+        session id an OpenSession opened ("" otherwise)."""
+        if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
+            raise _Close(_refusal(InvalidArgument(f"engine socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
+        t0 = time.perf_counter()
+        body = recv_exact(conn, n) if n else b""
+        m = METHODS.get(kind)
+        name = m.name if m is not None else f"kind-{kind}"
+        sid = ""
+        try:
+            if m is None:
+                raise InvalidArgument(f"engine socket: unknown method id {kind}; this daemon serves 1 to {len(METHODS)} (and {HELLO}: hello)")
+            request = parse_request(m.name, m.request, body)  # the words gRPC refuses it in
+            ctx = _Context(md)
+            try:
+                response = self._handlers[kind](request, ctx)
+            except _Aborted as a:
+                reply, code = frame(REFUSED, a.status), code_from_int(a.status.code).name
+            else:
+                if kind == _OPEN:
+                    sid = response.session_id
+                reply, code = frame(OK, response), "OK"
+        except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place (a refusal before the handler)
+            st = status_to_pb(exc)
+            reply, code = frame(REFUSED, st), code_from_int(st.code).name
+        with self._lock:
+            self._answered[(name, code)] = self._answered.get((name, code), 0) + 1
+        if self.observe is not None:
+            self.observe(name, code, time.perf_counter() - t0)
+        return reply, sid
+
+    def _close(self, conn: socket.socket, reply: bytes) -> None:
+        with self._lock:
+            self.refused += 1
+        try:
+            conn.settimeout(self.timeout)
+            conn.sendall(reply)
+        except OSError:
+            pass  # the caller is gone; nothing else to do
+        conn.close()
+
+
+_OPEN = METHOD_IDS["OpenSession"]

@@ -1,0 +1,124 @@
+"""The engine socket (issue 16): the Kvd service framed on a held Unix socket beside the gRPC
+listener. Raw frames here; the client tests run over it through the ``transport`` fixture."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from daemon_kit import expect, rid
+
+from kvd import errors as E
+from kvd.client import Client
+from kvd.ipc.frames import HEAD, HELLO, OK, REFUSED, frame, read_frame
+from kvd.rpc.engine_wire import METHOD_IDS, METHODS, fast_path
+from kvd.v1 import kvd_pb2 as pb
+
+
+def _raw(target) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(fast_path(target.unix.removeprefix("unix:")))
+    return s
+
+
+def _status(s: socket.socket) -> pb.PeerStatus:
+    kind, body = read_frame(s)
+    assert kind == REFUSED, f"expected a refusal, got kind {kind}"
+    return pb.PeerStatus.FromString(body)
+
+
+def test_every_kvd_rpc_has_a_frame_kind():
+    served = {m.name for m in METHODS.values()}
+    assert served == {m.name for m in pb.DESCRIPTOR.services_by_name["Kvd"].methods}
+    assert sorted(METHODS) == list(range(1, len(METHODS) + 1))
+
+
+def test_bytes_that_do_not_parse_are_invalid_argument_naming_the_method(target):
+    with _raw(target) as s:
+        s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="raw")))
+        assert read_frame(s)[0] == OK
+        junk = b"\xff\xff\xff"
+        s.sendall(HEAD.pack(len(junk), METHOD_IDS["Allocate"]) + junk)
+        st = _status(s)
+        assert st.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "Allocate" in st.message, st
+        s.sendall(HEAD.pack(0, 200))  # an unknown method: refused, the connection goes on
+        st = _status(s)
+        assert st.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "unknown method id 200" in st.message, st
+        s.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest(payload=b"x")))
+        kind, body = read_frame(s)
+        assert kind == OK and pb.EchoResponse.FromString(body).payload == b"x"
+
+
+def test_a_call_before_a_session_is_refused_as_over_grpc(target):
+    with _raw(target) as s:
+        s.sendall(frame(METHOD_IDS["Allocate"], pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid(), tokens=16)])))
+        st = _status(s)
+        assert st.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "no session" in st.message, st
+
+
+def test_a_hello_naming_an_unknown_session_is_refused_and_closed(target):
+    with _raw(target) as s:
+        s.sendall(frame(HELLO, pb.Session(session_id="not-a-session")))
+        st = _status(s)
+        assert st.code == grpc.StatusCode.NOT_FOUND.value[0] and "unknown or expired" in st.message, st
+        assert s.recv(1) == b""  # closed
+
+
+def test_a_connection_acts_for_its_own_session_only(target):
+    a = target.connect(name="owner")
+    r = rid("own")
+    a.allocate(r, 16)
+    b = target.connect(name="other")
+    with expect(E.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, "another client session"):
+        b.vectors(r)
+    assert a.free(r) == 1
+
+
+def test_a_blocking_wait_does_not_hold_up_the_clients_other_calls(target):
+    c = target.connect(name="waiter")
+    r = rid("wait")
+    v, lease = c.allocate_recv(r, 16)
+    assert lease.ticket and v.tokens == 16
+    done = []
+    t = threading.Thread(target=lambda: done.append(c.wait_ready(r, 1.0)))
+    t.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    assert c.echo(b"hi") == b"hi"  # on another connection of the same client
+    took = time.perf_counter() - t0
+    assert not done and took < 0.5, (done, took)
+    t.join(5)
+    assert done and done[0].state.name == "WAITING"
+    c.release_lease(lease.lease_id)
+    c.free(r)
+
+
+def test_transport_choice(target):
+    assert target.connect(transport="auto").transport == "fast"
+    assert target.connect(transport="grpc").transport == "grpc"
+    assert target.connect(tcp=True, transport="auto").transport == "grpc"  # TCP: gRPC only
+    with pytest.raises(E.InvalidArgument, match="no engine socket"):
+        Client.connect(target.tcp, transport="fast")
+    with pytest.raises(E.InvalidArgument, match="transport must be one of"):
+        Client.connect(target.unix, transport="carrier-pigeon")
+
+
+def test_allocate_with_lease_is_all_or_nothing(inproc, monkeypatch):
+    c = inproc.connect(name="fused")
+    node = inproc.node
+    before = node.stats()
+
+    def refuse(*a, **kw):
+        raise E.FailedPrecondition("refused for the test")
+
+    monkeypatch.setattr(node, "acquire_lease", refuse)
+    with expect(E.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, "refused for the test"):
+        c.allocate_recv(rid("fused"), 64)
+    after = node.stats()
+    assert after.pool.requests_live == before.pool.requests_live and after.leases_live == before.leases_live
+    assert [g.used_pages for g in after.pool.groups] == [g.used_pages for g in before.pool.groups]
+    node.check()

@@ -1,0 +1,62 @@
+"""Issue 16: the handoff in fewer calls -- the decode side's allocate + RECV lease in one
+(``allocate_recv``), the prefill side's last Send that also frees (``send(free=True)``) -- moves
+the same bytes as the long flow, and refuses what it must before anything changes."""
+
+from __future__ import annotations
+
+import daemon_kit as dk
+import grpc
+import handoff_kit as hk
+
+from kvd import errors as E
+from kvd.client import TransferState
+from kvd.records import LeaseKind
+
+
+def test_short_flow_lands_the_same_bytes_and_frees_the_prefill_request(hp):
+    rid = dk.rid("fused")
+    hp.p.scatter(hp.rnd, dk.rid("pf"))
+    hp.d.scatter(hp.rnd, dk.rid("df"))
+    src = hp.p.alloc(rid, 70)
+    dst, lease = hp.d.c.allocate_recv(rid, 70)
+    hp.d.live.add(rid)
+    assert lease.kind is LeaseKind.RECV and lease.rid == rid and lease.ticket
+    assert hp.d.c.vectors(rid).full.tolist() == dst.full.tolist()  # the vectors the ticket names
+    hk.randomize(hp.p.arena, hp.seed)
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+
+    r = hp.p.c.send(rid, lease.ticket, free=True)
+    assert "free" in r.phases, r.phases  # freed by the daemon: no Free call
+    hp.p.live.discard(rid)
+    with dk.expect(E.NotFound, grpc.StatusCode.NOT_FOUND, "not allocated"):
+        hp.p.c.vectors(rid)
+    assert hp.d.c.wait_ready(rid, 5).state is TransferState.READY
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+    assert hp.d.free(rid) == 1
+    hp.check()
+
+
+def test_free_without_last_is_refused_before_anything_moves(hp):
+    rid, src, dst, lease = hp.setup_request(40, prefix="fused-nolast")
+    with dk.expect(E.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "free=true needs last=true"):
+        hp.p.c.send(rid, lease.ticket, end=16, last=False, free=True)
+    assert hp.d.c.wait_ready(rid, 0).state is TransferState.WAITING  # the receiver never heard
+    assert hp.p.c.vectors(rid).tokens == 40  # still allocated
+    hp.p.c.send(rid, lease.ticket)
+    assert hp.d.c.wait_ready(rid, 5).state is TransferState.READY
+    hp.p.free(rid)
+    hp.d.free(rid)
+    hp.check()
+
+
+def test_allocate_recv_of_a_taken_id_changes_nothing(hp):
+    rid = dk.rid("fused-dup")
+    hp.d.alloc(rid, 32, receive=True)
+    before = hp.d.c.stats()
+    with dk.expect(E.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS, rid):
+        hp.d.c.allocate_recv(rid, 32)
+    after = hp.d.c.stats()
+    assert after.leases_live == before.leases_live and after.pool.requests_live == before.pool.requests_live
+    hp.d.free(rid)
+    hp.check()
