@@ -214,8 +214,10 @@ def test_a_receiving_request_closed_mid_transfer_keeps_its_pages_from_the_next_e
     hp.pair.decode.t.clients.remove(victim.c)
     new_rid, new_v, pattern = _another_engine_allocates(hp, TOKENS)
     _next_send_refused_and_nothing_changed(hp, rid, lease.ticket, new_rid, new_v, pattern, "decode close")
-    # The sender knows (it refuses again, naming the receiver's reason) and the fence ends.
-    with pytest.raises(Aborted, match="receiving request ended mid-transfer"):
+    # The sender knows: it refuses again before writing, naming the receiver's reason while it
+    # still lists the aborted transfer, and after that (it forgets it once lease_ttl has passed,
+    # sooner under load or a fast transport) the receiver refuses the ticket of a lease that ended.
+    with pytest.raises((Aborted, NotFound), match="receiving request ended mid-transfer|lease .* is not live"):
         hp.p.c.send(rid, lease.ticket, start=CHUNK, last=True)
     dk.wait_for(lambda: hp.d.c.stats().leases_live == 0, hk.FENCE_S + 3.0, "the fence ended")
     print(f"[{hp.pair.backend}/{hp.pair.mode}] decode close: fence over {time.monotonic() - t0:.2f} s after the close")

@@ -142,7 +142,9 @@ class Bystander:
 
     @classmethod
     def make(cls, side: hk.Side, seed: int) -> Bystander:
-        c = side.connect("bystander")
+        # Its own session outlives the engines' 1 s TTL: a loaded machine can delay a heartbeat
+        # past a second, and the bystander must only ever end when the test frees it.
+        c = side.connect("bystander", ttl=60.0)
         rid = dk.rid("bystander")
         v = c.allocate(rid, 40)
         att = c.attach()

@@ -110,8 +110,8 @@ class Side:
         """The in-process daemon's node (None for a subprocess)."""
         return self.t.node
 
-    def connect(self, name: str) -> Client:
-        return self.t.connect(name=name)
+    def connect(self, name: str, **kw: Any) -> Client:
+        return self.t.connect(name=name, **kw)
 
     @property
     def peer_socket(self) -> str:
