@@ -214,7 +214,7 @@ def is_live(path: str) -> bool:
 def reap_stale(directory: str, prefix: str = "kvd-") -> list[str]:
     """Remove arena files in ``directory`` whose owner died without closing them (SIGKILL,
     OOM): on tmpfs they would hold their memory until reboot. Returns the removed paths."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
