@@ -438,6 +438,8 @@ class Outbox:
                 ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
                 ack = ob.began and ob.active == 0
         if ack:
+            if ob is None:
+                raise InternalError("abort_remote: an ack without its transfer")
             self._notices.tell_receiver(ob.ticket, ob.aborted)
 
     def heartbeat_once(self) -> None:

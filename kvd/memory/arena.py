@@ -32,7 +32,7 @@ import torch
 
 from kvd.errors import InvalidArgument
 
-__all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared", "reap_stale", "is_live"]
+__all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared", "reap_stale", "is_live", "fd_is_live"]
 
 
 @dataclass(frozen=True, slots=True)
