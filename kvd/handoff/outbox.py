@@ -75,7 +75,7 @@ class Outbox:
         # Peer calls that the end of a request owes (ended): made there, never under the node's lock.
         self._notices = Notices(link, address)
         node.on_ended.append(self.ended)
-        # Test only, never configured (kvd.engine.faults): edits the destination vectors this
+        # Test only, never configured (kvd.demo.faults): edits the destination vectors this
         # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
         self.dest_fault: Callable[[IndexVectors], IndexVectors] | None = None
 

@@ -427,7 +427,7 @@ class Daemon:
 
 def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None) -> None:
     """Run a daemon in the foreground until SIGTERM or SIGINT. ``on_start`` (test launchers only,
-    :mod:`kvd.engine.faults`) sees the started daemon before it announces itself."""
+    :mod:`kvd.demo.faults`) sees the started daemon before it announces itself."""
     d = Daemon.start(settings)
     if on_start is not None:
         try:
