@@ -182,7 +182,7 @@ def _device_flag(text: str) -> str:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from kvd.engine.demo import DemoOptions, run_demo
+    from kvd.demo.run import DemoOptions, run_demo
 
     requests = args.requests if args.requests is not None else (16 if args.quick else 64)
     if requests <= 0 or args.spec_k < 0 or args.chunk <= 0:

@@ -31,9 +31,11 @@ if TYPE_CHECKING:
 else:
     #: "none" or a name of the backend registry: a Literal, so a wrong name is refused naming the
     #: choices and the JSON schema (the Helm chart's values schema) lists them as an enum.
-    BackendName = Literal[("none", *BACKEND_NAMES)]
+    # (The choices are built first: a star inside the subscript is 3.11 syntax.)
+    _BACKEND_CHOICES = ("none", *BACKEND_NAMES)
+    BackendName = Literal[_BACKEND_CHOICES]
 
-__all__ = ["Settings", "parse_bytes", "load_settings"]
+__all__ = ["Settings", "parse_bytes", "load_settings", "unknown_env"]
 
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 

@@ -73,7 +73,7 @@ from kvd.backends.base import Backend, Landed, PeerRegion, Wiring
 from kvd.memory.arena import Arena
 from kvd.errors import Aborted, InvalidArgument, KvdError, Unavailable
 
-__all__ = ["MooncakeBackend", "BuildInfo", "build_info", "check_installed", "INSTALL_HINT", "CUDA_INSTALL_HINT"]
+__all__ = ["MooncakeBackend", "BuildInfo", "build_info", "check_installed", "diagnose", "INSTALL_HINT", "CUDA_INSTALL_HINT"]
 
 #: What a CPU host runs to get Mooncake: the wheel and the system libraries it links (GPU hosts
 #: install ``mooncake-transfer-engine``, the CUDA build, instead).

@@ -170,7 +170,7 @@ def _specs(specs: Sequence[AllocSpec | tuple]) -> list[pb.AllocSpec]:
     return out
 
 
-def _kind(kind: LeaseKind | str) -> int:
+def _kind(kind: LeaseKind | str) -> pb.LeaseKind.ValueType:
     try:
         return lease_kind_to_pb(kind if isinstance(kind, LeaseKind) else LeaseKind(str(kind).lower()))
     except ValueError as exc:

@@ -20,7 +20,7 @@ import socket
 import stat
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import Message
@@ -31,7 +31,7 @@ from kvd.rpc.engine_wire import METHOD_IDS, METHODS, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["FastRpcError", "FastChannel", "AsyncFastChannel", "fast_socket_of"]
+__all__ = ["FastRpcError", "FastChannel", "AsyncFastChannel", "fast_socket_of", "pick", "bounded"]
 
 _RESPONSES: dict[str, type[Message]] = {m.name: m.response for m in METHODS.values()}
 #: Idle connections a client keeps (more are closed after their call).
@@ -51,16 +51,18 @@ class FastRpcError(grpc.RpcError):
     def details(self) -> str:
         return self._details
 
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+    # grpc-stubs types this as a tuple of _Metadatum objects; grpc's own errors (and the callers,
+    # kvd.rpc.status) hold (key, value) pairs, as this one does.
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:  # type: ignore[override]
         return self._md
 
 
-def _raise(code: int, message: str, md: Mapping[str, str]) -> None:
+def _raise(code: int, message: str, md: Mapping[str, str]) -> NoReturn:
     """Raise the kvd exception of a status, from a FastRpcError carrying it."""
     raise E.from_status(code, message, md) from FastRpcError(code_from_int(code), message, md)
 
 
-def _broken(path: str, method: str, exc: BaseException, timeout: float | None) -> None:
+def _broken(path: str, method: str, exc: BaseException, timeout: float | None) -> NoReturn:
     """A call whose connection broke or timed out: DEADLINE_EXCEEDED or UNAVAILABLE, as over gRPC."""
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         _raise(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], f"{method}: no reply on engine socket {path} within {timeout}s", {})

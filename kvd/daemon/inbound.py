@@ -38,6 +38,9 @@ class Inbound(Protocol):
     def sweep(self) -> list[str]:
         """Time out silent senders and ended fences; the rids whose fence ended."""
 
+    def inbound(self) -> list[tuple[str, str, str, int, float]]:
+        """``(rid, sender, state, bytes committed, started)`` of every inbound transfer (kvd top)."""
+
 
 class NoInbound:
     """The inbound transfers of a node that was attached none: there never are any, so every
@@ -58,4 +61,7 @@ class NoInbound:
         return False, None
 
     def sweep(self) -> list[str]:
+        return []
+
+    def inbound(self) -> list[tuple[str, str, str, int, float]]:
         return []

@@ -15,11 +15,9 @@ colocated run. The pieces, one noun per module:
   no-cache oracle;
 * :mod:`~kvd.engine.device` -- where the engines compute (``kvd demo --device cuda``), the
   deterministic CUDA set-up of each process and the fence before every daemon call;
-* :mod:`~kvd.engine.router` -- engine processes and the router between them;
-* :mod:`~kvd.engine.demo` -- ``kvd demo``;
-* :mod:`~kvd.engine.faults` -- test-only faults that misplace KV (negative controls), in a
-  sending daemon or in a ticket.
+* :mod:`~kvd.engine.router` -- engine processes and the router between them.
 
+``kvd demo`` and the test-only fault launcher start daemons, so they live in :mod:`kvd.demo`.
 Importing this package does not import the process or demo machinery.
 """
 

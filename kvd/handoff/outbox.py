@@ -75,7 +75,7 @@ class Outbox:
         # Peer calls that the end of a request owes (ended): made there, never under the node's lock.
         self._notices = Notices(link, address)
         node.on_ended.append(self.ended)
-        # Test only, never configured (kvd.engine.faults): edits the destination vectors this
+        # Test only, never configured (kvd.demo.faults): edits the destination vectors this
         # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
         self.dest_fault: Callable[[IndexVectors], IndexVectors] | None = None
 
@@ -438,6 +438,8 @@ class Outbox:
                 ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
                 ack = ob.began and ob.active == 0
         if ack:
+            if ob is None:
+                raise InternalError("abort_remote: an ack without its transfer")
             self._notices.tell_receiver(ob.ticket, ob.aborted)
 
     def heartbeat_once(self) -> None:

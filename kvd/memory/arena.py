@@ -32,7 +32,7 @@ import torch
 
 from kvd.errors import InvalidArgument
 
-__all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared", "reap_stale", "is_live"]
+__all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared", "reap_stale", "is_live", "fd_is_live"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +214,7 @@ def is_live(path: str) -> bool:
 def reap_stale(directory: str, prefix: str = "kvd-") -> list[str]:
     """Remove arena files in ``directory`` whose owner died without closing them (SIGKILL,
     OOM): on tmpfs they would hold their memory until reboot. Returns the removed paths."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:

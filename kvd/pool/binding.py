@@ -16,7 +16,7 @@ import torch
 from kvd.errors import InternalError
 from kvd.pool.allocator import IDX, GroupAllocator, IdRing
 from kvd.pool.layout import GroupKind
-from kvd.pool.planner import Step
+from kvd.pool.planner import Placement, Step
 from kvd.pool.request import Request
 
 __all__ = ["Bindings"]
@@ -44,7 +44,7 @@ class Bindings:
         self._next_handle += 1
         return h
 
-    def bind_step(self, r: Request, step: Step, plan: dict) -> None:
+    def bind_step(self, r: Request, step: Step, plan: Placement) -> None:
         """Bind the pages of one planned step. Each group's plan is consumed by the first
         bindings that need new pages; holes are used before growth."""
         r.version = next(self.versions)  # every step changes the request's vectors (tokens at least)
@@ -67,7 +67,7 @@ class Bindings:
             self.vid_req[DRAFT][vids] = r.handle
             r.draft = torch.cat([r.draft, vids])
 
-    def _bind(self, kind: GroupKind, vids: torch.Tensor, plan: dict) -> None:
+    def _bind(self, kind: GroupKind, vids: torch.Tensor, plan: Placement) -> None:
         a = self.groups[kind]
         g_lo, g_hi, new_lo = plan.get(kind, (0, 0, None))
         n = vids.numel()
@@ -101,4 +101,4 @@ class Bindings:
     def owner_handles(self, kind: GroupKind, vids: torch.Tensor) -> set[int]:
         """Handles of the requests that own ``vids`` of group ``kind`` (SWA ids are the full group's)."""
         table = self.vid_req[FULL if kind is SWA else kind]
-        return set(table[vids].unique().tolist())
+        return set(torch.unique(table[vids]).tolist())

@@ -43,7 +43,7 @@ def check(pool: Pool) -> None:
         if holes.numel() != (a.hi - a.lo) - a.used:
             fail(f"{k.value}: {holes.numel()} holes but region {a.hi - a.lo} - used {a.used}")
         if holes.numel():
-            if holes.unique().numel() != holes.numel():
+            if torch.unique(holes).numel() != holes.numel():
                 fail(f"{k.value}: a hole is listed twice")
             if bool((a.p2v[holes.long()] != -1).any()) or int(holes.min()) < a.lo or int(holes.max()) >= a.hi:
                 fail(f"{k.value}: a listed hole is bound or outside the region")

@@ -22,7 +22,7 @@ import enum
 import hashlib
 import json
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -184,7 +184,7 @@ class Layout(BaseModel):
         return max(self.page_bytes(g) for g in self.groups)
 
     # ---- identity ------------------------------------------------------------------------
-    def canonical(self) -> dict:
+    def canonical(self) -> dict[str, Any]:
         """The fields that decide byte compatibility, with derived page bytes, in a stable form."""
         return {
             "page_size": self.page_size,

@@ -109,12 +109,12 @@ def load_model(
     except InvalidArgument as e:
         raise InvalidArgument(f"draft config {os.fspath(draft)}: {e}") from None
     try:
-        return with_draft(layout, d, draft_name=_model_name(dcfg, draft))
+        return _with_draft(layout, d, draft_name=_model_name(dcfg, draft))
     except InvalidArgument as e:
         raise InvalidArgument(f"draft config {os.fspath(draft)}: {e}") from None
 
 
-def with_draft(layout: Layout, draft: Layout, *, draft_name: str = "draft") -> Layout:
+def _with_draft(layout: Layout, draft: Layout, *, draft_name: str = "draft") -> Layout:
     """``layout`` plus a draft group holding ``draft``'s KV (its page size and dtype).
 
     The draft model must be plain full attention (one group): a draft's sliding or state layers

@@ -22,9 +22,13 @@ The budget is given in bytes, or as a GPU's memory times a fraction (SGLang's
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvd.errors import InvalidArgument
 from kvd.pool.layout import GroupKind, Layout
+
+if TYPE_CHECKING:
+    from rich.console import Group
 
 __all__ = ["GPUS", "Plan", "GroupPlan", "TablePlan", "plan", "gpu_budget", "format_plan"]
 
@@ -102,7 +106,7 @@ class Plan:
     post_capture_tables_bytes: int  # sized by reserve_bytes
     swa_v2p_seed_bytes: dict[str, int] = field(default_factory=dict)  # seed 004's row cost, int64
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -195,7 +199,7 @@ def plan(layout: Layout, budget: int, *, reserve: int | None = None) -> Plan:
     )
 
 
-def format_plan(p: Plan, layout: Layout):
+def format_plan(p: Plan, layout: Layout) -> Group:
     """A rich renderable of ``p``: the layout, a table per group, the tables' bytes."""
     from rich.console import Group
     from rich.table import Table
@@ -223,8 +227,8 @@ def format_plan(p: Plan, layout: Layout):
     t = Table(title="mapping tables (int32; an eager daemon: reserved = budget)", title_justify="left")
     for col in ("group", "table", "entries", "bytes"):
         t.add_column(col, justify="left" if col in ("group", "table") else "right")
-    for x in p.tables:
-        t.add_row(x.group, x.table, f"{x.entries:,d}", f"{x.bytes:,d}")
+    for tp in p.tables:
+        t.add_row(tp.group, tp.table, f"{tp.entries:,d}", f"{tp.bytes:,d}")
     tail = [f"tables: {p.tables_bytes:,d} B ({_mb(p.tables_bytes)}) eager; {p.post_capture_tables_bytes:,d} B "
             f"({_mb(p.post_capture_tables_bytes)}) at the post-capture reservation"]
     if p.swa_v2p_seed_bytes:

@@ -20,11 +20,15 @@ from kvd.pool.allocator import Direction, GroupAllocator, IdRing
 from kvd.pool.layout import GroupKind, GroupSpec, Layout
 from kvd.pool.request import Request
 
-__all__ = ["Live", "Planner", "Step", "TYPICAL_TOKENS"]
+__all__ = ["Live", "Placement", "Planner", "Step", "TYPICAL_TOKENS"]
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
 #: The longest request length the planner assumes when it shares free bytes with the state group.
 TYPICAL_TOKENS = 4096
+
+#: A plan: group kind -> ``(grow_lo, grow_hi, new_lo)``, the pages each group grows by below and
+#: above its region and, for an empty group, where it re-anchors (None: it stays).
+Placement = dict[GroupKind, tuple[int, int, int | None]]
 
 
 @dataclass(slots=True)
@@ -108,7 +112,7 @@ class Planner:
     # =========================================================================================
     # planning: does a set of steps fit the shared arena, and where does each group grow?
     # =========================================================================================
-    def plan(self, steps: Sequence[Step], live: Live, trimmed: bool, balanced: bool = False) -> tuple[dict, int]:
+    def plan(self, steps: Sequence[Step], live: Live, trimmed: bool, balanced: bool = False) -> tuple[Placement, int]:
         """Greedy placement along the arena, low address to high.
 
         Each group first uses its holes (plus SWA pages released by the same steps), then grows
@@ -129,7 +133,7 @@ class Planner:
         bounds = {k: (a.trimmed_bounds() if trimmed else (a.lo, a.hi)) for k, a in self.groups.items()}
         kinds = list(self.groups)
         weight: dict[GroupKind, float] | None = None  # computed when a float first needs it
-        plan: dict[GroupKind, tuple[int, int, int | None]] = {}
+        plan: Placement = {}
         short = 0
         prev_hi_bytes = self.sink_bytes
         for i, k in enumerate(kinds):
@@ -142,19 +146,20 @@ class Planner:
             nxt = next((j for j in kinds[i + 1 :] if bounds[j][1] > bounds[j][0]), None)
             upper = self.arena.backed if nxt is None else bounds[nxt][0] * self.groups[nxt].pb
             floats = bool(extra) and a.direction is Direction.FLOAT  # grows, and may grow either way
+            w: dict[GroupKind, float] = {}  # the weights, where this group floats
             if floats:
-                weight = weight or self.weights(steps, live)
+                weight = w = weight or self.weights(steps, live)
             if floats and a.used == 0:
                 # An empty float re-anchors inside the gap it sits in, leaving the group below it
                 # room in proportion to their byte weights, so neighbours do not box each other in.
                 first, last = -(-prev_hi_bytes // a.pb), min(upper // a.pb, a.p_max) - extra
-                below = weight[kinds[i - 1]]
-                above = sum(weight[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
-                target = first + int((last + extra - first) * below / (below + weight[k] + above))
+                below = w[kinds[i - 1]]
+                above = sum(w[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
+                target = first + int((last + extra - first) * below / (below + w[k] + above))
                 new_lo = lo = hi = max(first, min(target, last))
             down_room = lo - -(-prev_hi_bytes // a.pb) if a.direction is not Direction.UP else 0
             up_room = min(upper // a.pb, a.p_max) - hi if a.direction is not Direction.DOWN else 0
-            if balanced and floats and self.up_first(kinds, i, nxt, down_room, up_room, weight):
+            if balanced and floats and self.up_first(kinds, i, nxt, down_room, up_room, w):
                 g_hi = min(extra, max(0, up_room))
                 g_lo = min(extra - g_hi, max(0, down_room))
             else:
@@ -201,12 +206,12 @@ class Planner:
         typical = min(TYPICAL_TOKENS, max(self._ps[FULL], (live.tokens + sum(new)) // count))
         return {**self._weight, STATE: self.layout.entry_bytes(self._specs[STATE]) / typical}
 
-    def attempt(self, steps: Sequence[Step], live: Live) -> tuple[dict, int, bool]:
+    def attempt(self, steps: Sequence[Step], live: Live) -> tuple[Placement, int, bool]:
         """The first plan of ``steps`` that fits, trying balanced growth before lower-gap-first
         and both before trimming edges: ``(plan, 0, trimmed)``; else ``(plan, shortfall, True)``
         with the smallest shortfall seen. Changes nothing."""
         short = None
-        plan: dict = {}
+        plan: Placement = {}
         for trimmed in (False, True):
             for balanced in (True, False):
                 p, s = self.plan(steps, live, trimmed, balanced)
@@ -216,7 +221,7 @@ class Planner:
                     plan, short = p, s
         return plan, int(short or 0), True
 
-    def fit(self, steps: Sequence[Step], what: str, live: Live) -> dict:
+    def fit(self, steps: Sequence[Step], what: str, live: Live) -> Placement:
         """Plan ``steps`` (:meth:`attempt`); raise CapacityError when nothing fits. Mutates
         only by trimming (which frees no page and moves no byte)."""
         plan, short, trimmed = self.attempt(steps, live)

@@ -39,8 +39,6 @@ Placement
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -62,7 +60,7 @@ from kvd.pool.binding import Bindings
 from kvd.pool.check import check as check_pool
 from kvd.pool.compaction import compact as compact_pool
 from kvd.pool.layout import GroupKind, Layout
-from kvd.pool.planner import Live, Planner, Step
+from kvd.pool.planner import Live, Placement, Planner, Step
 from kvd.pool.offload import Offloaded, load as load_pages, save as save_pages
 from kvd.pool.request import Request
 from kvd.records import AllocSpec, CompactionResult, Envelope, GroupStats, IndexVectors, PoolStats
@@ -156,9 +154,9 @@ class Pool:
             raise FailedPrecondition("finalize: this pool was built eagerly (post_capture=False); it has nothing to finalize")
         if self.finalized:
             raise FailedPrecondition("finalize: the pool is already finalized; use resize(bytes) to change its size")
-        self._check_budget("finalize", nbytes)
-        self.arena.set_backed(nbytes)
-        self._set_capacity(nbytes)
+        size = self._check_budget("finalize", nbytes)
+        self.arena.set_backed(size)
+        self._set_capacity(size)
         self.finalized = True
         self.epoch += 1
 
@@ -172,12 +170,13 @@ class Pool:
             raise FailedPrecondition(
                 f"resize with {len(self._requests)} live allocations: free them (or offload them) first"
             )
-        self._check_budget("resize", nbytes)
-        self.arena.set_backed(nbytes)
-        self._set_capacity(nbytes)
+        size = self._check_budget("resize", nbytes)
+        self.arena.set_backed(size)
+        self._set_capacity(size)
         self.epoch += 1
 
-    def _check_budget(self, what: str, nbytes: int | None) -> None:
+    def _check_budget(self, what: str, nbytes: int | None) -> int:
+        """``nbytes``, checked as a budget for :meth:`finalize` / :meth:`resize`."""
         if nbytes is None:
             raise InvalidArgument(f"{what}: no byte count given; pass the final KV budget in bytes")
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes <= 0:
@@ -193,6 +192,7 @@ class Pool:
                 f"{what}: {nbytes:,d} bytes is below the one-request floor of {floor:,d} bytes "
                 f"({self.floor_tokens} tokens in every group plus the sink); give the pool more memory"
             )
+        return nbytes
 
     # =========================================================================================
     # placement: the planner's answers over the live requests
@@ -200,7 +200,7 @@ class Pool:
     def _live_now(self) -> Live:
         return Live(len(self._requests), self._live_tokens)
 
-    def _fit(self, steps: Sequence[Step], what: str) -> dict:
+    def _fit(self, steps: Sequence[Step], what: str) -> Placement:
         """Plan ``steps`` (:meth:`Planner.fit`); raise CapacityError when nothing fits."""
         return self._planner.fit(steps, what, self._live_now())
 

@@ -28,7 +28,7 @@ from kvd.backends.base import Backend
 from kvd.backends.registry import backend_class, draft_capable, make_backend
 from kvd.memory.arena import Arena, ShmArena, reap_stale
 from kvd.config import Settings
-from kvd.errors import InvalidArgument, Unavailable
+from kvd.errors import InternalError, InvalidArgument, Unavailable
 from kvd.ipc.fdpass import HandleServer
 from kvd.handoff.link import run_every
 from kvd.handoff.outbox import Outbox
@@ -174,14 +174,14 @@ def _bind(server: grpc.Server, address: str, setting: str) -> int:
     return port
 
 
-def _serve_metrics(metrics: Metrics, settings: Settings) -> None:
-    """Start the /metrics endpoint; Unavailable naming the port and the setting to change when
-    it cannot bind."""
+def _serve_metrics(metrics: Metrics, host: str, port: int) -> None:
+    """Start the /metrics endpoint on ``host:port`` (the settings' metrics_host / metrics_port);
+    Unavailable naming the port and the setting to change when it cannot bind."""
     try:
-        metrics.serve(settings.metrics_host, settings.metrics_port)
+        metrics.serve(host, port)
     except OSError as exc:
         raise Unavailable(
-            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc.strerror or exc}; "
+            f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; "
             "set metrics_port to a free port (0 picks one) or stop the process that holds it"
         ) from exc
 
@@ -245,6 +245,8 @@ class Daemon:
         handle_server: HandleServer | None = None
         peer_server: PeerSocketServer | None = None
         if arena.handle().kind == "cuda-vmm":
+            if handle_path is None:
+                raise InternalError("a cuda-vmm arena without a handle socket path (validate() gives one for arena=cuda)")
             exporter = ArenaHandles(node, settings.peer_token)
             node.on_backing_change.append(exporter.backing_changed)
             handle_server = HandleServer(
@@ -306,7 +308,10 @@ class Daemon:
             _undo(undo, "the backend", backend.close)
             backend.register(arena)
             # Register the whole arena again whenever its backing changes (post-capture sizing).
-            node.on_backing_change.append(lambda: backend.register(arena))
+            def reregister() -> None:
+                backend.register(arena)
+
+            node.on_backing_change.append(reregister)
             outbox = Outbox(node, backend, link, address=peer)
             _undo(undo, "the outbox's notice threads", outbox.close)
             metrics.collector.outbox = outbox
@@ -361,7 +366,7 @@ class Daemon:
         for name in ("", *names[:2]):
             hs.set(name, health_pb2.HealthCheckResponse.SERVING)
         if settings.metrics_port is not None:
-            _serve_metrics(metrics, settings)
+            _serve_metrics(metrics, settings.metrics_host, settings.metrics_port)
             _undo(undo, "the metrics endpoint", metrics.close)
         d = cls(
             settings, node, server, hs, addresses, metrics,
@@ -422,7 +427,7 @@ class Daemon:
 
 def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None) -> None:
     """Run a daemon in the foreground until SIGTERM or SIGINT. ``on_start`` (test launchers only,
-    :mod:`kvd.engine.faults`) sees the started daemon before it announces itself."""
+    :mod:`kvd.demo.faults`) sees the started daemon before it announces itself."""
     d = Daemon.start(settings)
     if on_start is not None:
         try:

@@ -22,6 +22,8 @@ from kvd.handoff.outbox import Outbox
 from kvd.daemon.node import Node
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     from kvd.server.peer_link import DaemonPeerLink
     from kvd.server.peer_socket import PeerSocketServer
 
@@ -158,7 +160,7 @@ class Metrics:
             "kvd_rpc_duration_seconds", "gRPC call latency by method and status code", ["method", "code"],
             buckets=_BUCKETS, registry=self.registry,
         )
-        self._http = None
+        self._http: WSGIServer | None = None
         self.port: int | None = None
 
     def interceptor(self) -> grpc.ServerInterceptor:

@@ -357,8 +357,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
         return self._run(context, go)
 
-    def SendMany(self, request: pb.SendManyRequest, context):
-        def go():
+    def SendMany(self, request: pb.SendManyRequest, context: grpc.ServicerContext) -> pb.SendManyResponse:
+        def go() -> pb.SendManyResponse:
             t0 = time.perf_counter()
             session, outbox = self._sender(context)
             check_batch_size(len(request.items))

@@ -129,13 +129,13 @@ def render(st: NodeStats, act: Activity, r: Rates | None, address: str, *, rows:
     les = Table(title=f"leases: {act.leases_total:,d} live", title_justify="left", box=None)
     for col in ("id", "rid", "kind", "age", "expires in"):
         les.add_column(col, justify="left" if col in ("rid", "kind") else "right")
-    for x in act.leases[:rows]:
-        les.add_row(str(x.lease_id), x.rid, x.kind, _age(x.age_s), _age(max(0.0, x.expires_in_s)))
+    for le in act.leases[:rows]:
+        les.add_row(str(le.lease_id), le.rid, le.kind, _age(le.age_s), _age(max(0.0, le.expires_in_s)))
     tra = Table(title=f"transfers: {act.transfers_total:,d} in flight", title_justify="left", box=None)
     for col in ("dir", "rid", "state", "peer", "bytes", "age"):
         tra.add_column(col, justify="right" if col in ("bytes", "age") else "left")
-    for x in act.transfers[:rows]:
-        tra.add_row(x.direction, x.rid, x.state, x.peer, _h(x.nbytes), _age(x.age_s))
+    for tr in act.transfers[:rows]:
+        tra.add_row(tr.direction, tr.rid, tr.state, tr.peer, _h(tr.nbytes), _age(tr.age_s))
     return Group(_header(st, address), _bars(st, act), legend, Text(""), rate, Text(""), req, les, tra)
 
 

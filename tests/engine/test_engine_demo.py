@@ -52,7 +52,7 @@ def test_demo_refuses_bad_flags(bad):
 def test_auto_backend_falls_back_to_local_with_a_notice(monkeypatch):
     import io
 
-    from kvd.engine.demo import choose_backend
+    from kvd.demo.run import choose_backend
     from kvd.errors import Unavailable
 
     monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # the import now fails, as where it is absent

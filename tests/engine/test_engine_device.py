@@ -24,7 +24,7 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
 @NO_CUDA
 def test_demo_refuses_cuda_without_a_gpu_with_status_2(capsys, monkeypatch):
     from kvd.cli import main
-    from kvd.engine import demo
+    from kvd.demo import run as demo
 
     def no_daemon(*a, **kw):
         raise AssertionError("a daemon started before the refusal")
@@ -48,7 +48,7 @@ def test_resolve_names_the_devices():
 
 
 def test_cuda_demo_takes_the_local_backend_and_mooncake_only_as_the_cuda_build(monkeypatch):
-    from kvd.engine.demo import choose_backend
+    from kvd.demo.run import choose_backend
 
     engine = types.ModuleType("mooncake.engine")  # "installed", a build that names no flags
     monkeypatch.setitem(sys.modules, "mooncake", types.ModuleType("mooncake"))
@@ -171,7 +171,7 @@ def test_gpu_daemons_are_started_with_a_cuda_arena(monkeypatch, tmp_path):
     names ``arena`` and ``cuda_device``); the CPU demo's command line stays as it was."""
     import subprocess
 
-    from kvd.engine import demo
+    from kvd.demo import run as demo
 
     started: list[tuple[list[str], dict | None]] = []
 

@@ -1,6 +1,6 @@
 """Negative controls: the accuracy check must catch a broken handoff.
 
-Each fault is a buggy prefill daemon: ``kvd.engine.faults.install`` sets the sending daemon's
+Each fault is a buggy prefill daemon: ``kvd.demo.faults.install`` sets the sending daemon's
 test-only hook so it plans its writes from edited destination vectors, after the genuine sealed
 ticket passed every check -- the KV lands, in the wrong pages. Each test first shows the same
 pair and workload pass without the fault (so a failure under the fault is the fault's doing),
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from engine_kit import WINDOW, Pair, pd_pair, requests, run_pd
 
 from kvd.engine.records import EngineConfig
-from kvd.engine.faults import Fault, draft_scrambled, install, rewrite_vectors, swa_kernel_ids, swa_through_full_ids
+from kvd.demo.faults import Fault, draft_scrambled, install, rewrite_vectors, swa_kernel_ids, swa_through_full_ids
 from kvd.engine.reference import compare
 from kvd.pool.layout import GroupKind
 

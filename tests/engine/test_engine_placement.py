@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvd.engine import demo
+from kvd.demo import run as demo
 from kvd.engine import device as devmod
 from kvd.engine.device import Placement, parse_device, place
 from kvd.errors import InvalidArgument, Unavailable

@@ -17,9 +17,9 @@ keeps them as negative controls:
   order (the draft KV arrives, but not where the draft model reads it).
 
 An in-process daemon gets the fault with :func:`install`; ``kvd demo --fault NAME`` runs its
-prefill daemon as ``python -m kvd.engine.faults NAME serve ...`` (``kvd serve`` with the fault
-installed). This is the one module of :mod:`kvd.engine` that reaches into a daemon: a buggy
-daemon is what it models.
+prefill daemon as ``python -m kvd.demo.faults NAME serve ...`` (``kvd serve`` with the fault
+installed). It reaches into a daemon (a buggy daemon is what it models), which is why it lives
+in :mod:`kvd.demo`, beside the CLI, not in the engine.
 """
 
 from __future__ import annotations
@@ -93,14 +93,14 @@ FAULTS: dict[str, Fault] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvd.engine.faults NAME serve [kvd serve flags]``: ``kvd serve`` whose daemon
+    """``python -m kvd.demo.faults NAME serve [kvd serve flags]``: ``kvd serve`` whose daemon
     sends with fault ``NAME`` installed (test only: the demo's ``--fault``)."""
     import argparse
 
     from kvd.cli import cmd_serve, serve_parser
     from kvd.errors import KvdError
 
-    ap = argparse.ArgumentParser(prog="python -m kvd.engine.faults", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvd.demo.faults", description=main.__doc__)
     ap.add_argument("fault", choices=sorted(FAULTS))
     serve_parser(ap.add_subparsers(dest="cmd", required=True))
     args = ap.parse_args(argv)

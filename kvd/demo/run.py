@@ -72,7 +72,7 @@ class DemoOptions:
     max_inflight: int = 16
     device: str = "cpu"  # cpu | cuda (GPU 0: daemons' arenas, engines and the reference)
     decode_device: str | None = None  # cuda:N: the decode daemon's arena and engine there; None: on `device`
-    fault: str | None = None  # test only: the prefill daemon misplaces KV with a named fault (kvd.engine.faults.FAULTS)
+    fault: str | None = None  # test only: the prefill daemon misplaces KV with a named fault (kvd.demo.faults.FAULTS)
 
 
 def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
@@ -141,14 +141,14 @@ def _reference_main(requests: list[Request], cfg: EngineConfig, conn, device: st
 
 class _Daemon:
     """A ``kvd serve`` subprocess; its log goes to a file, its first stdout line says it serves.
-    ``fault`` (test only): it sends with that fault of :mod:`kvd.engine.faults` installed."""
+    ``fault`` (test only): it sends with that fault of :mod:`kvd.demo.faults` installed."""
 
     def __init__(self, name: str, workdir: str, arena_dir: str, layout_path: str, backend: str, speculative: bool,
                  device: torch.device = torch.device("cpu"), fault: str | None = None) -> None:
         self.name = name
         self.sock = os.path.join(workdir, f"{name}.sock")
         self.log_path = os.path.join(workdir, f"{name}.log")
-        launcher = ["kvd.engine.faults", fault] if fault else ["kvd.cli"]
+        launcher = ["kvd.demo.faults", fault] if fault else ["kvd.cli"]
         cmd = [
             sys.executable, "-m", *launcher, "serve", "--layout", layout_path, "--listen-unix", self.sock,
             "--listen-tcp", "127.0.0.1:0", "--backend", backend, "--post-capture",
