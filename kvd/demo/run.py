@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 from kvd.engine.device import CUBLAS_WORKSPACE, Placement, place, prepare, resolve
 from kvd.engine.records import Completion, EngineConfig, Request
@@ -204,21 +206,23 @@ class _Daemon:
 
 
 class _Progress:
-    """A ``\\r``-updated line on stderr."""
+    """The requests done so far, a progress bar drawn by rich on ``err``: redrawn in place on a
+    terminal; elsewhere (a pipe, a log file) rich draws it once, when it stops."""
 
-    def __init__(self, err: TextIO, t0: float) -> None:
-        self.err, self.t0 = err, t0
-        self.tty = err.isatty()
+    def __init__(self, err: TextIO) -> None:
+        self.bar = Progress(
+            TextColumn("kvd demo"), BarColumn(), MofNCompleteColumn(), TextColumn("requests"),
+            console=Console(file=err),
+        )
+        self.task: TaskID = self.bar.add_task("", total=None)
+        self.bar.start()
 
     def __call__(self, done: int, total: int) -> None:
-        width = 30
-        filled = width * done // total
-        line = f"\rkvd demo [{'#' * filled}{'.' * (width - filled)}] {done}/{total} requests  {time.perf_counter() - self.t0:5.1f} s"
-        if self.tty or done == total or done % max(1, total // 8) == 0:
-            self.err.write(line)
-            self.err.flush()
-        if done == total:
-            self.err.write("\n")
+        self.bar.update(self.task, completed=done, total=total)
+
+    def close(self) -> None:
+        """Stop drawing (the bar's final state stays on ``err``)."""
+        self.bar.stop()
 
 
 def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
@@ -278,8 +282,11 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 raise RuntimeError(f"{name} engine computes on {msg.device}, not on {roles[name]}")
             device_names[name] = msg.device_name
         router = Router(conns["prefill"], conns["decode"], max_inflight=opts.max_inflight)
-        progress = _Progress(err, t0)
-        result = router.run(requests, progress)
+        progress = _Progress(err)
+        try:
+            result = router.run(requests, progress)
+        finally:
+            progress.close()
         reports = router.shutdown()
         router = None
         reference = recv_or_raise(ref_recv)
