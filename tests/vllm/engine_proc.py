@@ -1,0 +1,59 @@
+"""One vLLM engine (offline LLM API, in-process engine core) driven over stdin/stdout by the tests.
+
+    python engine_proc.py MODEL [--kv JSON] [--layout-out FILE] [--block-size N]
+
+Prints ``READY`` once the engine is up (and, with --layout-out, writes the kvd layout derived from
+this engine's own KV cache config there). Then each stdin line is a job
+``{"prompts": [[ids]], "params": [kv_transfer_params | null], "max_tokens": N}``, answered by one
+line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--kv", default=None)
+    ap.add_argument("--layout-out", default=None)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, max_num_seqs=8,
+              seed=0, enable_prefix_caching=False, block_size=a.block_size,
+              max_num_batched_tokens=max(2048, a.max_model_len))
+    if a.kv:
+        kw["kv_transfer_config"] = KVTransferConfig(**json.loads(a.kv))
+    llm = LLM(**kw)
+    if a.layout_out:
+        from kvd.connectors.vllm import layout_from_vllm
+
+        core = llm.llm_engine.engine_core.engine_core  # VLLM_ENABLE_V1_MULTIPROCESSING=0: in this process
+        layout, _ = layout_from_vllm(core.scheduler.kv_cache_config, name=a.model.rstrip("/").rsplit("/", 1)[-1])
+        with open(a.layout_out, "w") as f:
+            f.write(layout.model_dump_json())
+    print("READY", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        params = job.get("params") or [None] * len(job["prompts"])
+        sps = [SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True,
+                              extra_args={"kv_transfer_params": p} if p else None) for p in params]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], sps, use_tqdm=False)
+        res = dict(tokens=[list(o.outputs[0].token_ids) for o in outs],
+                   finish=[o.outputs[0].finish_reason for o in outs],
+                   kv_params=[o.kv_transfer_params for o in outs], seconds=time.perf_counter() - t0)
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
