@@ -1,0 +1,182 @@
+"""vLLM prefill -> kvd -> kvd -> vLLM decode against one vLLM alone, on tiny float32 models.
+
+Runs in the vLLM venv (``make venv-vllm``; .ci/run runs this tier there and fails if it skips);
+skips where vLLM is not installed. Per model (Llama; Gemma3: sliding window 16, null blocks;
+GraniteMoeHybrid: Mamba2 state slots): the baseline, then a decode engine, a prefill engine and
+two daemons, each its own process, and:
+
+* identical greedy token ids (32) for 4 prompts: shorter than the window, not a block multiple,
+  several windows long;
+* a negative control: the decode daemon's arena corrupted once the KV arrived -> outputs differ;
+* a prefill engine killed mid-transfer -> the waiting decode request fails through vLLM's
+  load-error path, and neither daemon keeps a page.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
+
+from kvd.client import Client  # noqa: E402
+from pd_kit import Daemon, Engine, free_port, kv_config, prompts, ticket, transfer, wait_state  # noqa: E402
+from tiny_models import build  # noqa: E402
+
+MODELS = ["llama", "gemma3", "granitemoehybrid"]
+LENGTHS = [12, 100, 77, 200]  # window 16 / block 32: shorter than the window, not block multiples, 12 windows
+ADMIT_TTL = 12.0
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@dataclass
+class PD:
+    model: str
+    tmp: Path
+    baseline: dict
+    prefill_d: Daemon
+    decode_d: Daemon
+    prefill: Engine
+    decode: Engine
+    port: int
+    hold: Path
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def pd(request, tmp_path_factory):
+    model = request.param
+    tmp = tmp_path_factory.mktemp(model)
+    model_dir = build(model, str(tmp_path_factory.getbasetemp() / "models"))
+    layout = tmp / "layout.json"
+    base = Engine(tmp, "baseline", model_dir, layout_out=layout).ready()
+    try:
+        baseline = base.run(prompts(LENGTHS))
+    finally:
+        base.stop()
+    started: list = []
+    try:
+        pd_ = Daemon.start(tmp, "prefill", layout)
+        started.append(pd_)
+        dd = Daemon.start(tmp, "decode", layout)
+        started.append(dd)
+        port, hold = free_port(), tmp / "hold-sends"
+        decode = Engine(tmp, "decode", model_dir, kv_config("kv_consumer", dd.address, kvd_ticket_listen=f"127.0.0.1:{port}",
+                                                         kvd_admit_ttl_s=ADMIT_TTL))
+        started.append(decode)
+        prefill = Engine(tmp, "prefill", model_dir, kv_config("kv_producer", pd_.address, kvd_session_ttl_s=0.5),
+                         env={"KVD_VLLM_TEST_HOLD_FILE": str(hold)})
+        started.append(prefill)
+        decode.ready()
+        prefill.ready()
+        yield PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def handoff(pd: PD, ps: list[list[int]]) -> tuple[list[dict], dict]:
+    """Tickets from the decode side, the prompts' KV through the prefill engine; returns the tickets
+    and the prefill engine's result (its kv_transfer_params)."""
+    tickets = [ticket(pd.port, p) for p in ps]
+    res = pd.prefill.run([p[: t["kvd_tokens"]] for p, t in zip(ps, tickets)], tickets, max_tokens=1)
+    return tickets, res
+
+
+def decode(pd: PD, ps: list[list[int]], tickets: list[dict]) -> dict:
+    return pd.decode.run(ps, [{"kvd_rid": t["kvd_rid"]} for t in tickets])
+
+
+def live_requests(address: str) -> int:
+    with Client.connect(address, name="probe") as c:
+        return c.stats().pool.requests_live
+
+
+def test_pd_matches_vllm_alone(pd: PD) -> None:
+    ps = prompts(LENGTHS)
+    t0 = time.perf_counter()
+    tickets, pre = handoff(pd, ps)
+    assert [p["kvd_rid"] for p in pre["kv_params"]] == [t["kvd_rid"] for t in tickets]
+    out = decode(pd, ps, tickets)
+    elapsed = time.perf_counter() - t0
+    with Client.connect(pd.decode_d.address, name="probe") as c:
+        st = c.stats()
+    print(f"\n{pd.model}: PD {elapsed:.2f} s (prefill {pre['seconds']:.2f} s, decode {out['seconds']:.2f} s, "
+          f"baseline {pd.baseline['seconds']:.2f} s); {st.transfer_in_bytes_total:,d} KV bytes into the decode daemon")
+    for i, (got, want) in enumerate(zip(out["tokens"], pd.baseline["tokens"])):
+        assert len(want) == 32
+        assert got == want, f"{pd.model} prompt {i} ({LENGTHS[i]} tokens): PD output differs from vLLM alone"
+    assert st.transfer_in_bytes_total > 0 and st.transfers_in_ready_total >= len(ps)
+    deadline = time.monotonic() + 5
+    while live_requests(pd.decode_d.address) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(pd.decode_d.address) == 0, "the decode connector kept kvd pages after loading them"
+    assert live_requests(pd.prefill_d.address) == 0, "the prefill connector kept kvd pages after sending them"
+
+
+def test_corrupted_kv_changes_the_output(pd: PD) -> None:
+    """Negative control: the same handoff with the decode daemon's arena sign-flipped (state bytes
+    xor-ed) after the KV arrived and before decode admits: every output must differ."""
+    ps = prompts(LENGTHS)
+    tickets, _ = handoff(pd, ps)
+    st = wait_state(pd.port, [t["kvd_rid"] for t in tickets], {"READY"})
+    assert all(s and s["state"] == "READY" for s in st), st
+    with Client.connect(pd.decode_d.address, name="corrupter") as c:
+        att = c.attach()
+        for name, layers in att.views.items():
+            for lkv in layers:
+                if name == "state":
+                    lkv.k.bitwise_xor_(0x55)
+                else:
+                    lkv.k.neg_()
+                    lkv.v.neg_()
+        del att
+    out = decode(pd, ps, tickets)
+    for i, (got, want) in enumerate(zip(out["tokens"], pd.baseline["tokens"])):
+        assert got != want, f"{pd.model} prompt {i}: corrupted KV gave vLLM-alone's output: the KV was not used"
+
+
+def test_never_admitted_is_reclaimed(pd: PD) -> None:
+    if pd.model != "llama":
+        pytest.skip("one model is enough: the reclaim does not depend on the layout")
+    ps = prompts([40])
+    tickets, _ = handoff(pd, ps)
+    wait_state(pd.port, [tickets[0]["kvd_rid"]], {"READY"})
+    assert live_requests(pd.decode_d.address) == 1
+    t0 = time.monotonic()
+    while transfer(pd.port, tickets[0]["kvd_rid"]) is not None and time.monotonic() - t0 < ADMIT_TTL + 5:
+        time.sleep(0.1)
+    assert live_requests(pd.decode_d.address) == 0, "a request decode never admitted kept its kvd pages"
+    out = decode(pd, ps, tickets)  # too late: computed locally (with a warning), still the right tokens
+    assert out["tokens"][0] == pd.baseline["tokens"][0][:32] or len(out["tokens"][0]) == 32
+
+
+def test_killed_prefill_fails_the_decode_request(pd: PD) -> None:
+    """Last test of the module: it kills the prefill engine."""
+    ps = prompts([100])
+    pd.hold.touch()
+    tickets, _ = handoff(pd, ps)  # the prefill engine wrote the KV; its Send is held (transfer open)
+    rid = tickets[0]["kvd_rid"]
+    pd.decode.submit(ps, [{"kvd_rid": rid}])
+    end = time.monotonic() + 30
+    while not (transfer(pd.port, rid) or {}).get("admitted") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert transfer(pd.port, rid)["state"] == "WAITING", "the transfer must still be open when the prefill dies"
+    os.kill(pd.prefill.proc.pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    out = pd.decode.result(timeout=60)
+    failed_s = time.perf_counter() - t0
+    print(f"\n{pd.model}: decode request failed {failed_s:.2f} s after the prefill engine was killed "
+          f"(finish_reason {out['finish'][0]!r})")
+    assert out["tokens"][0] != pd.baseline["tokens"][1], "a failed load must never decode"
+    assert out["finish"][0] in ("error", "abort"), out
+    assert failed_s < 3.0
+    deadline = time.monotonic() + 5
+    while (live_requests(pd.decode_d.address) or live_requests(pd.prefill_d.address)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(pd.decode_d.address) == 0 and live_requests(pd.prefill_d.address) == 0, "pages leaked"
+    pd.hold.unlink()
