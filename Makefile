@@ -82,7 +82,7 @@ venv-vllm:
 
 # The vLLM tier in that venv. It must run, not skip: exit 5 (nothing collected) and skips fail.
 test-vllm: venv-vllm
-	@.venv-vllm/bin/python -m pytest -q -rs tests/vllm -p no:cacheprovider > .venv-vllm/last-run.txt 2>&1; rc=$$?; \
+	@.venv-vllm/bin/python -m pytest -q -rs tests/vllm -p no:cacheprovider --basetemp=.venv-vllm/pytest-tmp > .venv-vllm/last-run.txt 2>&1; rc=$$?; \
 	cat .venv-vllm/last-run.txt; \
 	if grep "^SKIPPED" .venv-vllm/last-run.txt | grep -vq "one model is enough"; then \
 	  echo "make test-vllm: tests skipped in the vLLM venv" >&2; rc=1; fi; \

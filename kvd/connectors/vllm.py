@@ -69,8 +69,9 @@ __all__ = ["KvdConnector", "layout_from_vllm", "LayerSlot"]
 
 log = logging.getLogger("kvd.connectors.vllm")
 
-#: test-only: the prefill sender sleeps this long between begin_send and Send (a kill lands there)
-HOLD_SEND_ENV = "KVD_VLLM_TEST_HOLD_SEND_S"
+#: test-only: while the file this names exists, the prefill sender holds each Send (after begin_send:
+#: the transfer is open at the decode daemon), so a test can kill the prefill vLLM mid-transfer
+HOLD_SEND_ENV = "KVD_VLLM_TEST_HOLD_FILE"
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_TICKET_BODY = 1 << 20  # a ticket request is a prompt's token ids
 
@@ -151,6 +152,7 @@ def prompt_digest(token_ids: list[int]) -> str:
 @dataclass
 class _Save:
     req_id: str
+    rid: str  # the kvd request: the ticket's (both daemons name the request alike)
     ticket: bytes
     tokens: int  # L: the request's prompt length, all of it sent
     block_ids: tuple[list[int], ...]
@@ -185,6 +187,7 @@ class _Pending:
     tokens: int
     digest: str  # of prompt[:tokens]
     deadline: float  # freed if not admitted by then
+    xfer_deadline: float  # FAILED if the KV has not arrived by then (admitted or not)
     state: str = "WAITING"  # WAITING | READY | FAILED | LOADING
     reason: str = ""
     req_id: str | None = None
@@ -219,7 +222,8 @@ class _TicketBook:
             self.kv.free(rid)
             raise
         with self.lock:
-            self.pending[rid] = _Pending(rid, n, prompt_digest(prompt[:n]), time.monotonic() + self.admit_ttl)
+            now = time.monotonic()
+            self.pending[rid] = _Pending(rid, n, prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
         threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
         return {"kvd_rid": rid, "kvd_tokens": n, "kvd_ticket": base64.b64encode(lease.ticket).decode()}
 
@@ -234,9 +238,11 @@ class _TicketBook:
                 p = self.pending.get(rid)
                 if p is None:
                     return
-                left = p.deadline - time.monotonic()
-            if left <= 0:
-                return
+                left = p.xfer_deadline - time.monotonic()
+                if left <= 0:
+                    if p.state == "WAITING":
+                        p.state, p.reason = "FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket"
+                    return
             try:
                 st = self.kv.wait_ready(rid, timeout=min(left, 5.0))
             except KvdError as exc:
@@ -453,7 +459,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         except (ValueError, TypeError):
             log.error("request %s: kvd_ticket is not base64; not sending its KV", request.request_id)
             return
-        self._saving[request.request_id] = {"ticket": ticket, "tokens": n, "blocks": None, "params": params}
+        rid = params.get("kvd_rid")
+        if not isinstance(rid, str):
+            log.error("request %s: kv_transfer_params has a kvd_ticket but no kvd_rid; not sending its KV", request.request_id)
+            return
+        self._saving[request.request_id] = {"ticket": ticket, "rid": rid, "tokens": n, "blocks": None, "params": params}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = KvdMetadata()
@@ -482,7 +492,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if end > start and not s.get("sent"):
             last = end >= s["tokens"]
             s["sent"] = last
-            meta.saves.append(_Save(req_id, s["ticket"], s["tokens"], s["blocks"], start, end, last))
+            meta.saves.append(_Save(req_id, s["rid"], s["ticket"], s["tokens"], s["blocks"], start, end, last))
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._book is not None and connector_output.finished_recving:
@@ -605,15 +615,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         v = self._vecs.get(sv.req_id)
         if v is None and sv.req_id not in self._bad_saves:
             try:
-                vec = self._kv.allocate(sv.req_id, sv.tokens)
+                vec = self._kv.allocate(sv.rid, sv.tokens)
                 v = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
                 self._vecs[sv.req_id] = v
                 # the decode daemon checks the ticket now, while the prompt computes
-                self._kv.begin_send(sv.req_id, sv.ticket)
+                self._kv.begin_send(sv.rid, sv.ticket)
             except KvdError as exc:
                 log.error("kvd: cannot open the transfer of request %s: %s", sv.req_id, exc)
                 self._bad_saves.add(sv.req_id)
-                self._drop(sv.req_id)
+                self._drop(sv.req_id, sv.rid)
                 return None
         return v
 
@@ -632,30 +642,29 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 if slot.group == "state":
                     blk = _last_real(sv.block_ids[slot.vllm_group], ln)
                     self._views["state"][slot.index].k[v["state"]].copy_(self._caches[ln][blk].view(-1).view(torch.uint8))
-            self._vecs.pop(sv.req_id, None)
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_loop, name="kvd-sender", daemon=True)
                 self._sender.start()
             self._sends.put(sv)
 
     def _send_loop(self) -> None:
-        hold = float(os.environ.get(HOLD_SEND_ENV) or 0)
+        hold = os.environ.get(HOLD_SEND_ENV)
         while (sv := self._sends.get()) is not None:
-            if hold:
-                time.sleep(hold)
+            while hold and os.path.exists(hold):
+                time.sleep(0.05)
             try:
-                res = self._kv.send(sv.req_id, sv.ticket, start=0, end=sv.tokens, last=True)
+                res = self._kv.send(sv.rid, sv.ticket, start=0, end=sv.tokens, last=True)
                 log.debug("kvd: sent %s: %d bytes in %.4f s", sv.req_id, res.nbytes, res.seconds)
             except KvdError as exc:
                 log.error("kvd: sending request %s failed: %s", sv.req_id, exc)
                 try:
-                    self._kv.abort(sv.req_id, f"the prefill vLLM's send failed: {exc}")
+                    self._kv.abort(sv.rid, f"the prefill vLLM's send failed: {exc}")
                 except KvdError:
                     pass
-            self._drop(sv.req_id)
+            self._drop(sv.req_id, sv.rid)
 
-    def _drop(self, rid: str) -> None:
-        self._vecs.pop(rid, None)
+    def _drop(self, req_id: str, rid: str) -> None:
+        self._vecs.pop(req_id, None)
         try:
             self._kv.free(rid)
         except KvdError as exc:

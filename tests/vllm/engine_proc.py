@@ -11,12 +11,15 @@ line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "secon
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 import time
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: every thread's stack to stderr (a hung engine)
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--kv", default=None)

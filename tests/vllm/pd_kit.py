@@ -36,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_SERVING = re.compile(r"kvd: serving on (?P<unix>unix:\S+?),")
+_SERVING = re.compile(r"kvd: serving on (?P<unix>unix:[^\s,]+)")
 
 
 @dataclass

@@ -68,10 +68,10 @@ def pd(request, tmp_path_factory):
         decode = Engine(tmp, "decode", model_dir, kv_config("kv_consumer", dd.address, kvd_ticket_listen=f"127.0.0.1:{port}",
                                                          kvd_admit_ttl_s=ADMIT_TTL))
         started.append(decode)
+        decode.ready()  # one engine starting at a time: two at once hung here (2 cores)
         prefill = Engine(tmp, "prefill", model_dir, kv_config("kv_producer", pd_.address, kvd_session_ttl_s=0.5),
                          env={"KVD_VLLM_TEST_HOLD_FILE": str(hold)})
         started.append(prefill)
-        decode.ready()
         prefill.ready()
         yield PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold)
     finally:
