@@ -22,8 +22,9 @@ the decode vLLM admits the request; the prefill side never waits for decode's fr
              (start_load_kv) and reports the request in get_transfer_results; FAILED: in
              failed_recving (vLLM's load-error path: the request fails, never garbage)
 
-``L = len(prompt) - 1``: the decode vLLM computes the last prompt token itself (so a recurrent
-state handed over is exactly the state after ``L`` tokens). What ``kv_transfer_params`` carry is
+``L``: the prompt's whole blocks short of its last token; the decode vLLM computes the tail itself
+(so a recurrent state handed over is exactly the state after ``L`` tokens; a ticket for a prompt
+shorter than one block plus one is refused: serve it on the decode instance alone). What ``kv_transfer_params`` carry is
 small and capability-like: a sealed ticket (checked by the decode daemon that minted it: nobody
 can redirect its bytes) and a random request name bound to the prompt's hash on the decode side.
 
@@ -68,10 +69,13 @@ from kvd.layout import DTYPES, GroupKind, GroupSpec, Layout
 __all__ = ["KvdConnector", "layout_from_vllm", "LayerSlot"]
 
 log = logging.getLogger("kvd.connectors.vllm")
+if os.environ.get("KVDCONN_DEBUG"):
+    logging.basicConfig()
+    log.setLevel(logging.DEBUG)
 
 #: test-only: while the file this names exists, the prefill sender holds each Send (after begin_send:
 #: the transfer is open at the decode daemon), so a test can kill the prefill vLLM mid-transfer
-HOLD_SEND_ENV = "KVD_VLLM_TEST_HOLD_FILE"
+HOLD_SEND_ENV = "KVDCONN_TEST_HOLD_FILE"
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_TICKET_BODY = 1 << 20  # a ticket request is a prompt's token ids
 
@@ -213,7 +217,13 @@ class _TicketBook:
     def mint(self, prompt: list[int]) -> dict:
         if not prompt or len(prompt) < 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidArgument("prompt_token_ids: give the prompt's token ids (at least 2 ints)")
-        n = len(prompt) - 1  # the decode vLLM computes the last prompt token itself
+        # Whole blocks only, and never the last prompt token (the decode vLLM computes the tail
+        # itself, so a recurrent state handed over is exactly the state after n tokens): with a
+        # partly filled last block loaded, vLLM 0.32 (CPU) gave a different first token.
+        n = (len(prompt) - 1) // self.block_size * self.block_size
+        if n == 0:
+            raise InvalidArgument(f"prompt of {len(prompt)} tokens: shorter than one block ({self.block_size}) plus one; "
+                                  "serve it on the decode instance alone")
         rid = "vllm-" + secrets.token_urlsafe(12)
         self.kv.allocate(rid, n, receive=True)
         try:
@@ -570,6 +580,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             d = view.k.shape[-1]
             cache[blk, :, off, :d] = view.k[page, off]
             cache[blk, :, off, d:] = view.v[page, off]
+            log.debug("load %s %s [%d, %d) blocks %s pages %s: %.6f", ld.req_id, ln, ld.start, ld.end, sorted(set(blk.tolist())),
+                      sorted(set(page.tolist())), float(cache[blk, :, off].double().abs().sum()))
 
     def _index(self, ids: list[int], start: int, end: int, group: str, full: list[int], swa_first: int, swa: list[int],
                ln: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -609,6 +621,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             src = self._caches[layer_name][blk, :, off]  # [T, kv_heads, 2 * head_size]
             view.k[page, off] = src[..., :d]
             view.v[page, off] = src[..., d:]
+            log.debug("save %s %s [%d, %d) blocks %s pages %s: %.6f", sv.req_id, layer_name, sv.start, sv.end,
+                      sorted(set(blk.tolist())), sorted(set(page.tolist())), float(src.double().abs().sum()))
 
     def _open(self, sv: _Save) -> dict | None:
         """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""

@@ -73,7 +73,12 @@ def make_server(listen: str, prefill: str, decode: str, tickets: str) -> Threadi
         if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
             raise ValueError("prompt: one string or one list of token ids")
         t0 = time.perf_counter()
-        tk = post_json(f"{tickets}/v1/kvd/tickets", {"prompt_token_ids": prompt})
+        try:
+            tk = post_json(f"{tickets}/v1/kvd/tickets", {"prompt_token_ids": prompt})
+        except urllib.error.HTTPError as e:
+            if e.code != 400:
+                raise
+            return post_json(f"{decode}/v1/completions", dict(body, prompt=prompt))  # too short to hand off
         t1 = time.perf_counter()
         pre = dict(body, prompt=prompt[: tk["kvd_tokens"]], max_tokens=1, kv_transfer_params=tk)
         pre.pop("min_tokens", None)
