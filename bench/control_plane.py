@@ -93,7 +93,7 @@ class Plan:
 
 def worker(wid: int, address: str, plan: Plan, barrier, out) -> None:
     from kvd.client import Client
-    from kvd.pool import AllocSpec
+    from kvd.records import AllocSpec
 
     pc = time.perf_counter_ns
     lat: dict[str, list[int]] = {}

@@ -119,7 +119,7 @@ def copy_ceiling(arena, nbytes: int) -> dict:
 
 
 def _scattered_runs(pages: int, slot: int, gen: torch.Generator):
-    from kvd.runs import Runs
+    from kvd.copy.runs import Runs
 
     half = pages // 2
     slots = half // slot
@@ -151,8 +151,8 @@ def _move_checked(view, d_idx, s_idx, move) -> bool:
 
 
 def page_moves(arena, page_sizes: list[int], designs: list[tuple]) -> list[dict]:
-    from kvd import kernels
-    from kvd.runs import expand
+    from kvd.copy import kernels
+    from kvd.copy.runs import expand
 
     flat = arena.tensor()
     rows = []
@@ -246,7 +246,7 @@ def _translate_ok(v2p: torch.Tensor, ids: list[torch.Tensor], refs: list[torch.T
 
 
 def translation(copy_gbps: float, sizes: list[int]) -> list[dict]:
-    from kvd import kernels
+    from kvd.copy import kernels
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(1)
@@ -291,7 +291,7 @@ def translate_variants(copy_gbps: float, variants: dict, n: int = 1 << 20, *, ra
     """Every tuning on ``n`` ids, random and request-ordered, graph replay over 8 rotating sets;
     each checked first (a failing or non-compiling tuning is reported, not timed). The timed sets
     hold a few ids outside the table, so the check covers the -1 path on the timed inputs."""
-    from kvd import kernels
+    from kvd.copy import kernels
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(2)
@@ -323,9 +323,9 @@ def translate_variants(copy_gbps: float, variants: dict, n: int = 1 << 20, *, ra
 
 def sweep_variants() -> dict:
     """The --sweep grid: ids per program x warps x (no hints | stream + keep)."""
-    from kvd.kernels import TranslateTuning
+    from kvd.copy.kernels import TranslateTuning
 
-    from kvd.kernels import _TRANSLATE
+    from kvd.copy.kernels import _TRANSLATE
 
     out = {"default 2048/4w": _TRANSLATE}
     for block in (1024, 2048, 4096, 8192, 16384):
@@ -372,8 +372,8 @@ def explore(arena) -> list[dict]:
     import triton
     import triton.language as tl
 
-    from kvd import kernels
-    from kvd.runs import Runs
+    from kvd.copy import kernels
+    from kvd.copy.runs import Runs
 
     @triton.jit
     def plain_copy(src, dst, n, BLOCK: tl.constexpr, POLICY: tl.constexpr):
@@ -435,9 +435,9 @@ def explore(arena) -> list[dict]:
 
 
 def finalize(sizes_gib: list[int]) -> list[dict]:
-    from kvd.arena_cuda import CudaVmmArena
-    from kvd.pool import Pool
-    from kvd.presets import preset
+    from kvd.memory.vmm import CudaVmmArena
+    from kvd.pool.pool import Pool
+    from kvd.pool.presets import preset
 
     layout = preset("gpt-oss-20b")
     rows = []
@@ -479,7 +479,7 @@ def main() -> int:
         return 2
     import triton
 
-    from kvd.arena_cuda import CudaVmmArena
+    from kvd.memory.vmm import CudaVmmArena
 
     props = torch.cuda.get_device_properties(0)
     env = {
@@ -559,7 +559,7 @@ def main() -> int:
           f"{r['index_select_us']:.1f}", f"{r['eager_us']:.1f}", "yes" if r["correct"] else "NO"] for r in trans],
     ), flush=True)
 
-    from kvd.kernels import TRANSLATE_VARIANTS
+    from kvd.copy.kernels import TRANSLATE_VARIANTS
 
     named = TRANSLATE_VARIANTS
     if args.quick:

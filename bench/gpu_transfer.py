@@ -97,9 +97,9 @@ import torch  # noqa: E402
 from benchkit import BenchDaemon, cpu_set, log_uniform, med  # noqa: E402
 from gpu import _table  # noqa: E402
 
-from kvd.handoff import SEND_PHASES  # noqa: E402
-from kvd.transfer import plan_chunk  # noqa: E402
-from kvd.ticket import read as read_ticket  # noqa: E402
+from kvd.records import SEND_PHASES
+from kvd.handoff.plan import plan_chunk
+from kvd.handoff.ticket import read as read_ticket
 
 GIB, MIB = 1 << 30, 1 << 20
 LAYOUT = "gemma-4-31b-it-tp2"
@@ -108,7 +108,7 @@ MIXED_N, MIXED_LO, MIXED_HI = 32, 512, 32768
 SENDERS = 8
 #: How long the decode side's WaitReady is in flight before Send starts (not counted).
 WAITER_HEAD_START_S = 0.003
-#: Blocks per backend write, as the daemon's Outbox batches them (kvd.outbox.Outbox.batch_blocks).
+#: Blocks per backend write, as the daemon's Outbox batches them (kvd.handoff.outbox.Outbox.batch_blocks).
 BATCH = 256
 #: Ways to send a workload's requests (Pair.send_pass).
 SEQ, X8, BATCHED, CHUNKS = "seq", "x8", "batched", "chunks"
@@ -127,8 +127,8 @@ def mixed_tokens(seed: int) -> list[int]:
 
 
 def _geometry():
-    from kvd.layout import GroupKind
-    from kvd.presets import preset
+    from kvd.pool.layout import GroupKind
+    from kvd.pool.presets import preset
 
     lay = preset(LAYOUT)
     swa = lay.group(GroupKind.SWA)
@@ -281,7 +281,8 @@ class Pair:
     def map_decode_for_a(self) -> None:
         """Map the decode arena for GPU A, as the prefill daemon's local backend does (for kernel
         timing; nothing to time for Mooncake, whose copy this process cannot replay)."""
-        from kvd import arena_cuda, fdpass
+        from kvd.memory import vmm as arena_cuda
+        from kvd.ipc import fdpass
 
         if self.backend != "local" or (self.a != self.b and not arena_cuda.can_access_peer(self.a, self.b)):
             return
@@ -672,7 +673,7 @@ class Pair:
         """One liveness ping of the decode handle socket, one liveness poll of a watch of it (what
         the daemon's write checks when the watch opens), one Echo RPC to the decode daemon (the
         floor of CheckTicket and Commit), medians."""
-        from kvd.fdpass import ping, watch
+        from kvd.ipc.fdpass import ping, watch
 
         path = self.D.unix.removeprefix("unix:") + ".handles"
         pings, echoes, polls = [], [], []

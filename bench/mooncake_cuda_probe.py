@@ -76,7 +76,7 @@ class Buffer:
             self.owner = None
             self.t = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dev}")
         else:
-            from kvd.arena_cuda import CudaVmmArena
+            from kvd.memory.vmm import CudaVmmArena
 
             self.owner = CudaVmmArena(nbytes, nbytes, device=dev)
             self.t = self.owner.tensor()

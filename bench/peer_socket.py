@@ -4,13 +4,14 @@ gRPC and over the decode daemon's peer socket, in the same run.
     .venv/bin/python bench/peer_socket.py            # 1000 Sends per path (about a minute on a 2-core CPU)
     .venv/bin/python bench/peer_socket.py --quick    # 200 per path
 
-Two daemons run as separate processes (``python -m kvd.cli serve --backend local``): P (prefill)
-and D (decode), each on its own Unix listener; D also serves its peer socket beside it. This
-process plays both engines. Per iteration one small request (``--tokens``, 16 by default: a few
-pages, so the write is a few KiB) is allocated on both daemons, D issues a RECV lease and P
-Sends it -- alternately with the ticket as issued (it names D's peer socket: CheckTicket and
-Commit go there) and with the ticket's ``peer_socket`` cleared (what a daemon without one
-issues: both calls over gRPC, to D's Unix listener). Both requests are freed after each Send.
+Three daemons run as separate processes (``python -m kvd.cli serve --backend local``): P
+(prefill) and two decode daemons, each on its own Unix listener: D serves its peer socket beside
+it, G serves none (``--peer-socket ''``). This process plays the engines. Per iteration one small
+request (``--tokens``, 16 by default: a few pages, so the write is a few KiB) is allocated on P
+and, alternately, on D or on G, which issues a RECV lease, and P Sends it: D's ticket names its
+peer socket (CheckTicket and Commit go there), G's names none (both calls over gRPC, to G's Unix
+listener). Tickets are sealed, so one daemon's ticket cannot be rerouted; D and G are alike but
+for the socket. Both requests are freed after each Send.
 
 Timed: the Send's own phases (``SendResponse.phase_seconds``), measured by P's clock around its
 PeerLink calls: ``check`` is the CheckTicket round trip, ``commit`` the Commit round trip -- from
@@ -59,22 +60,24 @@ def peer_calls(port: int) -> dict[tuple[str, str], float]:
     }
 
 
-def run(p_addr: str, d_addr: str, tokens: int, n: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+def run(p_addr: str, decode: dict[str, str], tokens: int, n: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+    """``decode``: the decode daemon's address per path (its ticket names a peer socket or none)."""
     from kvd.client import Client
-    from kvd.v1 import kvd_pb2 as pb
 
     out: dict[str, dict[str, list[float]]] = {path: {row: [] for row in ROWS} for path in PATHS}
-    with Client.connect(p_addr, name="bench-prefill") as p, Client.connect(d_addr, name="bench-decode") as d:
+    with (
+        Client.connect(p_addr, name="bench-prefill") as p,
+        Client.connect(decode["grpc"], name="bench-decode-grpc") as g,
+        Client.connect(decode["socket"], name="bench-decode-socket") as s,
+    ):
+        recv = {"grpc": g, "socket": s}
         for i in range(2 * (warmup + n)):
             path = PATHS[i % 2]
             rid = f"r{i}"
+            d = recv[path]
             p.allocate(rid, tokens)
             d.allocate(rid, tokens, receive=True)
             ticket = d.acquire_lease(rid, "recv").ticket
-            if path == "grpc":
-                t = pb.Ticket.FromString(ticket)
-                t.peer_socket = ""
-                ticket = t.SerializeToString()
             gc.disable()
             r = p.send(rid, ticket)
             gc.enable()
@@ -104,23 +107,24 @@ def main() -> None:
     common = ("--backend", "local", "--layout", args.layout, "--arena-bytes", "64MiB")
     p_d = BenchDaemon.spawn(*common, "--metrics-port", "0")
     d_d = BenchDaemon.spawn(*common)
+    g_d = BenchDaemon.spawn(*common, "--peer-socket", "")
     try:
-        p_d.wait_ready()
-        d_d.wait_ready()
+        for daemon in (p_d, d_d, g_d):
+            daemon.wait_ready()
         t0 = time.perf_counter()
-        res = run(p_d.unix, d_d.unix, args.tokens, n, warmup)
+        res = run(p_d.unix, {"grpc": g_d.unix, "socket": d_d.unix}, args.tokens, n, warmup)
         took = time.perf_counter() - t0
         assert p_d.metrics_port is not None
         calls = peer_calls(p_d.metrics_port)
     finally:
-        p_d.stop()
-        d_d.stop()
+        for daemon in (p_d, d_d, g_d):
+            daemon.stop()
 
     import google.protobuf
     import grpc
 
     print(f"kvd peer-socket benchmark -- {cpu_model()}, grpcio {grpc.__version__}, protobuf {google.protobuf.__version__}")
-    print(f"two daemons ({args.layout}, backend local), {args.tokens}-token requests, {n} timed Sends per path "
+    print(f"a prefill and two decode daemons ({args.layout}, backend local), {args.tokens}-token requests, {n} timed Sends per path "
           f"(+{warmup} warm-up), paths alternating; {took:.0f} s")
     print()
     print(f"| {'step':<7} | {'gRPC p50 µs':>11} | {'gRPC p99 µs':>11} | {'socket p50 µs':>13} | {'socket p99 µs':>13} | {'gRPC / socket (p50)':>19} |")

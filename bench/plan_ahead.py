@@ -25,7 +25,7 @@ for _p in (ROOT, os.path.join(ROOT, "bench")):
 
 from benchkit import BenchDaemon, med  # noqa: E402
 
-from kvd.client import Client  # noqa: E402
+from kvd.client import Client
 
 WAYS = ("no BeginSend", "BeginSend", "BeginSend with the chunk")
 STEPS = ("lease", "plan", "check")

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kvd.pool as kvd_pool
+import kvd.pool.pool as kvd_pool
 from kvd import AllocSpec, GroupKind, Layout, Pool, ShmArena, preset
 
 LAYOUT = "gemma-4-31b-it-tp2"

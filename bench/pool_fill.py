@@ -23,9 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from kvd.arena import ShmArena  # noqa: E402
-from kvd.pool import AllocSpec, Pool  # noqa: E402
-from kvd.presets import preset, preset_names  # noqa: E402
+from kvd.memory.arena import ShmArena
+from kvd.records import AllocSpec
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset, preset_names
 
 
 def fill(layout, pages: int, lengths) -> tuple[int, float, float]:

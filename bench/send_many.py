@@ -48,7 +48,7 @@ def token_counts(kind: str, args: argparse.Namespace) -> list[int]:
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvd.presets import load_layout
+        from kvd.pool.presets import load_layout
 
         self.args = args
         self.layout = load_layout(args.layout)
@@ -70,7 +70,7 @@ class Bench:
     def held(self, tokens: int) -> int:
         """Bytes a prefill request of ``tokens`` holds, allocated at once: a page of every group
         (but state) per page of tokens, one state slot."""
-        from kvd.layout import GroupKind
+        from kvd.pool.layout import GroupKind
 
         n = -(-tokens // self.layout.page_size)
         return sum(self.layout.page_bytes(g) * (1 if g.kind is GroupKind.STATE else n) for g in self.layout.groups)
@@ -107,8 +107,8 @@ class Bench:
     def verify(self, reqs: list[tuple[str, int]], tickets: dict[str, bytes]) -> str:
         import torch
 
-        from kvd.transfer import plan_chunk
-        from kvd.ticket import read as read_ticket
+        from kvd.handoff.plan import plan_chunk
+        from kvd.handoff.ticket import read as read_ticket
 
         p, d = self.p_att.tensor, self.d_att.tensor
         pb, db = self.p_env[0].base, self.d_env[0].base

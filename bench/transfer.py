@@ -321,7 +321,7 @@ def pieces(nbytes: int, piece: int) -> list[int]:
 # =============================================================================================
 def sizes(layout, tokens: int) -> dict:
     """What one handed-off request of ``tokens`` moves: full pages, swa window tail, bytes."""
-    from kvd.layout import GroupKind
+    from kvd.pool.layout import GroupKind
 
     ps = layout.page_size
     n = -(-tokens // ps)
@@ -349,7 +349,7 @@ def scatter(kv, n_pages: int, receive: bool, tag: str) -> str:
 
     (Freed pages are handed out again in reverse order of their freeing, so a request built from
     them gets one block per page whatever the shape of the holes; see docs/benchmarks.md.)"""
-    from kvd.pool import AllocSpec
+    from kvd.records import AllocSpec
 
     fill = [f"{tag}-fill0", f"{tag}-fill1"]
     kv.allocate_many([AllocSpec(f, 16, receive) for f in fill])
@@ -475,7 +475,7 @@ def describe_blocks(lens: list[int]) -> str:
 
 
 def plan_lens(p_kv, d_kv, layout, sv, dv, tokens: int) -> list[int]:
-    from kvd.transfer import plan_chunk
+    from kvd.handoff.plan import plan_chunk
 
     plan = plan_chunk(layout, sv, dv, p_kv.info().envelopes, d_kv.info().envelopes, 0, tokens, True)
     return [b.length for b in plan.blocks]
@@ -483,9 +483,9 @@ def plan_lens(p_kv, d_kv, layout, sv, dv, tokens: int) -> list[int]:
 
 def run_backend(backend: str, args, log) -> list[Row]:
     from kvd.client import Client
-    from kvd.handoff import TransferState
-    from kvd.outbox import Outbox
-    from kvd.presets import load_layout
+    from kvd.records import TransferState
+    from kvd.handoff.outbox import Outbox
+    from kvd.pool.presets import load_layout
 
     layout = load_layout(LAYOUT)
     batch_blocks = inspect.signature(Outbox).parameters["batch_blocks"].default  # blocks per backend.write

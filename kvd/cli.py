@@ -11,9 +11,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvd.config import Settings, load_settings
 from kvd.errors import KvdError
+
+if TYPE_CHECKING:
+    from kvd.server.app import Daemon
 
 __all__ = ["main"]
 
@@ -70,7 +75,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
                    "colocated reference staying on --device (needs --device cuda, N below the GPU count and peer "
                    "access between the two GPUs; e.g. cuda:1); default: the decode role on --device too%(default).0s")
     p.add_argument("--fault", choices=("swa-full-ids", "draft-scrambled"), default=None,
-                   help="TEST ONLY: corrupt every ticket's destination vectors in a known way; the run must then fail")
+                   help="TEST ONLY: the prefill daemon places the KV in the wrong decode pages, in a known way (it "
+                   "plans from corrupted destination vectors, after the sealed ticket's checks); the run must then fail")
 
 
 def _device_flag(text: str) -> str:
@@ -100,18 +106,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return 2
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, on_start: Callable[[Daemon], None] | None = None) -> int:
+    """``kvd serve``; ``on_start``: see :func:`kvd.server.app.serve` (test launchers only)."""
     from kvd.server.app import serve
 
     overrides = {k: getattr(args, k) for k in Settings.model_fields if getattr(args, k, None) is not None}
     settings = load_settings(args.config, **overrides)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(settings)
+    serve(settings, on_start=on_start)
     return 0
 
 
 def format_status(st) -> str:
-    """A readable table of a :class:`kvd.node.NodeStats`."""
+    """A readable table of a :class:`kvd.records.NodeStats`."""
     p = st.pool
     lines = [
         f"kvd  layout={st.layout_name}  boot={p.boot_id}  epoch={p.epoch}  "

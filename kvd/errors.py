@@ -3,9 +3,9 @@
 Every error kvd raises on purpose is a :class:`KvdError`. Each class has one status code, in
 one table at the end of this module (:data:`CODES`): :func:`to_status` turns an exception into
 ``(code, message, metadata)`` and :func:`from_status` turns that back into the same class with
-the same message. Every transport carries that triple: gRPC (``kvd.status``: a grpc.StatusCode
+the same message. Every transport carries that triple: gRPC (``kvd.rpc.status``: a grpc.StatusCode
 and trailing metadata), the peer socket (a PeerStatus message) and the handle socket (a JSON
-header, ``kvd.fdpass``). So engine code catches the same exceptions whether it runs the pool
+header, ``kvd.ipc.fdpass``). So engine code catches the same exceptions whether it runs the pool
 in-process or talks to a daemon, over any of them::
 
     KvdError

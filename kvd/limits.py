@@ -2,7 +2,7 @@
 
 * Every string a request carries is at most :data:`MAX_ID_BYTES` bytes of UTF-8 (request ids,
   session names, the boot id a caller quotes, a sender's name), except reasons (Abort,
-  AbortReceive, AbortSend): :data:`MAX_REASON_BYTES`. :func:`kvd.wire.parse_request` checks every
+  AbortReceive, AbortSend): :data:`MAX_REASON_BYTES`. :func:`kvd.rpc.convert.parse_request` checks every
   string field of every request against them before any handler runs, on gRPC and on the peer
   socket; the proto documents them. Longer is InvalidArgument, naming the field, the limit and
   the length.

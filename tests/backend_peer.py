@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kvd.arena import ShmArena  # noqa: E402
+from kvd.memory.arena import ShmArena
 from kvd.backends import make_backend  # noqa: E402
 
 

@@ -7,9 +7,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvd.arena import ShmArena
-from kvd.layout import Layout
-from kvd.pool import Pool
+from kvd.memory.arena import ShmArena
+from kvd.pool.layout import Layout
+from kvd.pool.pool import Pool
 
 
 @pytest.fixture

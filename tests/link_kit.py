@@ -1,6 +1,6 @@
 """A fake peer link for the pure-core handoff tests (not a test module).
 
-:class:`CheckingLink` is a :class:`~kvd.handoff.PeerLink` into a receiving :class:`~kvd.node.Node`
+:class:`CheckingLink` is a :class:`~kvd.handoff.link.PeerLink` into a receiving :class:`~kvd.daemon.node.Node`
 of this process: the calls a sender's Outbox makes reach the receiver as they would through a
 daemon (``kvd.server.peer_calls.PeerCalls``), minus the wire. Used by
 ``tests/test_handoff_core.py`` and ``tests/test_handoff_many.py``; the loopback tier
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvd.handoff import TicketInfo
-from kvd.node import Node
-from kvd.ticket import check_fields
+from kvd.records import TicketInfo
+from kvd.daemon.node import Node
+from kvd.handoff.ticket import check_fields
 
 __all__ = ["CheckingLink"]
 
@@ -21,7 +21,7 @@ __all__ = ["CheckingLink"]
 class CheckingLink:
     """A PeerLink into ``receiver``, in-process, checking tickets as the receiving daemon does.
 
-    * ``check_ticket`` runs the receiver's own check (``kvd.ticket.check_fields``, then ``Inbox.begin``:
+    * ``check_ticket`` runs the receiver's own check (``kvd.handoff.ticket.check_fields``, then ``Inbox.begin``:
       what ``PeerCalls.check_ticket`` does after the seal); the raw ticket bytes a Send carries are the keys
       :meth:`register` gives.
     * ``events`` records every call in order: ``("check", rid)``, ``("commit", rid)``,
@@ -62,14 +62,14 @@ class CheckingLink:
     def start_check(self, address, ticket, sender, via=None):
         return lambda: self.check_ticket(address, ticket, sender, via)
 
-    def commit(self, address, ref, last, nbytes, via=None):
+    def commit(self, address, ref, last, nbytes, sender, via=None):
         self.events.append(("commit", ref.rid))
-        self.receiver.inbox.commit(ref, last, nbytes)
+        self.receiver.inbox.commit(ref, last, nbytes, sender)
 
-    def abort_receive(self, address, ref, reason, drained, via=None):
+    def abort_receive(self, address, ref, reason, drained, sender, via=None):
         self.events.append(("abort", ref.rid))
         self.aborts.append((ref.rid, reason, drained))
-        self.receiver.inbox.abort(ref, reason, drained)
+        self.receiver.inbox.abort(ref, reason, drained, sender)
 
     def abort_send(self, address, ref, reason):
         self.events.append(("abort_send", ref.rid))  # a receiver's call: a sender never makes it

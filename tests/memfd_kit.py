@@ -1,10 +1,10 @@
 """CPU stand-ins for the CUDA pieces of handle passing (not a test module).
 
-* :class:`MemfdArena` -- an :class:`~kvd.arena.Arena` whose ``handle().kind`` is ``"cuda-vmm"``,
+* :class:`MemfdArena` -- an :class:`~kvd.memory.arena.Arena` whose ``handle().kind`` is ``"cuda-vmm"``,
   backed by one memfd in granules of ``GRAN`` bytes: ``chunks`` and ``export_fds`` look like
-  :class:`~kvd.arena_cuda.CudaVmmArena`'s (one chunk covering the mapped bytes), and the fds it
+  :class:`~kvd.memory.vmm.CudaVmmArena`'s (one chunk covering the mapped bytes), and the fds it
   exports map the same memory, so bytes written through an import are visible here.
-* :func:`memfd_import` -- what :func:`kvd.arena_cuda.import_arena` does, for memfds: maps the
+* :func:`memfd_import` -- what :func:`kvd.memory.vmm.import_arena` does, for memfds: maps the
   (single) received fd and returns ``(owner, uint8 tensor over header.backed)``.
 """
 
@@ -18,8 +18,8 @@ import uuid
 
 import torch
 
-from kvd.arena import Arena, ArenaHandle
-from kvd.fdpass import HandleHeader
+from kvd.memory.arena import Arena, ArenaHandle
+from kvd.ipc.fdpass import HandleHeader
 
 GRAN = 64 << 10
 

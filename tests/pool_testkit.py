@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvd.arena import ShmArena
-from kvd.layout import GroupKind, GroupSpec, Layout
-from kvd.pool import IndexVectors, Pool
-from kvd.presets import preset
+from kvd.memory.arena import ShmArena
+from kvd.pool.layout import GroupKind, GroupSpec, Layout
+from kvd.records import IndexVectors
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
 

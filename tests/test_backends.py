@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from kvd.arena import Arena, ArenaHandle, ShmArena
+from kvd.memory.arena import Arena, ArenaHandle, ShmArena
 from kvd.backends import Backend, PeerRegion, make_backend
 from kvd.backends.local import LocalBackend
 from kvd.backends.nixl import parse_endpoint

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "daemon"))
 import daemon_kit as dk  # noqa: E402
 
 from kvd.cli import main as cli_main  # noqa: E402
-from kvd.client import Client  # noqa: E402
+from kvd.client import Client
 
 # ---- the series the dashboard and the rules select ------------------------------------------
 

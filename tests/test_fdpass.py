@@ -1,4 +1,4 @@
-"""Handle passing (kvd.fdpass) and the daemon's exporter (kvd.server.handles), on the CPU.
+"""Handle passing (kvd.ipc.fdpass) and the daemon's exporter (kvd.server.handles), on the CPU.
 
 memfds stand in for CUDA chunk fds: the bytes must be visible through the received fds, the
 server must close its copies, refusals must come back as the same kvd exception, and no client
@@ -19,7 +19,7 @@ import pytest
 from memfd_kit import GRAN, MemfdArena, fds_settle_at, open_fds
 
 from kvd import errors as E
-from kvd.fdpass import (
+from kvd.ipc.fdpass import (
     MAX_REQUEST,
     HandleHeader,
     HandleRequest,
@@ -29,9 +29,9 @@ from kvd.fdpass import (
     ping,
     watch,
 )
-from kvd.node import Node
-from kvd.pool import Pool
-from kvd.presets import preset
+from kvd.daemon.node import Node
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
 from kvd.server.handles import ArenaHandles
 
 KiB = 1 << 10
@@ -441,7 +441,7 @@ def test_stop_closes_every_watch(tmp_path):
 
 _SERVE = """
 import os, sys, time
-from kvd.fdpass import HandleHeader, HandleServer
+from kvd.ipc.fdpass import HandleHeader, HandleServer
 srv = HandleServer(sys.argv[1], lambda want: (HandleHeader("kvd-child", "b", 0, (), 1), [])).start()
 print("ready", flush=True)
 time.sleep(60)

@@ -1,4 +1,4 @@
-"""Pure-core tests of the handoff state machines (:mod:`kvd.handoff`): two in-process nodes, a
+"""Pure-core tests of the handoff state machines (:mod:`kvd.handoff.inbox`): two in-process nodes, a
 peer link into the receiving node that checks tickets as its daemon would
 (``link_kit.CheckingLink``), no gRPC. The loopback tier in
 ``tests/handoff`` runs the same protocol between daemons; these pin down orderings that the
@@ -14,11 +14,12 @@ import pool_testkit as pk
 from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
-from kvd.handoff import TicketInfo, TransferRef, TransferState
-from kvd.outbox import Outbox
-from kvd.leases import LeaseKind
-from kvd.node import Node
-from kvd.pool import AllocSpec, Pool
+from kvd.records import TicketInfo, TransferRef, TransferState
+from kvd.handoff.outbox import Outbox
+from kvd.records import LeaseKind
+from kvd.daemon.node import Node
+from kvd.records import AllocSpec
+from kvd.pool.pool import Pool
 
 TOKENS = 20
 
@@ -131,7 +132,10 @@ def test_a_heartbeat_that_overtakes_the_receivers_abort_keeps_the_transfer_liste
     ob.abort_remote(ticket.ref, "aborted by the decode engine: engine preempted it")
     with pytest.raises(Aborted, match="receiver aborted: aborted by the decode engine: engine preempted it"):
         ob.send(ps, rid, ticket, raw, TOKENS // 2, None, last=True)
-    assert link.events == [("check", rid), ("commit", rid), ("heartbeat", rid)]
+    # Idle (nothing in flight): the sender answers the receiver's abort with a drained one, which
+    # ends the receiver's fence at once.
+    assert link.events == [("check", rid), ("commit", rid), ("heartbeat", rid), ("abort", rid)]
+    assert link.aborts[-1][2] is True and len(d.leases) == 0
     assert len(p.leases) == 0
     ob.backend.close()
 
@@ -308,7 +312,7 @@ def test_chunk_sends_use_the_plans_begin_made_for_exactly_those_chunks(pair, chu
 
 
 def test_too_many_chunks_to_plan_are_refused_before_the_receiver_hears(pair, monkeypatch):
-    import kvd.outbox as outbox_mod
+    import kvd.handoff.outbox as outbox_mod
 
     p, ps, d, _, rid, ticket = pair
     link = CheckingLink(d)

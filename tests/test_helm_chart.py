@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from kvd.config import Settings
-from kvd.presets import load_layout
+from kvd.pool.presets import load_layout
 from kvd.v1 import kvd_pb2 as pb
 
 ROLES = ("prefill", "decode")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from memfd_kit import MemfdArena, memfd_import
 
-from kvd.arena import ShmArena
+from kvd.memory.arena import ShmArena
 from kvd.backends import PeerRegion, local_cuda, make_backend
 from kvd.backends.local_cuda import CudaLocalBackend, copy_blocks
 from kvd.errors import (
@@ -26,7 +26,7 @@ from kvd.errors import (
     PermissionDenied,
     Unavailable,
 )
-from kvd.fdpass import HandleHeader, HandleServer
+from kvd.ipc.fdpass import HandleHeader, HandleServer
 
 MiB = 1 << 20
 
@@ -377,7 +377,7 @@ def test_the_owners_gpu_is_found_by_uuid_however_this_process_numbers_it(monkeyp
     index only where there is no UUID or torch cannot say one."""
     from types import SimpleNamespace
 
-    from kvd import arena_cuda
+    from kvd.memory import vmm as arena_cuda
 
     uuids = ["GPU-a", "GPU-b"]
 

@@ -18,20 +18,21 @@ import pytest
 
 import pool_testkit as pk
 from kvd import errors as E
-from kvd.handoff import SocketRoute, TransferRef, TransferState
-from kvd.leases import LeaseKind
-from kvd.node import Node
-from kvd.pool import AllocSpec, Pool
+from kvd.records import SocketRoute, TransferRef, TransferState
+from kvd.records import LeaseKind
+from kvd.daemon.node import Node
+from kvd.records import AllocSpec
+from kvd.pool.pool import Pool
 from kvd.server.peer_calls import PeerCalls
 from kvd.server import peer_conns
 from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
-from kvd.unix_socket import recv_exact
+from kvd.ipc.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
 import weakref
 
-from kvd.ticket import Issuer, Tickets
-from kvd.wire import ref_to_pb, status_from_pb
+from kvd.handoff.ticket import Issuer, Tickets
+from kvd.rpc.convert import ref_to_pb, status_from_pb
 
 TOKEN = "tok"
 CHECK, COMMIT = METHOD_IDS["CheckTicket"], METHOD_IDS["Commit"]
@@ -128,7 +129,7 @@ def test_check_ticket_and_commit_over_the_socket(node, server):
     r = pc.call(pc.checkout(via), "CheckTicket", pb.CheckTicketRequest(ticket=raw, sender="prefill"))
     assert r.expires_in_seconds > 0
     assert node.inbox.status("r1").state is TransferState.RECEIVING
-    pc.call(pc.checkout(via), "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=True, bytes=123))
+    pc.call(pc.checkout(via), "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=True, bytes=123, sender="prefill"))
     st = node.inbox.status("r1")
     assert (st.state, st.nbytes) == (TransferState.READY, 123)
     # One connection served both calls, and is held for the next.
@@ -184,7 +185,7 @@ def test_unknown_method_is_refused_and_the_connection_goes_on(node, server):
 
 
 def test_a_body_that_does_not_parse_is_refused(node, server):
-    """In the words gRPC refuses it in (kvd.wire.parse_request), and the connection stays in step."""
+    """In the words gRPC refuses it in (kvd.rpc.convert.parse_request), and the connection stays in step."""
     s, _, _ = _raw(server)
     s.sendall(struct.pack(">IB", 3, COMMIT) + b"\xff\xff\xff")
     status, body = _reply(s)

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvd.errors import AlreadyExists, CapacityError, FailedPrecondition, Pinned, StaleEpoch
-from kvd.pool import AllocSpec, IndexVectors, Pool
+from kvd.records import AllocSpec, IndexVectors
+from kvd.pool.pool import Pool
 from pool_testkit import (
     DRAFT,
     FULL,

@@ -19,9 +19,10 @@ from kvd.errors import (
     Pinned,
     StaleEpoch,
 )
-from kvd.layout import GroupKind
-from kvd.pool import AllocSpec, Pool
-from kvd.presets import preset
+from kvd.pool.layout import GroupKind
+from kvd.records import AllocSpec
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
 from pool_testkit import FULL, SWA, Patterns, assert_unchanged, snapshot, two_group_layout
 
 TINY = preset("tiny-hybrid")

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from kvd.errors import InvalidArgument, LayoutMismatch
-from kvd.layout import GroupKind, Layout
-from kvd.presets import PRESETS, load_layout, preset, preset_names
+from kvd.pool.layout import GroupKind, Layout
+from kvd.pool.presets import PRESETS, load_layout, preset, preset_names
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def test_fingerprints_are_stable_and_distinct() -> None:
 def test_fingerprints_are_stable_across_processes() -> None:
     """The fingerprint goes on the wire: another interpreter (other hash seed) must agree."""
     code = (
-        "import json; from kvd.presets import PRESETS; "
+        "import json; from kvd.pool.presets import PRESETS; "
         "print(json.dumps({n: l.fingerprint for n, l in PRESETS.items()}))"
     )
     out = subprocess.run(

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvd.layout import Layout
-from kvd.pool import AllocSpec, Pool
-from kvd.presets import preset
+from kvd.pool.layout import Layout
+from kvd.records import AllocSpec
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
 from pool_testkit import FULL, SWA, two_group_layout
 
 GEMMA = preset("gemma-4-31b-it-tp2")

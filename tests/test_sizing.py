@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kvd.errors import CapacityError
-from kvd.layout import Layout
-from kvd.pool import AllocSpec, Pool
-from kvd.presets import preset
+from kvd.pool.layout import Layout
+from kvd.records import AllocSpec
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
 from pool_testkit import FULL, SWA, full_only_layout, two_group_layout
 
 LAYOUTS: dict[str, Layout] = {

@@ -7,11 +7,11 @@ import ctypes
 import pytest
 import torch
 
-from kvd.arena import ShmArena
+from kvd.memory.arena import ShmArena
 from kvd.errors import InvalidArgument
-from kvd.pool import Pool
-from kvd.presets import preset
-from kvd.transfer import plan_chunk
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
+from kvd.handoff.plan import plan_chunk
 
 
 @pytest.fixture

@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.allocator import IDX, IdRing
-from kvd.arena import ArenaHandle, ShmArena, map_shared
+from kvd.pool.allocator import IDX, IdRing
+from kvd.memory.arena import ArenaHandle, ShmArena, map_shared
 from kvd.errors import InternalError, InvalidArgument
-from kvd.runs import Runs, coalesce, copy_runs, expand
+from kvd.copy.runs import Runs, coalesce, copy_runs, expand
 
 
 def _t(xs: list[int]) -> torch.Tensor:
@@ -175,7 +175,7 @@ def test_shm_arena_close_unlinks(tmp_path) -> None:
 _CHILD = textwrap.dedent(
     """
     import json, sys
-    from kvd.arena import ArenaHandle, map_shared
+    from kvd.memory.arena import ArenaHandle, map_shared
     h = ArenaHandle(**json.loads(sys.argv[1]))
     mm, view = map_shared(h)
     got = view[:8].tolist()
@@ -222,11 +222,11 @@ def test_reap_stale_removes_only_dead_owners_files(tmp_path) -> None:
     import subprocess
     import sys
 
-    from kvd.arena import ShmArena, is_live, reap_stale
+    from kvd.memory.arena import ShmArena, is_live, reap_stale
 
     live = ShmArena(1 << 20, 1 << 16, directory=str(tmp_path))
     code = (
-        "import sys, time; from kvd.arena import ShmArena; "
+        "import sys, time; from kvd.memory.arena import ShmArena; "
         f"a = ShmArena(1 << 20, 1 << 16, directory={str(tmp_path)!r}); print(a.path, flush=True); time.sleep(60)"
     )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

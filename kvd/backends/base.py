@@ -1,7 +1,7 @@
 """The data-plane interface: register an arena once, write batches of blocks to a peer.
 
 A backend moves bytes from this node's arena into a peer's arena; it knows nothing of pages,
-requests or leases (the planner in :mod:`kvd.transfer` turns those into blocks of absolute
+requests or leases (the planner in :mod:`kvd.handoff.plan` turns those into blocks of absolute
 addresses). One backend object serves one local arena and any number of peers::
 
     backend = make_backend("mooncake")
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.arena import Arena
+from kvd.memory.arena import Arena
 from kvd.errors import FailedPrecondition, InternalError, InvalidArgument, Unavailable
 
 __all__ = ["Backend", "PeerRegion", "Landed", "make_backend", "backend_class", "BACKENDS", "INSTALL_HINT"]

@@ -14,9 +14,9 @@ thread pool, which cost more than it gained: 0.4 GB/s at 64 KiB). For the gather
 size, numpy fancy indexing 0.08 ms (6 GB/s for 512-byte rows, against ~1 GB/s looping).
 
 Liveness. A file in ``/dev/shm`` outlives a killed owner, so "the file is there" does not mean
-"the peer is there". The owner's :class:`~kvd.arena.ShmArena` holds an open-file-description
+"the peer is there". The owner's :class:`~kvd.memory.arena.ShmArena` holds an open-file-description
 (OFD) read lock on its file for its whole life; the kernel drops it when the owner dies. A
-writer asks (:func:`kvd.arena.fd_is_live`, which takes no lock) whether anyone holds it: before the copy
+writer asks (:func:`kvd.memory.arena.fd_is_live`, which takes no lock) whether anyone holds it: before the copy
 (nobody -> Unavailable, nothing written) and after it (nobody -> Aborted: the bytes went into
 memory no live process owns).
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.arena import Arena, fd_is_live
+from kvd.memory.arena import Arena, fd_is_live
 from kvd.backends.base import Backend, PeerRegion
 from kvd.errors import Aborted, FailedPrecondition, InternalError, InvalidArgument, Unavailable
 
@@ -74,7 +74,7 @@ class _Mapping:
 class LocalBackend(Backend):
     """Writes into peer shm arenas on the same host by mapping their files.
 
-    Only :class:`~kvd.arena.ShmArena` (``handle().kind == "shm"``) can be registered; other
+    Only :class:`~kvd.memory.arena.ShmArena` (``handle().kind == "shm"``) can be registered; other
     arena kinds raise InvalidArgument (CUDA arenas go to :mod:`kvd.backends.local_cuda`).
 
     ``max_batch`` bounds the blocks copied per step (the gather path's temporary buffer is at

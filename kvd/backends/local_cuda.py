@@ -1,13 +1,13 @@
 """Same-host backend for CUDA arenas: import the peer's arena chunks and copy on the GPU.
 
-The endpoint is this daemon's handle socket (:mod:`kvd.fdpass`). A writer fetches the peer's
+The endpoint is this daemon's handle socket (:mod:`kvd.ipc.fdpass`). A writer fetches the peer's
 chunk fds once (credential: the shared peer token), maps them for *its own* GPU
-(:func:`kvd.arena_cuda.import_arena`) and keeps the mapping, keyed by the peer's endpoint and
+(:func:`kvd.memory.vmm.import_arena`) and keeps the mapping, keyed by the peer's endpoint and
 checked against its ``region_id`` and backing ``generation``; it maps again when the ticket
 promises more bytes than are mapped, or the peer's backing changed, or the peer restarted.
 
 Same GPU or another GPU of the host. The peer's arena lives on the GPU its handle header names
-(by UUID; :func:`kvd.arena_cuda.device_for` finds it in this process). When that is this
+(by UUID; :func:`kvd.memory.vmm.device_for` finds it in this process). When that is this
 daemon's own GPU, the mapping is an ordinary one. When it is another GPU, the chunks are mapped
 for this daemon's GPU with peer access (``cuMemSetAccess`` for the local device on memory that
 physically lives on the peer's: NVLink where present), the peer's GPU is recorded with the
@@ -21,7 +21,7 @@ both GPUs before anything is mapped.
 
 The copy. Source is this arena's tensor, destination the imported one; the planner's blocks
 (absolute addresses) become runs over ``[N, g]`` byte-row views of both, ``g`` the gcd of every
-offset and length (so every block is whole rows), and :func:`kvd.kernels.move_pages` moves them
+offset and length (so every block is whole rows), and :func:`kvd.copy.kernels.move_pages` moves them
 in one Triton launch on this daemon's GPU (the source's device: the staged run table, the table
 kernel and the move kernel all go on that device's current stream), followed by a CUDA event.
 ``write_async`` returns there, with the copies queued; its waiter synchronizes the event (only
@@ -45,7 +45,7 @@ import holds a reference), so a write never faults; it may only land in memory n
 more. The writer therefore checks the peer before the copy (dead or another ``region_id`` ->
 Unavailable, nothing written) and after it (-> Aborted: the bytes are lost), and drops the
 mapping of a dead peer at once: it pins a whole arena of GPU memory. The check is a watch
-(:func:`kvd.fdpass.watch`, opened with the mapping): a zero-timeout poll of a connection the peer's
+(:func:`kvd.ipc.fdpass.watch`, opened with the mapping): a zero-timeout poll of a connection the peer's
 handle server keeps open, no round trip. Anything on it (EOF when the peer died or stopped, a
 byte when its backing changed) -> the watch is spent and the writer falls back to a ping of
 the handle socket, which decides as before (and a new watch is opened with the next mapping
@@ -65,8 +65,8 @@ from typing import Any
 
 import torch
 
-from kvd import fdpass
-from kvd.arena import Arena
+from kvd.ipc import fdpass
+from kvd.memory.arena import Arena
 from kvd.backends.base import Backend, Landed, PeerRegion
 from kvd.errors import (
     Aborted,
@@ -75,8 +75,8 @@ from kvd.errors import (
     InvalidArgument,
     Unavailable,
 )
-from kvd.fdpass import HandleHeader
-from kvd.runs import Runs
+from kvd.ipc.fdpass import HandleHeader
+from kvd.copy.runs import Runs
 
 __all__ = ["COPY_ENGINE", "KERNEL", "CudaLocalBackend", "copy_blocks", "copy_engine_blocks", "copy_strategy"]
 
@@ -109,7 +109,7 @@ def copy_strategy(home: int | None, lens: list[int], *, batch: bool = True) -> s
 
 def _import(header: HandleHeader, fds: list[int], device: torch.device) -> tuple[Any, torch.Tensor]:
     """Map a peer's export for ``device``; the seam CPU tests replace (they map memfds instead)."""
-    from kvd import arena_cuda
+    from kvd.memory import vmm as arena_cuda
 
     return arena_cuda.import_arena(header, fds, device)
 
@@ -119,20 +119,20 @@ def _locate(header: HandleHeader) -> int | None:
     FailedPrecondition when this process does not see it. A seam: CPU tests stub it."""
     if header.device < 0:
         return None
-    from kvd import arena_cuda
+    from kvd.memory import vmm as arena_cuda
 
     return arena_cuda.device_for(header.gpu_uuid, header.device)
 
 
 def _can_access(dev: int, home: int) -> bool:
     """Whether kernels on ``dev`` can write memory on ``home`` (peer access). A seam."""
-    from kvd import arena_cuda
+    from kvd.memory import vmm as arena_cuda
 
     return arena_cuda.can_access_peer(dev, home)
 
 
 def _label(index: int) -> str:
-    from kvd import arena_cuda
+    from kvd.memory import vmm as arena_cuda
 
     return arena_cuda.gpu_label(index)
 
@@ -513,7 +513,7 @@ def _copy_batch(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int]
     global _batch_ok
     if not _batch_ok or not n or stream.cuda_stream == 0:
         return False
-    from kvd.arena_cuda import driver
+    from kvd.memory.vmm import driver
 
     cu = driver()
     fn = getattr(cu, "cuMemcpyBatchAsync", None)  # CUDA >= 12.8 bindings
@@ -551,7 +551,7 @@ def _copy_batch(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int]
 
 def copy_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int], n: list[int]) -> int:
     """Copy ``src[s_i : s_i + n_i] -> dst[d_i : ...]`` (byte offsets into two uint8 tensors) in
-    one :func:`kvd.kernels.move_pages` call; returns the bytes moved.
+    one :func:`kvd.copy.kernels.move_pages` call; returns the bytes moved.
 
     Both tensors are viewed as rows of ``g`` bytes, ``g`` the gcd of every offset and length, so
     each block is a run of whole rows. ``g`` is whatever the blocks allow: page-aligned blocks of
@@ -559,7 +559,7 @@ def copy_blocks(src: torch.Tensor, dst: torch.Tensor, s: list[int], d: list[int]
     move 16-byte words. Off the GPU, ``move_pages`` falls back to torch."""
     if not n:
         return 0
-    from kvd.kernels import move_pages  # imported here: CPU nodes never load Triton
+    from kvd.copy.kernels import move_pages
 
     g = math.gcd(*s, *d, *n)
     rows_s = src[: src.numel() // g * g].view(-1, g)

@@ -41,7 +41,7 @@ device range ``[base, base + backed)`` as it is; which transport carries it:
   for 64 MiB-1 GiB, byte-exact; a peer copy over NVLink is ~390 GB/s.
 * RDMA (HCAs found): GPUDirect RDMA; the engine exports the registered range as a dma-buf
   (``cuMemGetHandleForAddressRange``), which CUDA allows for virtual memory only when it was
-  created RDMA-capable: :class:`~kvd.arena_cuda.CudaVmmArena` does that where the device
+  created RDMA-capable: :class:`~kvd.memory.vmm.CudaVmmArena` does that where the device
   supports it. Not yet run with kvd (no RDMA NICs on the GPU hosts so far); open: whether the
   engine's export covers an arena of several physical chunks (it asks ``cuMemGetAddressRange``
   for the allocation around the base), and whether the receiver needs a flush before its GPU
@@ -69,7 +69,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvd.arena import Arena
+from kvd.memory.arena import Arena
 from kvd.backends.base import INSTALL_HINT, Backend, Landed, PeerRegion
 from kvd.errors import Aborted, InvalidArgument, KvdError, Unavailable
 

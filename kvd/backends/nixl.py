@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.arena import Arena
+from kvd.memory.arena import Arena
 from kvd.backends.base import Backend, Landed, PeerRegion
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, KvdError, Unavailable
 

@@ -28,13 +28,13 @@ shorter than one block plus one is refused: serve it on the decode instance alon
 small and capability-like: a sealed ticket (checked by the decode daemon that minted it: nobody
 can redirect its bytes) and a random request name bound to the prompt's hash on the decode side.
 
-Layout: :func:`layout_from_vllm` derives kvd's :class:`~kvd.layout.Layout` from vLLM's own
+Layout: :func:`layout_from_vllm` derives kvd's :class:`~kvd.pool.layout.Layout` from vLLM's own
 ``KVCacheConfig`` (full-attention groups -> ``full``, sliding-window -> ``swa`` with the window,
 Mamba -> ``state`` slots of the state's bytes; page size = vLLM's attention block size); the
 worker refuses a daemon whose layout differs, naming both. CPU KV tensors only
 (``[blocks, kv_heads, block_size, 2 * head_size]``, K|V fused on the last dim).
 
-kvd imports: :mod:`kvd.client` (``Client``), :mod:`kvd.errors`, :mod:`kvd.layout`.
+kvd imports: :mod:`kvd.client` (``Client``), :mod:`kvd.errors`, :mod:`kvd.pool.layout`.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 
 from kvd.client import Client
 from kvd.errors import InvalidArgument, KvdError, LayoutMismatch
-from kvd.layout import DTYPES, GroupKind, GroupSpec, Layout
+from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
 __all__ = ["KvdConnector", "layout_from_vllm", "LayerSlot"]
 

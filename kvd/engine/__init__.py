@@ -17,7 +17,8 @@ colocated run. The pieces, one noun per module:
   deterministic CUDA set-up of each process and the fence before every daemon call;
 * :mod:`~kvd.engine.router` -- engine processes and the router between them;
 * :mod:`~kvd.engine.demo` -- ``kvd demo``;
-* :mod:`~kvd.engine.faults` -- test-only ticket faults (negative controls).
+* :mod:`~kvd.engine.faults` -- test-only faults that misplace KV (negative controls), in a
+  sending daemon or in a ticket.
 
 Importing this package does not import the process or demo machinery.
 """

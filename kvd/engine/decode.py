@@ -38,7 +38,7 @@ from kvd.engine.model import Models, Pending
 from kvd.engine.paged import PagedKV
 from kvd.engine.records import Completion, EngineConfig, FirstToken, KVApi, Request
 from kvd.errors import CapacityError, KvdError, Pinned
-from kvd.pool import CompactionResult, IndexVectors
+from kvd.records import CompactionResult, IndexVectors
 
 __all__ = ["DecodeEngine", "DecodeStats"]
 

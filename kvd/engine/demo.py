@@ -72,7 +72,7 @@ class DemoOptions:
     max_inflight: int = 16
     device: str = "cpu"  # cpu | cuda (GPU 0: daemons' arenas, engines and the reference)
     decode_device: str | None = None  # cuda:N: the decode daemon's arena and engine there; None: on `device`
-    fault: str | None = None  # test only: inject a named ticket fault (kvd.engine.faults.FAULTS)
+    fault: str | None = None  # test only: the prefill daemon misplaces KV with a named fault (kvd.engine.faults.FAULTS)
 
 
 def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
@@ -140,15 +140,17 @@ def _reference_main(requests: list[Request], cfg: EngineConfig, conn, device: st
 
 
 class _Daemon:
-    """A ``kvd serve`` subprocess; its log goes to a file, its first stdout line says it serves."""
+    """A ``kvd serve`` subprocess; its log goes to a file, its first stdout line says it serves.
+    ``fault`` (test only): it sends with that fault of :mod:`kvd.engine.faults` installed."""
 
     def __init__(self, name: str, workdir: str, arena_dir: str, layout_path: str, backend: str, speculative: bool,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), fault: str | None = None) -> None:
         self.name = name
         self.sock = os.path.join(workdir, f"{name}.sock")
         self.log_path = os.path.join(workdir, f"{name}.log")
+        launcher = ["kvd.engine.faults", fault] if fault else ["kvd.cli"]
         cmd = [
-            sys.executable, "-m", "kvd.cli", "serve", "--layout", layout_path, "--listen-unix", self.sock,
+            sys.executable, "-m", *launcher, "serve", "--layout", layout_path, "--listen-unix", self.sock,
             "--listen-tcp", "127.0.0.1:0", "--backend", backend, "--post-capture",
             "--arena-bytes", str(PREFILL_BYTES if name == "prefill" else DECODE_BYTES),
             "--reserve-bytes", str(RESERVE_BYTES), "--arena-dir", arena_dir, "--grace-s", "1", "--log-level", "WARNING",
@@ -255,12 +257,11 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         procs.append(ref)
         for name in ("prefill", "decode"):
             daemons.append(_Daemon(name, workdir, arena_dir, layout_path, backend, speculative=opts.spec_k > 0,
-                                   device=roles[name]))
+                                   device=roles[name], fault=opts.fault if name == "prefill" else None))
         conns = {}
         for d, budget in zip(daemons, (PREFILL_BYTES, DECODE_BYTES)):
             parent, child = ctx.Pipe()
-            spec = EngineSpec(d.name, d.address, cfg, budget, fault=opts.fault if d.name == "prefill" else None,
-                              device=str(roles[d.name]))
+            spec = EngineSpec(d.name, d.address, cfg, budget, device=str(roles[d.name]))
             p = ctx.Process(target=engine_main, args=(spec, child),
                             name=f"kvd-demo-{d.name}-engine", daemon=True)
             p.start()
@@ -344,7 +345,7 @@ def _require_gpu_stack() -> None:
     moves); say so before anything starts instead of in a daemon's log."""
     import importlib.util
 
-    from kvd.arena_cuda import driver
+    from kvd.memory.vmm import driver
 
     driver()  # Unavailable, with how to install it, when cuda-python is missing
     if importlib.util.find_spec("triton") is None:

@@ -116,7 +116,7 @@ def _can_access_peer(device: int, peer: int) -> bool:
     cuda-python (which the GPU arenas need anyway) so that this process creates no CUDA context:
     the driver call needs ``cuInit`` only, which ``torch.cuda.is_available`` already did. The seam
     CPU tests stub."""
-    from kvd.arena_cuda import driver
+    from kvd.memory.vmm import driver
 
     cu = driver()
 

@@ -1,4 +1,4 @@
-"""The engine-facing calls over an in-process :class:`~kvd.pool.Pool` -- no daemon, no handoff.
+"""The engine-facing calls over an in-process :class:`~kvd.pool.pool.Pool` -- no daemon, no handoff.
 
 The colocated reference runs the same engine code as the prefill-decode pair, prefill and decode
 in one pool; this adapter gives it the subset of :class:`kvd.client.Client` the engines use, with
@@ -15,10 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from kvd.arena import Arena, ShmArena
-from kvd.layout import Layout
-from kvd.pool import CompactionResult, IndexVectors, Pool
-from kvd.views import LayerKV, all_views
+from kvd.memory.arena import Arena, ShmArena
+from kvd.pool.layout import Layout
+from kvd.records import CompactionResult, IndexVectors
+from kvd.pool.pool import Pool
+from kvd.client.views import LayerKV, all_views
 
 __all__ = ["LocalKV"]
 
@@ -31,7 +32,7 @@ class LocalKV:
         dev = torch.device(device)
         self.arena: Arena
         if dev.type == "cuda":
-            from kvd.arena_cuda import CudaVmmArena  # CPU nodes never import cuda-python
+            from kvd.memory.vmm import CudaVmmArena
 
             self.arena = CudaVmmArena(nbytes, nbytes, device=dev)
         elif dev.type == "cpu":

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvd.engine.paged import SeqKV
-from kvd.layout import GroupKind, GroupSpec, Layout
+from kvd.pool.layout import GroupKind, GroupSpec, Layout
 
 __all__ = ["TargetConfig", "DraftConfig", "Model", "Models", "Pending", "layout_for", "build_models"]
 

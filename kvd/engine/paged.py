@@ -1,8 +1,8 @@
 """Paged KV access: one request's KV in the daemon's arena, by physical page id.
 
-The arena's per-layer views (:func:`kvd.views.all_views`) are ``[pages, page_size, kv_heads,
+The arena's per-layer views (:func:`kvd.client.views.all_views`) are ``[pages, page_size, kv_heads,
 head_dim]`` tensors over shared memory; a request's pages are the physical ids in its
-:class:`~kvd.pool.IndexVectors`. Token ``t`` of group ``g`` lives at page
+:class:`~kvd.records.IndexVectors`. Token ``t`` of group ``g`` lives at page
 ``ids[t // page_size - first]``, slot ``t % page_size``, where ``ids``/``first`` are::
 
     full    vec.full   first 0                 every page of the request
@@ -28,9 +28,9 @@ import functools
 
 import torch
 
-from kvd.layout import GroupKind, Layout
-from kvd.pool import IndexVectors
-from kvd.views import LayerKV
+from kvd.pool.layout import GroupKind, Layout
+from kvd.records import IndexVectors
+from kvd.client.views import LayerKV
 
 __all__ = ["PagedKV", "SeqKV"]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvd.pool import CompactionResult, IndexVectors
+from kvd.records import CompactionResult, IndexVectors
 
 __all__ = ["EngineConfig", "Request", "FirstToken", "Completion", "KVApi", "TicketRewrite"]
 

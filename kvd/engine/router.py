@@ -51,7 +51,6 @@ class EngineSpec:
     address: str  # the engine's own daemon
     cfg: EngineConfig
     finalize_bytes: int | None = None  # post-capture: the KV budget to back before serving
-    fault: str | None = None  # test only: a named ticket fault for the prefill engine (kvd.engine.faults.FAULTS)
     device: str = "cpu"  # where the engine computes; its daemon's arena must be there too ("cuda:0": arena=cuda)
 
 
@@ -145,12 +144,7 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
             )
         conn.send(Ready(spec.role, att.tensor.numel(), str(dev), torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""))
         if spec.role == "prefill":
-            rewrite = None
-            if spec.fault:
-                from kvd.engine.faults import FAULTS, rewrite_vectors
-
-                rewrite = rewrite_vectors(FAULTS[spec.fault])
-            _prefill_loop(PrefillEngine(kv, paged, models, spec.cfg, ticket_rewrite=rewrite), conn)
+            _prefill_loop(PrefillEngine(kv, paged, models, spec.cfg), conn)
         else:
             _decode_loop(DecodeEngine(kv, paged, models, spec.cfg), conn)
     except BaseException:  # noqa: BLE001 - report anything, then exit

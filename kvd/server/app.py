@@ -24,26 +24,26 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd.arena import Arena, ShmArena, reap_stale
+from kvd.memory.arena import Arena, ShmArena, reap_stale
 from kvd.backends.base import Backend, make_backend
 from kvd.config import Settings
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.fdpass import HandleServer
-from kvd.handoff import run_every
-from kvd.outbox import Outbox
-from kvd.layout import GroupKind, Layout
+from kvd.ipc.fdpass import HandleServer
+from kvd.handoff.link import run_every
+from kvd.handoff.outbox import Outbox
+from kvd.pool.layout import GroupKind, Layout
 from kvd.limits import MAX_ID_BYTES, too_long
-from kvd.node import Node
-from kvd.pool import Pool
-from kvd.presets import load_layout
+from kvd.daemon.node import Node
+from kvd.pool.pool import Pool
+from kvd.pool.presets import load_layout
 from kvd.server.handles import ArenaHandles
 from kvd.server.metrics import Metrics
 from kvd.server.peer_calls import PeerCalls
-from kvd.ticket import Tickets
+from kvd.handoff.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
 from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
-from kvd.unix_socket import check_path, open_to_group
+from kvd.ipc.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
 
 __all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "validate"]
@@ -107,7 +107,7 @@ def _check_cuda(settings: Settings, handle_path: str) -> None:
             f"cuda_device={settings.cuda_device} does not exist: this process sees {count} CUDA device(s) "
             f"(CUDA_VISIBLE_DEVICES applies); set cuda_device below {count}"
         )
-    from kvd.arena_cuda import driver
+    from kvd.memory.vmm import driver
 
     driver()  # Unavailable naming the cuda-python package when it is missing
     check_path(handle_path)
@@ -139,7 +139,7 @@ def peer_socket_path(settings: Settings) -> str | None:
 def _make_arena(settings: Settings) -> Arena:
     backed = 0 if settings.post_capture else settings.arena_bytes
     if settings.arena == "cuda":
-        from kvd.arena_cuda import CudaVmmArena
+        from kvd.memory.vmm import CudaVmmArena
 
         return CudaVmmArena(settings.reserved, backed, device=settings.cuda_device)
     for path in reap_stale(settings.arena_dir):
@@ -409,9 +409,16 @@ class Daemon:
         self._stop.wait()
 
 
-def serve(settings: Settings) -> None:
-    """Run a daemon in the foreground until SIGTERM or SIGINT."""
+def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None) -> None:
+    """Run a daemon in the foreground until SIGTERM or SIGINT. ``on_start`` (test launchers only,
+    :mod:`kvd.engine.faults`) sees the started daemon before it announces itself."""
     d = Daemon.start(settings)
+    if on_start is not None:
+        try:
+            on_start(d)
+        except BaseException:
+            d.stop(0)
+            raise
     done = threading.Event()
 
     def on_signal(signum, frame):  # noqa: ARG001

@@ -1,7 +1,7 @@
 """The daemon's side of handle passing: who may have the arena's chunk fds, and what they get.
 
-A CUDA arena is shared by fds (:mod:`kvd.fdpass`), not by a file path. :class:`ArenaHandles`
-is the exporter and the authorizer a :class:`~kvd.fdpass.HandleServer` runs with:
+A CUDA arena is shared by fds (:mod:`kvd.ipc.fdpass`), not by a file path. :class:`ArenaHandles`
+is the exporter and the authorizer a :class:`~kvd.ipc.fdpass.HandleServer` runs with:
 
 * **who** -- an engine with a live session of this node (the same session id its gRPC calls
   carry), or a peer daemon presenting ``peer_token``; when no token is configured, peers are
@@ -20,10 +20,10 @@ from __future__ import annotations
 import hmac
 import os
 
-from kvd.arena_cuda import gpu_uuid
+from kvd.memory.vmm import gpu_uuid
 from kvd.errors import FailedPrecondition, PermissionDenied
-from kvd.fdpass import MAX_FDS, HandleHeader, HandleRequest
-from kvd.node import Node
+from kvd.ipc.fdpass import MAX_FDS, HandleHeader, HandleRequest
+from kvd.daemon.node import Node
 
 __all__ = ["ArenaHandles"]
 

@@ -1,6 +1,6 @@
 """The one exporter: turns the node's plain stats into Prometheus series, plus RPC latency.
 
-Gauges are read from :meth:`kvd.node.Node.stats` at scrape time (a custom collector), so the
+Gauges are read from :meth:`kvd.daemon.node.Node.stats` at scrape time (a custom collector), so the
 core never imports prometheus_client and nothing is double-booked. Each daemon has its own
 registry, so several daemons can live in one process (tests).
 """
@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvd.outbox import Outbox
-from kvd.node import Node
+from kvd.handoff.outbox import Outbox
+from kvd.daemon.node import Node
 
 if TYPE_CHECKING:
     from kvd.server.peer_link import DaemonPeerLink

@@ -3,7 +3,7 @@
 The gRPC servicer (:class:`kvd.server.service.PeerService`) and the same-host peer socket
 (:mod:`kvd.server.peer_socket`) both call :class:`PeerCalls`: a v1 request message in, the v1
 response message out, a kvd exception for a refusal. Each transport maps that exception to a
-status with :func:`kvd.status.to_status` and authenticates its caller with :meth:`authorize`
+status with :func:`kvd.rpc.status.to_status` and authenticates its caller with :meth:`authorize`
 (per call over gRPC, once per connection on the socket), so a ticket is accepted or refused in
 the same words whichever way it came.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 import hmac
 
 from kvd.errors import FailedPrecondition, PermissionDenied
-from kvd.outbox import Outbox
-from kvd.node import Node
-from kvd.ticket import Issuer, Tickets
+from kvd.handoff.outbox import Outbox
+from kvd.daemon.node import Node
+from kvd.handoff.ticket import Issuer, Tickets
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import TOKEN_KEY, ref_from_pb
+from kvd.rpc.convert import TOKEN_KEY, ref_from_pb
 
 __all__ = ["PeerCalls"]
 
@@ -26,7 +26,7 @@ class PeerCalls:
     """What a peer daemon may ask of this one. ``token``: the shared ``peer_token`` (None: peers
     are not authenticated); ``outbox``: this daemon's sending side (None without a backend);
     ``tickets``: this daemon's tickets, the ones its engine-facing service mints (None: a new
-    :class:`~kvd.ticket.Tickets`, which only tickets it minted itself pass)."""
+    :class:`~kvd.handoff.ticket.Tickets`, which only tickets it minted itself pass)."""
 
     def __init__(self, node: Node, token: str | None = None, outbox: Outbox | None = None, tickets: Tickets | None = None) -> None:
         self.node = node
@@ -45,7 +45,7 @@ class PeerCalls:
             )
 
     def check_ticket(self, request: pb.CheckTicketRequest) -> pb.CheckTicketResponse:
-        """Validate a ticket this daemon issued (:meth:`kvd.ticket.Tickets.check`: the seal, then every
+        """Validate a ticket this daemon issued (:meth:`kvd.handoff.ticket.Tickets.check`: the seal, then every
         field); with a sender, the transfer begins (RECEIVING)."""
         t, lease = self.tickets.check(request.ticket)
         if request.sender:
@@ -53,13 +53,15 @@ class PeerCalls:
         return pb.CheckTicketResponse(expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()))
 
     def commit(self, request: pb.CommitRequest) -> pb.CommitResponse:
-        """A chunk's writes completed; the last one makes the transfer READY."""
-        self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes)
+        """A chunk's writes completed; the last one makes the transfer READY. Only from the
+        sender that began it (:meth:`kvd.handoff.inbox.Inbox.commit`)."""
+        self.node.inbox.commit(ref_from_pb(request.ref), request.last, request.bytes, request.sender)
         return pb.CommitResponse()
 
     def abort_receive(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:
-        """The sender gave up on a transfer into this daemon."""
-        self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained)
+        """The sender gave up on a transfer into this daemon (only the one that began it may:
+        :meth:`kvd.handoff.inbox.Inbox.abort`)."""
+        self.node.inbox.abort(ref_from_pb(request.ref), request.reason or "no reason given", request.drained, request.sender)
         return pb.PeerAbortResponse()
 
     def abort_send(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:

@@ -2,7 +2,7 @@
 connections to other daemons' peer sockets, a few held per daemon.
 
 :meth:`PeerConnections.checkout` hands out a connection to the daemon a
-:class:`~kvd.handoff.SocketRoute` names -- one that answered the hello as the route's boot --
+:class:`~kvd.records.SocketRoute` names -- one that answered the hello as the route's boot --
 or None when the route cannot be used now: nothing listens on the path, the daemon there is
 another one (another host's ticket, another container, this daemon itself), or it is full. The
 caller then uses gRPC. A route that failed is not tried again for ``retry_s``, so a Send to a
@@ -28,11 +28,11 @@ from collections.abc import Callable
 from google.protobuf.message import DecodeError, Message
 
 from kvd.errors import DeadlineExceeded, KvdError, PermissionDenied, Unavailable
-from kvd.handoff import SocketRoute
+from kvd.records import SocketRoute
 from kvd.server.peer_socket import HELLO, MAX_FRAME, METHOD_IDS, METHODS, OK, REFUSED, frame, read_head
-from kvd.unix_socket import recv_exact, stirred
+from kvd.ipc.unix_socket import recv_exact, stirred
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import status_from_pb
+from kvd.rpc.convert import status_from_pb
 
 __all__ = ["PeerConnections", "KEEP", "RETRY_S"]
 

@@ -1,4 +1,4 @@
-"""The daemon's :class:`kvd.handoff.PeerLink`: how this daemon calls another.
+"""The daemon's :class:`kvd.handoff.link.PeerLink`: how this daemon calls another.
 
 gRPC for every call; a sender's calls to a receiver -- CheckTicket and Commit, the two on a
 Send's critical path, and with them Heartbeat and AbortReceive -- over the receiver's peer socket
@@ -16,13 +16,13 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import Message
 
-from kvd.handoff import SocketRoute, TransferRef
+from kvd.records import SocketRoute, TransferRef
 from kvd.limits import MAX_REASON_BYTES, clip
 from kvd.server.peer_conns import PeerConnections
-from kvd.status import from_rpc_error
+from kvd.rpc.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.wire import TOKEN_KEY, grpc_target, ref_to_pb
+from kvd.rpc.convert import TOKEN_KEY, grpc_target, ref_to_pb
 
 __all__ = ["DaemonPeerLink", "PATHS"]
 
@@ -91,13 +91,15 @@ class DaemonPeerLink:
     def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], object]:
         return self._start(address, "CheckTicket", pb.CheckTicketRequest(ticket=ticket, sender=sender), via)
 
-    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None:
-        self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes), via)
+    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, sender: str, via: SocketRoute | None = None) -> None:
+        self._call(address, "Commit", pb.CommitRequest(ref=ref_to_pb(ref), last=last, bytes=nbytes, sender=sender), via)
 
     # A reason is often an error's message (up to MAX_MESSAGE_BYTES) behind a prefix: cut to the
     # bound the peer holds it to, or the peer refuses the abort and never learns of it.
-    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool, via: SocketRoute | None = None) -> None:
-        request = pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES), drained=drained)
+    def abort_receive(
+        self, address: str, ref: TransferRef, reason: str, drained: bool, sender: str, via: SocketRoute | None = None
+    ) -> None:
+        request = pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES), drained=drained, sender=sender)
         self._call(address, "AbortReceive", request, via)
 
     def abort_send(self, address: str, ref: TransferRef, reason: str) -> None:

@@ -59,10 +59,10 @@ from google.protobuf.message import DecodeError, Message
 
 from kvd.errors import InvalidArgument, KvdError, Unavailable
 from kvd.server.peer_calls import PeerCalls
-from kvd.status import code_from_int
-from kvd.unix_socket import UnixServer, recv_exact
+from kvd.rpc.status import code_from_int
+from kvd.ipc.unix_socket import UnixServer, recv_exact
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import parse_request, status_to_pb
+from kvd.rpc.convert import parse_request, status_to_pb
 
 __all__ = [
     "HELLO", "OK", "REFUSED", "MAX_FRAME", "MAX_HELLO", "MAX_CONNECTIONS", "METHODS", "METHOD_IDS", "Method",

@@ -1,9 +1,9 @@
 """Thin gRPC servicers: parse the message, call the node, build the reply.
 
 No policy lives here. Every handler runs through :meth:`_Base._run`, which reads the session
-from metadata, maps any exception to a status in one place (:func:`kvd.status.to_status`), and
+from metadata, maps any exception to a status in one place (:func:`kvd.rpc.status.to_status`), and
 aborts the call with the kvd error class in the trailing metadata. :func:`add_to_server`
-registers a servicer with every request parsed by :func:`kvd.wire.parse_request`: bytes that do
+registers a servicer with every request parsed by :func:`kvd.rpc.convert.parse_request`: bytes that do
 not parse and strings over their bounds are refused through the same ``_run``, as
 INVALID_ARGUMENT naming the method, before the handler runs.
 """
@@ -19,17 +19,17 @@ import grpc
 
 from kvd import __version__
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
-from kvd.handoff import PeerLink
+from kvd.handoff.link import PeerLink
 from kvd.limits import MAX_ID_BYTES, quote, too_long
-from kvd.outbox import Outbox, SendItem, check_batch_size
-from kvd.node import Node
-from kvd.pool import AllocSpec
+from kvd.handoff.outbox import Outbox, SendItem, check_batch_size
+from kvd.daemon.node import Node
+from kvd.records import AllocSpec
 from kvd.server.peer_calls import PeerCalls
-from kvd.status import to_status
-from kvd.ticket import Issuer, Tickets, read as read_ticket
+from kvd.rpc.status import to_status
+from kvd.handoff.ticket import Issuer, Tickets, read as read_ticket
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.wire import (
+from kvd.rpc.convert import (
     SESSION_KEY,
     TOKEN_KEY,
     envelope_to_pb,
@@ -175,7 +175,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
     def Attach(self, request, context):
         # shm: the path of the arena file. cuda-vmm: the handle socket, where the client fetches
-        # the chunk fds with its session id (kvd.fdpass); only the backed prefix is exported.
+        # the chunk fds with its session id (kvd.ipc.fdpass); only the backed prefix is exported.
         def go():
             h = self.node.pool.arena.handle()
             path = h.path
@@ -447,7 +447,7 @@ def _guarded(servicer: _Base, handler: Callable) -> Callable:
 def add_to_server(server: grpc.Server, servicer: _Base, service: str) -> None:
     """Serve ``servicer`` as ``kvd.v1.<service>`` on ``server`` (what the generated
     ``add_<service>Servicer_to_server`` does), every request parsed by
-    :func:`kvd.wire.parse_request`. The methods are read from the service descriptor, so a
+    :func:`kvd.rpc.convert.parse_request`. The methods are read from the service descriptor, so a
     method added to the proto is served this way too (a streaming one is refused here: kvd has
     none, and its requests would need the same guard per message)."""
     desc = pb.DESCRIPTOR.services_by_name[service]

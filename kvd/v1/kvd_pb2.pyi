@@ -1725,9 +1725,14 @@ class CommitRequest(_message.Message):
     REF_FIELD_NUMBER: _builtins.int
     LAST_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
     last: _builtins.bool
     bytes: _builtins.int
     """bytes written by this chunk (all writes have completed)"""
+    sender: _builtins.str
+    """The committing sender, as its CheckTicket named it: only the sender that began the transfer
+    (RECEIVING) may commit it; anything else is FAILED_PRECONDITION.
+    """
     @_builtins.property
     def ref(self) -> Global___TransferRef: ...
     def __init__(
@@ -1736,10 +1741,11 @@ class CommitRequest(_message.Message):
         ref: Global___TransferRef | None = ...,
         last: _builtins.bool = ...,
         bytes: _builtins.int = ...,
+        sender: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "last", b"last", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "last", b"last", "ref", b"ref", "sender", b"sender"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1767,10 +1773,16 @@ class PeerAbortRequest(_message.Message):
     REF_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
+    SENDER_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     """at most 1024 bytes of UTF-8"""
     drained: _builtins.bool
     """the sender has no write in flight for this transfer"""
+    sender: _builtins.str
+    """AbortReceive: the aborting sender, as its CheckTicket named it. Only the sender that began
+    the transfer may abort it (or end its fence); a transfer no sender began (WAITING), or one
+    another sender began, is FAILED_PRECONDITION. Unused by AbortSend.
+    """
     @_builtins.property
     def ref(self) -> Global___TransferRef: ...
     def __init__(
@@ -1779,10 +1791,11 @@ class PeerAbortRequest(_message.Message):
         ref: Global___TransferRef | None = ...,
         reason: _builtins.str = ...,
         drained: _builtins.bool = ...,
+        sender: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "reason", b"reason", "ref", b"ref"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "reason", b"reason", "ref", b"ref", "sender", b"sender"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,10 +25,10 @@ import grpc
 import pytest
 
 from kvd import errors as E
-from kvd.arena import ShmArena
+from kvd.memory.arena import ShmArena
 from kvd.client import Client
 from kvd.config import load_settings
-from kvd.node import NodeStats
+from kvd.records import NodeStats
 from kvd.server.app import Daemon
 
 #: One small arena for every daemon here: 512 full pages of tiny-hybrid (2 KiB each).

@@ -18,11 +18,11 @@ from daemon_kit import Target, expect, expect_rpc, rid, start_inproc, stop_inpro
 
 from kvd import errors as E
 from kvd.client import Client
-from kvd.status import from_rpc_error
+from kvd.rpc.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.ticket import read as read_ticket
-from kvd.wire import SESSION_KEY
+from kvd.handoff.ticket import read as read_ticket
+from kvd.rpc.convert import SESSION_KEY
 
 C = grpc.StatusCode
 HUGE = 2**62  # fits the wire's int64, far beyond any arena
@@ -120,7 +120,7 @@ CASES = [
     ("resize-eager", lambda w: w.c.resize(1 << 20), E.FailedPrecondition, C.FAILED_PRECONDITION, "post_capture=True", {}),
 ]
 
-# Client-chosen strings are bounded on every RPC (kvd.limits, checked by kvd.wire.parse_request
+# Client-chosen strings are bounded on every RPC (kvd.limits, checked by kvd.rpc.convert.parse_request
 # before any handler runs): a 1 MiB request id used to be allocated, and a refusal quoting it
 # overflowed gRPC's metadata limit (a bare RESOURCE_EXHAUSTED the client took for CapacityError).
 MiB_ID, LONG_ID = "m" * (1 << 20), "x" * 257

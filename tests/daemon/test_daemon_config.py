@@ -235,7 +235,7 @@ def _pretend_cuda(monkeypatch, devices: int = 1) -> None:
 def test_cuda_arena_refusals_name_the_device_and_the_package(tmp_path, monkeypatch):
     import sys
 
-    from kvd import arena_cuda
+    from kvd.memory import vmm as arena_cuda
     from kvd.errors import Unavailable
 
     _pretend_cuda(monkeypatch, devices=2)
@@ -315,9 +315,9 @@ def test_mooncake_transport_variables_kvd_cannot_run_with_are_refused_at_start(t
 def test_attaching_a_cuda_arena_without_cuda_says_why():
     import torch
 
-    from kvd.client import _attach
+    from kvd.client.client import _attach
     from kvd.errors import Unavailable
-    from kvd.presets import preset
+    from kvd.pool.presets import preset
     from kvd.v1 import kvd_pb2 as pb
 
     r = pb.AttachResponse(kind="cuda-vmm", path="/nonexistent.handles", backed_bytes=MiB, region_id="kvd-vmm-x",

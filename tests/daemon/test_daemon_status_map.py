@@ -1,5 +1,5 @@
 """The one exception <-> status-code table (kvd.errors.CODES) is complete and round-trips, over
-gRPC (kvd.status) and over both Unix sockets (the peer socket and the handle socket)."""
+gRPC (kvd.rpc.status) and over both Unix sockets (the peer socket and the handle socket)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from kvd import errors as E
 from kvd.errors import CODES
-from kvd.status import code_from_int, from_rpc_error, to_status
+from kvd.rpc.status import code_from_int, from_rpc_error, to_status
 
 ALL = [getattr(E, name) for name in E.__all__]
 
@@ -167,8 +167,8 @@ class _Refusing:
 def _socket(kind: str, handlers: _Refusing) -> Iterator[Callable[[], object]]:
     """A real server of ``kind`` in this process whose handler raises ``handlers.exc``, and a
     call to it from a client; after the calls, the server answered each with a refusal."""
-    from kvd.fdpass import HandleServer, fetch
-    from kvd.handoff import SocketRoute
+    from kvd.ipc.fdpass import HandleServer, fetch
+    from kvd.records import SocketRoute
     from kvd.server.peer_conns import PeerConnections
     from kvd.server.peer_socket import PeerSocketServer
     from kvd.v1 import kvd_pb2 as pb
@@ -192,7 +192,7 @@ def _socket(kind: str, handlers: _Refusing) -> Iterator[Callable[[], object]]:
 @pytest.mark.parametrize("kind", ["peer socket", "handle socket"])
 def test_each_unix_socket_raises_what_grpc_raises(kind):
     """Each class a server handler raises crosses the peer socket (kvd.server.peer_socket) and the
-    handle socket (kvd.fdpass) as it crosses gRPC: the same class, the same message, the same
+    handle socket (kvd.ipc.fdpass) as it crosses gRPC: the same class, the same message, the same
     extras (shortfall, holders), through the same table (kvd.errors)."""
     handlers = _Refusing()
     with _socket(kind, handlers) as call:

@@ -16,13 +16,13 @@ from daemon_kit import ARENA_BYTES, expect, rid
 import kvd
 from kvd import errors as E
 from kvd.client import AsyncClient
-from kvd.leases import LeaseKind
-from kvd.pool import AllocSpec
+from kvd.records import LeaseKind
+from kvd.records import AllocSpec
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.ticket import TICKET_VERSION, read as read_ticket
+from kvd.handoff.ticket import TICKET_VERSION, read as read_ticket
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import envelope_from_pb, vectors_from_pb
+from kvd.rpc.convert import envelope_from_pb, vectors_from_pb
 
 GROUPS = {"full", "swa", "state", "draft"}
 # tiny-hybrid: page_size 4, swa window 32, draft page 8; page bytes full/swa 2048, draft 1024, state slot 256.

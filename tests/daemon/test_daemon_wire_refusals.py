@@ -17,13 +17,13 @@ from daemon_kit import Target, expect, expect_rpc, rid, start_inproc, stop_inpro
 from google.protobuf.message import DecodeError
 
 from kvd import errors as E
-from kvd.handoff import SocketRoute
+from kvd.records import SocketRoute
 from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_socket import HELLO, METHODS, OK, REFUSED, frame, read_head
-from kvd.status import from_rpc_error
-from kvd.unix_socket import recv_exact
+from kvd.rpc.status import from_rpc_error
+from kvd.ipc.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import SESSION_KEY, status_from_pb
+from kvd.rpc.convert import SESSION_KEY, status_from_pb
 
 C = grpc.StatusCode
 #: Bytes no request message parses from: a field tag whose wire type (7) does not exist.

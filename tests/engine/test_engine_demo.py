@@ -30,6 +30,10 @@ def test_demo_with_an_injected_fault_fails_with_status_1():
     r = _demo("--requests", "5", "--fault", "swa-full-ids")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAIL: 5 output(s) differ" in r.stdout
+    # The faulty prefill daemon sent the KV, into the wrong pages (the sealed ticket passed every
+    # check): the outputs catch it, no refusal does.
+    assert "FAULT INJECTED (test only): swa-full-ids" in r.stdout
+    assert re.search(r"KV bytes moved +[0-9.]+ MiB in [1-9]\d* Send calls", r.stdout), r.stdout
 
 
 def test_engine_package_all_is_honest():

@@ -16,7 +16,7 @@ from kvd.engine.local import LocalKV
 from kvd.engine.model import Pending, build_models
 from kvd.engine.paged import PagedKV
 from kvd.errors import Unavailable
-from kvd.views import LayerKV
+from kvd.client.views import LayerKV
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where CUDA is absent")
 

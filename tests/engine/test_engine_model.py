@@ -9,7 +9,7 @@ from engine_kit import requests
 from kvd.engine.records import EngineConfig
 from kvd.engine.model import DraftConfig, TargetConfig, layout_for
 from kvd.engine.reference import compare, recompute
-from kvd.presets import preset
+from kvd.pool.presets import preset
 
 
 def test_layout_from_the_model_configs_is_the_tiny_hybrid_preset(models):

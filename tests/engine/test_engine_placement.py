@@ -138,7 +138,7 @@ def test_demo_puts_each_role_on_its_device_and_the_reference_on_the_prefill_one(
     processes: list[tuple[str, tuple]] = []
 
     class FakeDaemon:
-        def __init__(self, name, workdir, arena_dir, layout_path, backend, speculative, device):
+        def __init__(self, name, workdir, arena_dir, layout_path, backend, speculative, device, fault=None):
             self.name, self.address = name, f"unix:/nowhere/{name}.sock"
             daemons.append((name, device))
 

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture
 def vmm_arena_factory() -> Iterator[Callable[..., object]]:
     """``make(reserved, backed=0, **kw) -> CudaVmmArena``; every arena made is closed at teardown."""
-    from kvd.arena_cuda import CudaVmmArena
+    from kvd.memory.vmm import CudaVmmArena
 
     made: list[CudaVmmArena] = []
 

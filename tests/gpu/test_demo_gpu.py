@@ -36,3 +36,5 @@ def test_gpu_demo_catches_an_injected_fault():
     r = _demo("--requests", "4", "--fault", "swa-full-ids")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAIL: 4 output(s) differ" in r.stdout, r.stdout
+    # The faulty prefill daemon sent the KV, into the wrong pages: caught by the outputs, not refused.
+    assert re.search(r"KV bytes moved +[0-9.]+ MiB in [1-9]", r.stdout), r.stdout

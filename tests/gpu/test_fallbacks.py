@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from kvd import kernels
+from kvd.copy import kernels
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.runs import coalesce, copy_runs
+from kvd.copy.runs import coalesce, copy_runs
 
 
 def test_move_pages_on_cpu_is_copy_runs() -> None:
@@ -37,7 +37,7 @@ def test_translate_on_cpu() -> None:
 
 
 def test_missing_cuda_python_is_unavailable(monkeypatch) -> None:
-    import kvd.arena_cuda as ac
+    import kvd.memory.vmm as ac
 
     monkeypatch.setattr(ac, "_DRIVER", None)
     monkeypatch.setitem(sys.modules, "cuda", None)  # makes `import cuda...` raise ImportError
@@ -50,7 +50,7 @@ def test_missing_cuda_python_is_unavailable(monkeypatch) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_no_cuda_device_is_unavailable(monkeypatch) -> None:
-    import kvd.arena_cuda as ac
+    import kvd.memory.vmm as ac
 
     monkeypatch.setattr(ac, "driver", lambda: object())  # as if cuda-python were installed
     with pytest.raises(Unavailable, match=r"torch.cuda.is_available\(\) is false"):

@@ -38,10 +38,10 @@ import handoff_kit as hk
 import kvd
 from kvd import errors as E
 from kvd.client import TransferState
-from kvd.fdpass import fetch, ping
-from kvd.transfer import plan_chunk
-from kvd.views import all_views
-from kvd.ticket import read as read_ticket
+from kvd.ipc.fdpass import fetch, ping
+from kvd.handoff.plan import plan_chunk
+from kvd.client.views import all_views
+from kvd.handoff.ticket import read as read_ticket
 
 pytestmark = [*GPU, NEEDS_VMM, NEEDS_TRITON]
 

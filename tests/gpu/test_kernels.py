@@ -6,9 +6,9 @@ import pytest
 import torch
 from gpu_kit import GPU, NEEDS_TRITON
 
-from kvd import kernels, runs
+from kvd.copy import kernels, runs
 from kvd.errors import InvalidArgument
-from kvd.runs import Runs, coalesce, copy_runs
+from kvd.copy.runs import Runs, coalesce, copy_runs
 
 pytestmark = [*GPU, NEEDS_TRITON]
 
@@ -188,7 +188,7 @@ def test_copy_runs_dispatches_cuda_views_to_the_kernel(monkeypatch) -> None:
 def small_staging(monkeypatch):
     """Staging buffers made anew for the test, starting at 64 elements (16 runs), so tables of a
     few hundred runs grow them while earlier copies may still be pending."""
-    from kvd import staging
+    from kvd.copy import staging
 
     monkeypatch.setattr(staging, "_STAGING", {})
     monkeypatch.setattr(staging, "_MIN_ELEMS", 64)
@@ -295,7 +295,7 @@ def test_staged_empty_and_zero_length_tables(small_staging) -> None:
 
 def test_staged_huge_table_grows_the_buffer(monkeypatch) -> None:
     """A table far larger than the initial staging buffer (default size): 200k runs of 16-byte pages."""
-    from kvd import staging
+    from kvd.copy import staging
 
     monkeypatch.setattr(staging, "_STAGING", {})
     gen = torch.Generator().manual_seed(47)

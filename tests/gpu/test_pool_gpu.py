@@ -18,12 +18,13 @@ import torch
 from gpu_kit import GPU, NEEDS_TRITON, NEEDS_VMM
 from pool_testkit import phys_key, sizings
 
-from kvd import kernels
-from kvd.arena import ShmArena
+from kvd.copy import kernels
+from kvd.memory.arena import ShmArena
 from kvd.errors import KvdError
-from kvd.layout import GroupKind
-from kvd.pool import CompactionResult, IndexVectors, Pool
-from kvd.presets import preset
+from kvd.pool.layout import GroupKind
+from kvd.records import CompactionResult, IndexVectors
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
 
 pytestmark = [*GPU, NEEDS_VMM, NEEDS_TRITON]
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "handoff"))
 import handoff_kit as hk  # noqa: E402
 from test_gpu_daemon import cuda_pair, engines, hand_off_like_the_cpu_path, send_many_like_the_cpu_path  # noqa: E402
 
-from kvd.fdpass import fetch  # noqa: E402
+from kvd.ipc.fdpass import fetch
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 PEER_ACCESS = TWO_GPUS and torch.cuda.can_device_access_peer(0, 1)
@@ -50,7 +50,7 @@ def gpu_pair(tmp_path_factory):
 
 
 def test_the_decode_arena_maps_for_cuda0_with_its_home_on_cuda1(gpu_pair):
-    from kvd.arena_cuda import import_arena
+    from kvd.memory.vmm import import_arena
 
     d = hk.Engine(gpu_pair.decode, "decode-engine")
     try:

@@ -16,11 +16,11 @@ import torch
 from gpu_kit import GPU, NEEDS_VMM
 
 import kvd
-from kvd.arena import ShmArena
+from kvd.memory.arena import ShmArena
 from kvd.errors import InvalidArgument
-from kvd.layout import GroupKind
-from kvd.pool import Pool
-from kvd.presets import preset
+from kvd.pool.layout import GroupKind
+from kvd.pool.pool import Pool
+from kvd.pool.presets import preset
 
 pytestmark = [*GPU, NEEDS_VMM]
 
@@ -85,7 +85,7 @@ def test_chunk_bytes_caps_chunks_so_shrinking_gives_back_more(vmm_arena_factory)
 
 
 def test_default_chunks_are_at_most_one_gib(vmm_arena_factory) -> None:
-    from kvd.arena_cuda import DEFAULT_CHUNK_BYTES
+    from kvd.memory.vmm import DEFAULT_CHUNK_BYTES
 
     a = vmm_arena_factory(8 * GiB, 2 * MiB)
     a.set_backed(2 * GiB + GiB // 2)
@@ -104,7 +104,7 @@ def test_refusals_match_the_shm_arena(vmm_arena_factory, kvd_arena_factory) -> N
             a.set_backed(bad)
         assert str(e_gpu.value) == str(e_cpu.value)
     assert a.backed == 0 and a.chunks == []
-    from kvd.arena_cuda import CudaVmmArena
+    from kvd.memory.vmm import CudaVmmArena
 
     for bad in (0, -5, 2.0):
         with pytest.raises(InvalidArgument, match="positive byte count"):
@@ -137,7 +137,7 @@ def test_chunks_are_rdma_capable_exactly_where_the_device_supports_it(vmm_arena_
     """The allocation flag an RDMA NIC needs to register VMM memory (Mooncake's GPUDirect path)
     is set when the device reports GPUDirect RDMA on virtual memory, and only then; the chunks
     still export and the bytes still read back."""
-    from kvd.arena_cuda import _ok, driver, gpu_direct_rdma_vmm
+    from kvd.memory.vmm import _ok, driver, gpu_direct_rdma_vmm
 
     cu = driver()
     a = vmm_arena_factory(GiB, 5 * MiB, chunk_bytes=4 * MiB)  # two chunks
@@ -239,7 +239,7 @@ def test_second_process_maps_the_same_bytes(vmm_arena_factory, tmp_path) -> None
 
 
 def test_map_imported_refusals() -> None:
-    from kvd.arena_cuda import map_imported
+    from kvd.memory.vmm import map_imported
 
     with pytest.raises(InvalidArgument, match="no chunks given"):
         map_imported([])

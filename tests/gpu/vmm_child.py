@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from kvd.arena_cuda import map_imported
+from kvd.memory.vmm import map_imported
 
 
 def main(path: str) -> None:

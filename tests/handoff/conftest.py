@@ -10,6 +10,8 @@ playing both engines.
   (their requests freed) and both pools must come back to nothing: no page used in any group,
   no lease, no request, no session but the probe's; in-process also ``node.check()`` and no
   outbound transfer left open.
+* ``bare`` / ``hg`` -- a second decode daemon like the pair's that serves no peer socket (its
+  tickets take gRPC), and per test an engine session on it, settled like ``hp``'s.
 * ``narrow`` -- a decode daemon of another layout (full head_dim 8 instead of 16), started on
   first use, for the layout-mismatch test.
 """
@@ -20,7 +22,7 @@ import asyncio
 import random
 import sys
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -33,12 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
 import daemon_kit as dk  # noqa: E402
 import handoff_kit as hk  # noqa: E402
 
-from kvd.client import AsyncClient, TransferState  # noqa: E402
+from kvd.client import AsyncClient, TransferState
 
 T = TypeVar("T")
 
 from kvd.errors import Unavailable  # noqa: E402
-from kvd.layout import GroupKind, Layout  # noqa: E402
+from kvd.pool.layout import GroupKind, Layout
 
 VARIANTS = {
     "local": ("subproc", "local"),
@@ -90,6 +92,29 @@ def narrow(pair, tmp_path_factory) -> hk.Side:
     side.start()
     yield side
     assert side.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def bare(pair, tmp_path_factory) -> hk.Side:
+    """A second decode daemon like the pair's but serving no peer socket (``peer_socket: ""``): its
+    tickets name none, so a sender calls it over gRPC. Started on first use."""
+    root = tmp_path_factory.mktemp(f"bare-{pair.backend}-{pair.mode}")
+    side = hk.sibling(pair.decode, root, "decode-bare", peer_socket="")
+    yield side
+    assert side.stop() == 0
+
+
+@pytest.fixture
+def hg(bare) -> Iterator[hk.Engine]:
+    """A decode engine's session on ``bare``; at the end it is closed and ``bare`` must come back
+    to nothing, as the pair does after ``hp``."""
+    if not bare.alive():
+        bare.restart()
+    e = hk.Engine(bare, "decode-engine-grpc")
+    yield e
+    e.close_attachment()
+    bare.t.close_clients()
+    _settle(bare)
 
 
 @dataclass

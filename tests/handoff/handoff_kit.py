@@ -6,7 +6,7 @@ through ``tests/daemon/daemon_kit.py`` (``start_subproc`` / ``start_inproc``).
 
 The test process plays both engines: one :class:`~kvd.client.Client` per daemon, and the arenas
 attached into this process to write the prefill's KV and read what landed on the decode side.
-Page ``p`` of group ``g`` is bytes ``[p * pb_g, (p + 1) * pb_g)`` of the arena (``kvd.pool``'s
+Page ``p`` of group ``g`` is bytes ``[p * pb_g, (p + 1) * pb_g)`` of the arena (``kvd.pool.pool``'s
 ``page_view``), so the whole-arena tensor of an attachment is all a test needs.
 """
 
@@ -27,9 +27,9 @@ import torch
 
 from kvd.client import Attachment, Client
 from kvd.errors import CapacityError
-from kvd.layout import GroupKind, Layout
-from kvd.pool import IndexVectors
-from kvd.presets import preset
+from kvd.pool.layout import GroupKind, Layout
+from kvd.records import IndexVectors
+from kvd.pool.presets import preset
 from kvd.v1 import kvd_pb2 as pb
 
 LAYOUT: Layout = preset("tiny-hybrid")
@@ -237,6 +237,15 @@ def make_pair(
     return pair
 
 
+def sibling(side: Side, root: Path, role: str, **opts: Any) -> Side:
+    """Another daemon like ``side`` (its backend, mode, layout and settings) in ``root / role``, on
+    a TCP port of its own, with ``opts`` on top (``peer_socket=""``: a decode daemon that serves no
+    peer socket, whose tickets take gRPC), started. The caller stops it (:meth:`Side.stop`)."""
+    s = Side(role, side.mode, root / role, {**side.opts, "listen_tcp": f"127.0.0.1:{free_port()}", **opts})
+    s.start()
+    return s
+
+
 # ---- the engines' view ----------------------------------------------------------------------
 
 
@@ -346,7 +355,7 @@ def randomize(t: torch.Tensor, seed: int) -> None:
 
 def moved(src: IndexVectors, dst: IndexVectors, upto: int, *, state: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """``{group: (source page ids, destination page ids)}`` that tokens ``[0, upto)`` move (the
-    contract in :mod:`kvd.transfer`): every full and draft page touched, SWA only the receiver's
+    contract in :mod:`kvd.handoff.plan`): every full and draft page touched, SWA only the receiver's
     window tail, the state slot with the last chunk only."""
     out = {}
     n = ceil_div(upto, PS_FULL)

@@ -25,7 +25,7 @@ import torch
 
 from kvd.client import Client, TransferState
 from kvd.errors import Aborted, KvdError, NotFound
-from kvd.pool import IndexVectors
+from kvd.records import IndexVectors
 
 FAILED, RECEIVING = TransferState.FAILED, TransferState.RECEIVING
 TOKENS = 103

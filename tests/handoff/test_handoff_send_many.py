@@ -14,8 +14,8 @@ import torch
 
 from kvd.client import SendResult, SendSpec, TransferState
 from kvd.errors import InvalidArgument, NotFound
-from kvd.handoff import SEND_PHASES
-from kvd.outbox import MAX_SEND_ITEMS
+from kvd.records import SEND_PHASES
+from kvd.handoff.outbox import MAX_SEND_ITEMS
 
 READY, WAITING = TransferState.READY, TransferState.WAITING
 

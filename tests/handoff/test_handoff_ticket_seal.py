@@ -35,7 +35,7 @@ from kvd.errors import (
     StaleEpoch,
     Unavailable,
 )
-from kvd.handoff import SocketRoute
+from kvd.records import SocketRoute
 from kvd.v1 import kvd_pb2 as pb
 
 WAITING, READY = TransferState.WAITING, TransferState.READY

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from kvd.client import TransferState
-from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, StaleEpoch
+from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import vectors_to_pb
+from kvd.rpc.convert import vectors_to_pb
 
 READY, WAITING, RECEIVING, FAILED = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING, TransferState.FAILED
 
@@ -128,11 +128,12 @@ def test_layout_mismatch_is_refused_before_any_write(hp, narrow):
     with dk.expect(LayoutMismatch, grpc.StatusCode.INVALID_ARGUMENT, "fingerprint"):
         hp.p.c.send(rid, lease.ticket)
     # A ticket whose fingerprint was rewritten to the sender's still names 1 KiB full pages:
-    # the planner compares page bytes per group and refuses before writing at a wrong stride.
-    t = pb.Ticket.FromString(lease.ticket)
-    t.layout_fingerprint = hp.p.c.info().layout.fingerprint
+    # the planner compares page bytes per group and refuses before writing at a wrong stride (and
+    # before the receiver, which would refuse the broken seal, hears of it).
+    fingerprint = hp.p.c.info().layout.fingerprint
+    forged = hk.tampered(lease.ticket, lambda t: setattr(t, "layout_fingerprint", fingerprint))
     with dk.expect(LayoutMismatch, grpc.StatusCode.INVALID_ARGUMENT, "page bytes"):
-        hp.p.c.send(rid, t.SerializeToString())
+        hp.p.c.send(rid, forged)
     assert torch.equal(m.arena, before), hk.diff_summary(m.arena, before)
     # The receiver was never contacted: its transfer still waits, its lease still pins.
     assert m.c.wait_ready(rid, 0).state is WAITING
@@ -150,12 +151,14 @@ def test_layout_mismatch_is_refused_before_any_write(hp, narrow):
 def test_tampered_page_bytes_are_refused_and_the_real_ticket_still_works(hp):
     rid, src, dst, lease = hp.setup_request(TOKENS, scatter=False)
     before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
-    t = pb.Ticket.FromString(lease.ticket)
-    for e in t.envelopes:
-        if e.group == "swa":
-            e.page_bytes //= 2
+    def halve_swa(t: pb.Ticket) -> None:
+        for e in t.envelopes:
+            if e.group == "swa":
+                e.page_bytes //= 2
+
+    # The sender's own check refuses it, before the receiver (whose seal it breaks) hears of it.
     with dk.expect(LayoutMismatch, grpc.StatusCode.INVALID_ARGUMENT, "group swa: page bytes"):
-        hp.p.c.send(rid, t.SerializeToString())
+        hp.p.c.send(rid, hk.tampered(lease.ticket, halve_swa))
     assert torch.equal(hp.d.arena, before_d)
     assert hp.d.c.wait_ready(rid, 0).state is WAITING and hp.p.c.stats().leases_live == 0
     hp.p.c.send(rid, lease.ticket)
@@ -173,8 +176,9 @@ def test_garbage_tickets_are_invalid_argument(hp):
         (b"", "ticket is empty"),
         (b"garbage, not a ticket", "ticket"),
         (lease.ticket[: len(lease.ticket) // 2], "ticket"),
-        (pb.Ticket(version=99).SerializeToString(), "version 99"),
-        (pb.Ticket(version=1, rid=rid).SerializeToString(), "incomplete"),
+        (hk.ticket_body(lease.ticket).SerializeToString(), "not sealed"),  # the body alone, as tickets travelled before
+        (hk.tampered(lease.ticket, lambda t: setattr(t, "version", 99)), "version 99"),
+        (hk.tampered(lease.ticket, lambda t: t.CopyFrom(pb.Ticket(version=2, rid=rid))), "incomplete"),
     ]
     for blob, phrase in cases:
         with dk.expect(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, phrase):
@@ -218,7 +222,9 @@ def test_stale_tickets_are_refused_and_never_written(hp):
     assert torch.equal(hp.d.arena, before_d)
 
     # The receiver's own fence: a ticket naming a live lease but quoting vectors of an older
-    # epoch (the physical ids before the restore, now someone else's or free) is refused.
+    # epoch (the physical ids before the restore, now someone else's or free) is refused: at the
+    # seal when a carrier rewrote it, and (in-process, where the daemon can seal the edit itself)
+    # by the epoch check behind the seal.
     probe = dk.rid("probe")
     hp.p.alloc(probe, 60)
     hp.d.alloc(probe, 60, receive=True)
@@ -226,13 +232,19 @@ def test_stale_tickets_are_refused_and_never_written(hp):
     hp.d.c.offload(probe)
     hp.d.c.restore(probe)
     live = hp.d.c.acquire_lease(probe, "recv")
-    forged = pb.Ticket.FromString(live.ticket)
-    forged.vectors.CopyFrom(vectors_to_pb(old_vec))
-    forged.epoch = old_vec.epoch
+
+    def to_old(t: pb.Ticket) -> None:
+        t.vectors.CopyFrom(vectors_to_pb(old_vec))
+        t.epoch = old_vec.epoch
+
     before_d = hp.d.arena.clone()
-    with dk.expect(StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION, "stale"):
-        hp.p.c.send(probe, forged.SerializeToString())
+    with dk.expect(PermissionDenied, grpc.StatusCode.PERMISSION_DENIED, "does not carry this daemon's seal"):
+        hp.p.c.send(probe, hk.tampered(live.ticket, to_old))
     assert torch.equal(hp.d.arena, before_d)
+    if hp.pair.decode.mode == "inproc":
+        with dk.expect(StaleEpoch, grpc.StatusCode.FAILED_PRECONDITION, "stale"):
+            hp.p.c.send(probe, hk.resealed(hp.pair.decode, live.ticket, to_old))
+        assert torch.equal(hp.d.arena, before_d)
     hp.d.c.abort(probe, "test done")
     hp.d.free(probe)
     hp.p.free(probe)

@@ -292,13 +292,18 @@ def test_kill_matrix(kpair, victim, point):
             assert learned < bound, f"learned after {learned:.2f}s (bound {bound:.1f}s): {how}"
 
         # ---- the survivors clean up; the daemons keep only the bystanders
+        freed = {}
         for e in (pe, de):
             if e.p.poll() is None and not (e is pe and victim == "prefill-daemon") and not (e is de and victim == "decode-daemon"):
-                e.call("free", rid=rid)
+                freed[e.name] = e.call("free", rid=rid)
         for role, b in bys.items():
             if not b.side.alive():
                 continue
-            dk.wait_for(b.clean, hk.FENCE_S + TTL_S + 3.0, f"{role}: no leaked page, request or lease after {victim} was killed {point}")
+            try:
+                dk.wait_for(b.clean, hk.FENCE_S + TTL_S + 3.0, f"{role}: no leaked page, request or lease after {victim} was killed {point}")
+            except BaseException:
+                print(f"{role} stats: {b.c.stats()}; the survivors' frees: {freed}")
+                raise
             b.assert_unchanged()
     finally:
         for e in (pe, de):

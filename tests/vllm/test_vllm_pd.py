@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
 
-from kvd.client import Client  # noqa: E402
+from kvd.client import Client
 from pd_kit import Daemon, Engine, free_port, kv_config, prompts, ticket, transfer, wait_state  # noqa: E402
 from tiny_models import build  # noqa: E402
 

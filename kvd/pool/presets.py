@@ -1,6 +1,6 @@
 """Named layouts of real models, and loading a layout from a name or a file.
 
-A preset is a :class:`~kvd.layout.Layout` for one engine rank of a known model, so an operator
+A preset is a :class:`~kvd.pool.layout.Layout` for one engine rank of a known model, so an operator
 can say ``--layout gemma-4-31b-it-tp2`` instead of spelling out every group. Each preset's
 ``source`` cites the public ``config.json`` it was read from and any derivation; the comment
 block above each one shows the arithmetic of its per-token entry bytes.
@@ -40,7 +40,7 @@ import yaml
 from pydantic import ValidationError
 
 from kvd.errors import InvalidArgument
-from kvd.layout import GroupKind, GroupSpec, Layout
+from kvd.pool.layout import GroupKind, GroupSpec, Layout
 
 __all__ = ["PRESETS", "preset", "preset_names", "load_layout"]
 
@@ -211,7 +211,7 @@ def load_layout(spec: str | os.PathLike[str]) -> Layout:
     """Resolve ``spec`` to a layout: a preset name, or a path to a YAML or JSON layout file.
 
     A preset name wins over a file of the same name. A file holds one mapping with the fields of
-    :class:`~kvd.layout.Layout` (what ``layout.model_dump(mode="json")`` writes); ``.json`` files
+    :class:`~kvd.pool.layout.Layout` (what ``layout.model_dump(mode="json")`` writes); ``.json`` files
     are read as JSON, anything else as YAML (a superset of JSON).
 
     Raises :class:`~kvd.errors.InvalidArgument` when ``spec`` is neither a preset nor a readable

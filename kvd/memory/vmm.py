@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvd.arena import Arena, ArenaHandle
+from kvd.memory.arena import Arena, ArenaHandle
 from kvd.errors import CapacityError, FailedPrecondition, InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
-    from kvd.fdpass import HandleHeader
+    from kvd.ipc.fdpass import HandleHeader
 
 __all__ = [
     "CudaVmmArena",
@@ -218,7 +218,7 @@ class _Chunk:
 
 
 class CudaVmmArena(Arena):
-    """An :class:`~kvd.arena.Arena` in CUDA virtual memory on one device.
+    """An :class:`~kvd.memory.arena.Arena` in CUDA virtual memory on one device.
 
     ``reserved`` bytes of address space are reserved up front (nothing is allocated for them);
     ``backed`` bytes are backed now. ``chunk_bytes`` caps the size of one physical chunk (rounded
@@ -541,7 +541,7 @@ def gpu_label(index: int) -> str:
 def import_arena(
     header: HandleHeader, fds: list[int], device: int | str | torch.device | None = None
 ) -> tuple[ImportedVmm, torch.Tensor]:
-    """Map an export received over a handle socket (:func:`kvd.fdpass.fetch`): the chunks in
+    """Map an export received over a handle socket (:func:`kvd.ipc.fdpass.fetch`): the chunks in
     order, a ``uint8`` tensor over exactly ``header.backed`` bytes. The memory lives on the
     owner's GPU, found here by UUID (:func:`device_for`); ``device`` (default: that GPU) is the
     device the mapping is made for and the tensor belongs to. Another device than the owner's

@@ -1,7 +1,7 @@
 """Conversions between core records and the v1 wire messages, shared by server and client.
 
 Index vectors travel as packed int32; the client turns them back into torch tensors. Tickets are
-minted, sealed, read and checked in :mod:`kvd.ticket`. Every request a daemon
+minted, sealed, read and checked in :mod:`kvd.handoff.ticket`. Every request a daemon
 serves is parsed by :func:`parse_request`, whichever transport brought it: bytes that do not
 parse, or a string over its bound (:mod:`kvd.limits`), are INVALID_ARGUMENT naming the method.
 """
@@ -17,12 +17,12 @@ from google.protobuf.message import DecodeError, Message
 
 from kvd import errors as E
 from kvd.errors import InvalidArgument, KvdError
-from kvd.handoff import SEND_PHASES, SendResult, TransferRef, TransferState
-from kvd.leases import LeaseKind
+from kvd.records import SEND_PHASES, SendResult, TransferRef, TransferState
+from kvd.records import LeaseKind
 from kvd.limits import MAX_ID_BYTES, MAX_REASON_BYTES, QUOTE_CHARS, quote, too_long
-from kvd.node import NodeStats
-from kvd.pool import Envelope, IndexVectors
-from kvd.stats import GroupStats, PoolStats
+from kvd.records import NodeStats
+from kvd.records import Envelope, IndexVectors
+from kvd.records import GroupStats, PoolStats
 from kvd.v1 import kvd_pb2 as pb
 
 __all__ = [

@@ -69,11 +69,11 @@ def copy_runs(src_view: torch.Tensor, dst_view: torch.Tensor, runs: Runs) -> Non
     Source and destination pages must not overlap (compaction moves live pages into holes;
     transfers copy between arenas). Large runs are copied one ``copy_`` each, so each is a
     memcpy; many small runs go through one ``index_select``/``index_copy_`` pair instead.
-    CUDA views go to :func:`kvd.kernels.move_pages` (one Triton launch over the runs)."""
+    CUDA views go to :func:`kvd.copy.kernels.move_pages` (one Triton launch over the runs)."""
     if len(runs) == 0:
         return
     if src_view.is_cuda or dst_view.is_cuda:
-        from kvd.kernels import move_pages  # imported here: CPU nodes never load Triton
+        from kvd.copy.kernels import move_pages
 
         move_pages(src_view, dst_view, runs)
         return

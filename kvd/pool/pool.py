@@ -48,8 +48,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvd.allocator import IDX, Direction, GroupAllocator, IdRing
-from kvd.arena import Arena
+from kvd.pool.allocator import IDX, Direction, GroupAllocator, IdRing
+from kvd.memory.arena import Arena
 from kvd.errors import (
     AlreadyExists,
     CapacityError,
@@ -61,74 +61,22 @@ from kvd.errors import (
     Pinned,
     StaleEpoch,
 )
-from kvd.layout import GroupKind, GroupSpec, Layout
+from kvd.pool.layout import GroupKind, GroupSpec, Layout
 from kvd.limits import quote
-from kvd.runs import coalesce, copy_runs
-from kvd.stats import GroupStats, PoolStats
+from kvd.copy.runs import coalesce, copy_runs
+from kvd.records import GroupStats, PoolStats
+from kvd.records import IndexVectors, Envelope, CompactionResult, AllocSpec
 
-__all__ = ["Pool", "IndexVectors", "Envelope", "CompactionResult", "AllocSpec"]
+__all__ = ["Pool"]
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
 #: The longest request length the planner assumes when it shares free bytes with the state group.
 TYPICAL_TOKENS = 4096
 
 
-class IndexVectors(NamedTuple):
-    """Physical page ids of one request, valid while ``epoch`` is fresh for it.
-
-    ``full`` and ``draft`` cover every page of the request in token order; ``swa`` covers
-    request pages ``[swa_first_page, len(full))`` as *physical SWA page ids*; ``state`` is the
-    physical slot or None. Tensors are int32 copies: mutating them changes nothing."""
-
-    rid: str
-    boot_id: str
-    epoch: int
-    tokens: int
-    full: torch.Tensor
-    swa_first_page: int
-    swa: torch.Tensor
-    state: int | None
-    draft: torch.Tensor
-    #: The request's page-mapping version in this pool (0: unknown, e.g. vectors read off the
-    #: wire): two vectors of one boot and request with the same nonzero version are equal.
-    version: int = 0
-
-
-class Envelope(NamedTuple):
-    """What a transfer engine registers for one group. Page ``p`` lives at ``base + p * page_bytes``;
-    only pages ``first_page..last_page`` (inclusive) are valid, all inside the backed prefix."""
-
-    group: str
-    region_id: str
-    base: int
-    backed_bytes: int
-    page_bytes: int
-    first_page: int
-    last_page: int
-
-
 def _take(table: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
     """``table[ids]`` as a new tensor (a copy), gathered in numpy."""
     return torch.from_numpy(table.numpy()[ids])
-
-
-class CompactionResult(NamedTuple):
-    """``pages_moved``: distinct pages whose physical id changed; ``bytes_moved``: bytes copied
-    (a float packed and then slid copies some pages twice)."""
-
-    pages_moved: int
-    bytes_moved: int
-    gap_gained_bytes: int
-    epoch: int
-
-
-class AllocSpec(NamedTuple):
-    """One request of a batched allocation. ``receive=True``: the KV will arrive by transfer,
-    so only the SWA window tail is bound (nothing computes the older tokens here)."""
-
-    rid: str
-    tokens: int
-    receive: bool = False
 
 
 @dataclass(slots=True)
@@ -163,7 +111,7 @@ class _Step:
 
 
 class Pool:
-    """The unified KV pool over one :class:`~kvd.arena.Arena`.
+    """The unified KV pool over one :class:`~kvd.memory.arena.Arena`.
 
     ``post_capture=True`` starts with only the sink backed; allocation is refused until
     :meth:`finalize`. Otherwise the arena's current backing is the pool's size.

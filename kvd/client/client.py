@@ -3,7 +3,7 @@
 Every call is written once, in :class:`_Surface`: it builds the request message and names a
 parser for the reply. The two transports differ only in ``_call``: :class:`Client` returns the
 parsed value, :class:`AsyncClient` returns an awaitable of it. gRPC errors come back as kvd's
-own exception classes (:func:`kvd.status.from_rpc_error`)::
+own exception classes (:func:`kvd.rpc.status.from_rpc_error`)::
 
     with Client.connect("unix:/tmp/kvd.sock", name="decode-0") as kv:
         vec = kv.allocate("req-1", 4096, receive=True)
@@ -30,17 +30,17 @@ import grpc
 import torch
 
 from kvd.errors import InvalidArgument, Unavailable
-from kvd.handoff import SendResult, TransferState
-from kvd.layout import Layout
-from kvd.leases import LeaseKind
-from kvd.node import NodeStats
-from kvd.pool import AllocSpec, CompactionResult, Envelope, IndexVectors
-from kvd.stats import GroupStats, PoolStats
-from kvd.status import from_rpc_error
+from kvd.records import SendResult, TransferState
+from kvd.pool.layout import Layout
+from kvd.records import LeaseKind
+from kvd.records import NodeStats
+from kvd.records import AllocSpec, CompactionResult, Envelope, IndexVectors
+from kvd.records import GroupStats, PoolStats
+from kvd.rpc.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
-from kvd.views import LayerKV, all_views
-from kvd.wire import (
+from kvd.client.views import LayerKV, all_views
+from kvd.rpc.convert import (
     SESSION_KEY,
     envelope_from_pb,
     grpc_target,
@@ -96,7 +96,7 @@ class LeaseInfo(NamedTuple):
 
 class _Owner(Protocol):
     """What keeps an attachment's memory mapped: an ``mmap`` (shm) or an
-    :class:`~kvd.arena_cuda.ImportedVmm` (cuda-vmm); ``close()`` unmaps."""
+    :class:`~kvd.memory.vmm.ImportedVmm` (cuda-vmm); ``close()`` unmaps."""
 
     def close(self) -> None: ...
 
@@ -105,7 +105,7 @@ class _Owner(Protocol):
 class Attachment:
     """The daemon's arena mapped into this process, with per-group per-layer views.
 
-    ``views[group][layer]`` is a :class:`~kvd.views.LayerKV`; index its tensors with physical
+    ``views[group][layer]`` is a :class:`~kvd.client.views.LayerKV`; index its tensors with physical
     page ids. The tensors are on the CPU for a shm arena and on the arena's GPU for a cuda-vmm
     one; they cover exactly the backed bytes at attach time (attach again after finalize or
     resize). Keep the attachment alive as long as the views are used; :meth:`close` unmaps.
@@ -129,7 +129,7 @@ class Attachment:
 def _attach(r: pb.AttachResponse, session: str) -> Attachment:
     layout = Layout.model_validate_json(r.layout_json)
     if r.kind == "shm":
-        from kvd.arena import ArenaHandle, map_shared
+        from kvd.memory.arena import ArenaHandle, map_shared
 
         mm, t = map_shared(ArenaHandle(r.kind, r.path, r.backed_bytes, r.region_id))
         return Attachment(layout, r.region_id, t, all_views(layout, t), mm)
@@ -147,7 +147,8 @@ def _attach_cuda(r: pb.AttachResponse, layout: Layout, session: str) -> Attachme
             "CUDA device (torch.cuda.is_available() is false); attach from a process with CUDA on that node, or "
             "run the daemon with arena=shm"
         )
-    from kvd import arena_cuda, fdpass
+    from kvd.memory import vmm as arena_cuda
+    from kvd.ipc import fdpass
 
     arena_cuda.driver()  # Unavailable naming cuda-python, before any fd is fetched
     handles = fdpass.fetch(r.path, session=session)

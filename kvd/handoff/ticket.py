@@ -38,13 +38,14 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
-from kvd.handoff import TicketInfo
-from kvd.leases import Lease, LeaseKind
+from kvd.records import TicketInfo
+from kvd.daemon.leases import Lease
+from kvd.records import LeaseKind
 from kvd.limits import quote
-from kvd.node import Node
-from kvd.pool import IndexVectors
+from kvd.daemon.node import Node
+from kvd.records import IndexVectors
 from kvd.v1 import kvd_pb2 as pb
-from kvd.wire import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
+from kvd.rpc.convert import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
 
 __all__ = ["TICKET_VERSION", "Issuer", "Tickets", "read", "check_fields"]
 

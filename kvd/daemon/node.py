@@ -31,42 +31,23 @@ from kvd.errors import (
     PermissionDenied,
     StaleEpoch,
 )
-from kvd.handoff import Ends, Inbox, TransferRef
-from kvd.layout import Layout
+from kvd.records import Ends, TransferRef
+from kvd.handoff.inbox import Inbox
+from kvd.pool.layout import Layout
 from kvd.limits import quote
-from kvd.leases import Lease, LeaseKind, LeaseTable
-from kvd.pool import AllocSpec, CompactionResult, IndexVectors, Pool
-from kvd.stats import PoolStats
+from kvd.daemon.leases import Lease, LeaseTable
+from kvd.records import LeaseKind
+from kvd.records import AllocSpec, CompactionResult, IndexVectors
+from kvd.pool.pool import Pool
+from kvd.records import PoolStats
+from kvd.records import SessionInfo, NodeStats
 
-__all__ = ["Node", "NodeStats", "SessionInfo", "MAX_SESSION_TTL"]
+__all__ = ["Node", "MAX_SESSION_TTL"]
 
 #: Upper bound of a client-chosen session TTL (the same cap as the session_ttl_s setting).
 MAX_SESSION_TTL = 3600.0
 
-log = logging.getLogger("kvd.node")
-
-
-@dataclass(slots=True)
-class SessionInfo:
-    session_id: str
-    name: str
-    ttl: float
-    last_seen: float
-    rids: set[str] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class NodeStats:
-    pool: PoolStats
-    layout_name: str
-    leases_live: int
-    leases_expired_total: int
-    stale_refusals_total: int
-    sessions_live: int
-    sessions_expired_total: int
-    transfers_in_ready_total: int = 0
-    transfers_in_failed_total: int = 0
-    transfer_in_bytes_total: int = 0
+log = logging.getLogger("kvd.daemon.node")
 
 
 class Node:
@@ -180,7 +161,7 @@ class Node:
           its RECV lease) until the sender says its writes drained or the fence runs out, and
           the request is freed then (:meth:`_bury`). The others are freed now, with every lease
           on them (a session's own, or another's: the pages are going away);
-        * sending: the hooks hear of every ended request (:class:`~kvd.handoff.Ends`) and the
+        * sending: the hooks hear of every ended request (:class:`~kvd.records.Ends`) and the
           Outbox aborts the transfers it still sends toward their receivers."""
         fenced: set[str] = set()
         senders = []

@@ -19,13 +19,9 @@ from dataclasses import dataclass
 
 from kvd.errors import InvalidArgument, NotFound
 from kvd.limits import quote
+from kvd.records import LeaseKind
 
-__all__ = ["LeaseKind", "Lease", "LeaseTable"]
-
-
-class LeaseKind(enum.Enum):
-    SEND = "send"
-    RECV = "recv"
+__all__ = ["Lease", "LeaseTable"]
 
 
 @dataclass(slots=True)

@@ -20,9 +20,9 @@ Receiving side (:class:`Inbox`, owned by the decode node)::
     told (``AbortSend``, off the node's lock: :class:`Ends`) so that its next Send is refused
     before it writes.
 
-Sending side (:class:`kvd.outbox.Outbox`, owned by the prefill daemon): ``send`` validates the ticket with
+Sending side (:class:`kvd.handoff.outbox.Outbox`, owned by the prefill daemon): ``send`` validates the ticket with
 the receiver before the first byte, pins its own pages with a SEND lease, plans the blocks
-(:func:`kvd.transfer.plan_chunk`), writes them in bounded batches checking for an abort between
+(:func:`kvd.handoff.plan.plan_chunk`), writes them in bounded batches checking for an abort between
 batches, commits, and releases its lease only after its writes returned. ``send_many`` does the
 same for many independent requests at once, pipelined: one request's copies run while the
 daemon commits the one before and prepares the one after (``send`` is ``send_many`` of one).
@@ -43,136 +43,15 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvd.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, StaleEpoch
 from kvd.limits import quote
-from kvd.pool import Envelope, IndexVectors
+from kvd.records import Envelope, IndexVectors
+from kvd.records import TransferState, TransferRef, SocketRoute, Status
 
 if TYPE_CHECKING:
-    from kvd.node import Node
+    from kvd.daemon.node import Node
 
-__all__ = [
-    "TransferState", "TransferRef", "SocketRoute", "TicketInfo", "SendResult", "SEND_PHASES", "PeerLink", "Inbox", "Status",
-    "Ends", "run_every",
-]
+__all__ = ["Inbox"]
 
-log = logging.getLogger("kvd.handoff")
-
-
-class TransferState(enum.Enum):
-    WAITING = "waiting"
-    RECEIVING = "receiving"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass(frozen=True, slots=True)
-class TransferRef:
-    """Names one inbound transfer on the receiving daemon."""
-
-    boot_id: str
-    lease_id: int
-    rid: str
-
-
-class SocketRoute(NamedTuple):
-    """A same-host way to the daemon that issued a ticket: its peer socket, and the boot that must
-    answer there. A link may use it only after that daemon proved to be ``boot_id``: the same
-    path on another host, or in another container, belongs to another daemon."""
-
-    path: str
-    boot_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class TicketInfo:
-    """A parsed ticket (see ``Ticket`` in the proto): what the sender needs to write."""
-
-    peer_address: str
-    boot_id: str
-    epoch: int
-    lease_id: int
-    rid: str
-    layout_fingerprint: str
-    envelopes: list[Envelope]
-    vectors: IndexVectors
-    transfer_endpoint: str
-    backend: str
-    peer_socket: str = ""  # the issuer's peer socket path ("" when it offers none)
-
-    @property
-    def ref(self) -> TransferRef:
-        return TransferRef(self.boot_id, self.lease_id, self.rid)
-
-    @property
-    def via(self) -> SocketRoute | None:
-        """The same-host route the ticket offers, if any (see :class:`SocketRoute`)."""
-        return SocketRoute(self.peer_socket, self.boot_id) if self.peer_socket else None
-
-
-#: The steps of a Send, in the order they run (SendResult.phases keeps this order).
-SEND_PHASES = ("lease", "plan", "check", "issue", "write", "commit")
-
-
-@dataclass(frozen=True, slots=True)
-class SendResult:
-    nbytes: int
-    blocks: int
-    seconds: float
-    pages: dict[str, int] = field(default_factory=dict)
-    #: seconds per step of the Send, in order: lease, plan, check (first chunk only: the wait for the
-    #: CheckTicket answer left after lease and plan, which run while the receiver checks), issue
-    #: (the writes handed to the backend: on a GPU, the copies queued), write (from then until
-    #: they all landed: in a send_many, the next item's lease, plan and check and the previous
-    #: item's commit run meanwhile), commit
-    phases: dict[str, float] = field(default_factory=dict)
-
-
-class PeerLink(Protocol):
-    """How one daemon reaches another. Errors are kvd exceptions (Unavailable when unreachable,
-    or when the connection broke during the call: a commit is never sent twice).
-
-    ``via``: the same-host route the ticket offered. A sender's calls to the receiver may take it
-    instead of ``address``, with the same outcome and errors: CheckTicket and Commit are the
-    critical path of every Send, and the heartbeat and the abort go the same way so that the
-    receiver's liveness is judged on the path the transfer uses. ``abort_send`` (receiver to
-    sender) knows the sender by its address only."""
-
-    def start_check(self, address: str, ticket: bytes, sender: str, via: SocketRoute | None = None) -> Callable[[], object]:
-        """Send CheckTicket now; the returned function waits for the answer (raising the
-        receiver's refusal). Call it exactly once: it returns the connection."""
-        ...
-
-    def commit(self, address: str, ref: TransferRef, last: bool, nbytes: int, via: SocketRoute | None = None) -> None: ...
-
-    def abort_receive(self, address: str, ref: TransferRef, reason: str, drained: bool, via: SocketRoute | None = None) -> None: ...
-
-    def abort_send(self, address: str, ref: TransferRef, reason: str) -> None: ...
-
-    def heartbeat(self, address: str, sender: str, refs: list[TransferRef], via: SocketRoute | None = None) -> list[int]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Ends:
-    """What ended on a node in one step, for other daemons to hear of (the node's ``on_ended``
-    hooks get it under the node's lock and must not block: the daemon's Outbox makes the peer
-    calls on a thread of its own).
-
-    ``rids``: requests of ``session`` that ended (freed, their session closed or reaped): a
-    transfer one of them still sends is aborted toward its receiver. ``senders``: inbound
-    transfers given up mid-way because their receiving request or RECV lease ended, as
-    ``(sender address, ref)``: each sender is told (AbortSend) and stops before its next write.
-    ``reason``: why, for both."""
-
-    session: str
-    reason: str
-    rids: tuple[str, ...] = ()
-    senders: tuple[tuple[str, TransferRef], ...] = ()
-
-
-class Status(NamedTuple):
-    """State of an inbound transfer, its failure reason, and the bytes committed so far."""
-
-    state: TransferState
-    reason: str
-    nbytes: int
+log = logging.getLogger("kvd.handoff.inbox")
 
 
 @dataclass(slots=True)
@@ -236,14 +115,41 @@ class Inbox:
         return ib
 
     def begin(self, ref: TransferRef, sender: str) -> None:
+        """A sender whose ticket checked begins (RECEIVING). One sender per transfer: the one that
+        began it may begin it again (it forgot the transfer: an unreachable receiver), another
+        is refused (FailedPrecondition), nothing changed."""
         with self._cond:
             ib = self._find(ref)
+            if ib.state is TransferState.RECEIVING and ib.sender != sender:
+                raise FailedPrecondition(
+                    f"transfer of {quote(ib.rid)} is being sent by {quote(ib.sender)}, not {quote(sender)}: one sender per "
+                    "request (the decode engine acquires another RECV lease for another)"
+                )
             ib.state, ib.sender, ib.last_seen = TransferState.RECEIVING, sender, self.node.clock()
             self.node.leases.renew(ib.lease_id)
 
-    def commit(self, ref: TransferRef, last: bool, nbytes: int) -> None:
+    def _begun_by(self, ib: _Inbound, sender: str, what: str) -> None:
+        """FailedPrecondition unless ``sender`` is the sender that began ``ib`` (CheckTicket with a
+        sender): only it can have written the pages, so only it may commit or abort them."""
+        if not ib.sender:
+            raise FailedPrecondition(
+                f"{what}: no sender has begun the transfer of {quote(ib.rid)} (it is {ib.state.value}); a sender begins "
+                "it with CheckTicket naming itself"
+            )
+        if ib.sender != sender:
+            raise FailedPrecondition(
+                f"{what}: the transfer of {quote(ib.rid)} was begun by sender {quote(ib.sender)}, not {quote(sender)}; only "
+                "the sender that began it may"
+            )
+
+    def commit(self, ref: TransferRef, last: bool, nbytes: int, sender: str) -> None:
+        """The writes of a chunk by ``sender`` have all returned; ``last`` makes the transfer
+        READY. Refused (FailedPrecondition, nothing changed) unless the transfer is RECEIVING,
+        begun by this very sender: a WAITING transfer has no data, and another sender's commit
+        would mark someone else's pages ready."""
         with self._cond:
             ib = self._find(ref)
+            self._begun_by(ib, sender, "commit")
             self.node.leases.get(ib.lease_id)  # the fence: a commit under a dead lease is refused
             ib.nbytes += nbytes
             self.bytes_total += nbytes
@@ -256,17 +162,23 @@ class Inbox:
             else:
                 self.node.leases.renew(ib.lease_id)
 
-    def abort(self, ref: TransferRef, reason: str, drained: bool) -> None:
+    def abort(self, ref: TransferRef, reason: str, drained: bool, sender: str) -> None:
         """The sender gave up. A transfer already over keeps its outcome and reason (READY stays
         READY); a FAILED one only learns that the sender's writes have drained, which ends its
         fence. A reference from another boot names nothing here, even if rid and lease id match
-        (lease ids start again at every boot)."""
+        (lease ids start again at every boot).
+
+        Only the sender that began the transfer may abort it (or end its fence): another
+        sender, or any peer for a transfer no sender began (WAITING: nothing can be in flight,
+        and its decode engine may still get a sender), is refused (FailedPrecondition),
+        nothing changed. A sender refused before it began has nothing to undo here."""
         with self._cond:
             ib = self._match(ref)
             if ib is None:
                 return  # nothing to abort: already gone
             if ib.state is TransferState.READY:
                 return
+            self._begun_by(ib, sender, "abort")
             if ib.state is TransferState.FAILED:
                 if drained and ib.fence_until is not None:
                     self.node.leases.drop(ib.lease_id)
@@ -280,6 +192,9 @@ class Inbox:
             now = self.node.clock()
             for ref in refs:
                 ib = self._match(ref)
+                if ib is not None and ib.sender and ib.sender != sender:
+                    dead.append(ref.lease_id)  # another sender's transfer: not this one's to keep
+                    continue
                 if ib is None or ib.state in (TransferState.FAILED, TransferState.READY):
                     if ib is not None and ib.fence_until is not None:
                         # A failed transfer the sender still names has writes in flight (it
@@ -388,16 +303,3 @@ class Inbox:
         return ended
 
 
-def run_every(interval: float, stop: threading.Event, fn: Callable[[], None], name: str) -> threading.Thread:
-    """Start a daemon thread calling ``fn`` every ``interval`` seconds until ``stop`` is set."""
-
-    def loop() -> None:
-        while not stop.wait(interval):
-            try:
-                fn()
-            except Exception:  # a housekeeping loop must never die
-                log.exception("%s", name)
-
-    t = threading.Thread(target=loop, name=name, daemon=True)
-    t.start()
-    return t

@@ -1,6 +1,6 @@
 """Per-layer torch views over an arena: how an engine reads and writes KV in place.
 
-Pages are page-major (see :mod:`kvd.layout`), so the K cache of layer ``l`` of a group is a
+Pages are page-major (see :mod:`kvd.pool.layout`), so the K cache of layer ``l`` of a group is a
 strided view ``[pages, page_size, kv_heads, head_dim]`` whose page stride is the group's page
 bytes. Index it with *physical* page ids from the daemon's index vectors; the views never copy
 and stay valid while the arena mapping lives and its backing does not shrink.
@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvd.layout import GroupKind, GroupSpec, Layout
+from kvd.pool.layout import GroupKind, GroupSpec, Layout
 
 __all__ = ["LayerKV", "group_views", "all_views"]
 

@@ -1,6 +1,6 @@
 """GPU kernels of the pool's data plane, in Triton: page moves over runs, and id translation.
 
-* :func:`move_pages` copies runs of pages (``kvd.runs.Runs``) between two ``[pages, page_bytes]``
+* :func:`move_pages` copies runs of pages (``kvd.copy.runs.Runs``) between two ``[pages, page_bytes]``
   views. Pages are page-major and a view's rows are contiguous, so a run is one contiguous block
   in the source and one in the destination. Default ("flat" strategy): the runs are expanded on
   the device into a table of 8 KiB tiles (source offset, destination offset, valid words) and a
@@ -8,7 +8,7 @@
   no per-run arithmetic, many small equal programs (on an H200, 0.91-0.97 of a contiguous
   device-to-device copy of the same bytes for 4 KiB - 2 MiB pages; bench/gpu.py). A run table
   on the CPU (what compaction passes) reaches the device without a sync: the host packs it into
-  a reused pinned buffer (:mod:`kvd.staging`), counts the tiles from the CPU lengths, and one
+  a reused pinned buffer (:mod:`kvd.copy.staging`), counts the tiles from the CPU lengths, and one
   asynchronous copy plus one table-building launch precede the move. The "tile"
   and "balanced" strategies (a ``(run piece, tile)`` grid, programs looping over tiles) are kept
   as alternatives; they measured 0.67-0.74.
@@ -29,8 +29,8 @@ from typing import NamedTuple
 import torch
 
 from kvd.errors import InvalidArgument
-from kvd.runs import Runs, copy_runs, expand
-from kvd.staging import staging_for
+from kvd.copy.runs import Runs, copy_runs, expand
+from kvd.copy.staging import staging_for
 
 try:  # Triton ships with CUDA builds of torch; CPU nodes run without it.
     import triton
@@ -59,7 +59,7 @@ _SPLIT_PER_SM = 4
 #: At most this many pieces in a run table (bounds the table's size for huge moves).
 _MAX_PIECES = 1 << 20
 #: "flat" with the run table on the CPU (what compaction's copy_runs passes): the table goes to
-#: the device through a reused pinned buffer (kvd.staging) in one asynchronous copy, and one
+#: the device through a reused pinned buffer (kvd.copy.staging) in one asynchronous copy, and one
 #: Triton launch expands it to tiles; no device sync, no pageable copy. False: the older torch
 #: expansion (a pageable copy, which waits for the stream, and about ten launches); benchmarks.
 _STAGED_TABLE = True
@@ -404,7 +404,7 @@ def move_pages(
     """Copy page runs ``src_view[s:s+n] -> dst_view[d:d+n]`` for every run ``(s, d, n)``.
 
     ``src_view`` and ``dst_view`` are ``uint8 [pages, page_bytes]`` views (they may be the same
-    view; source and destination pages must not overlap, as for :func:`kvd.runs.copy_runs`).
+    view; source and destination pages must not overlap, as for :func:`kvd.copy.runs.copy_runs`).
     On one CUDA device this is one Triton launch, plus a small host-to-device copy of the run
     table when ``runs`` is on the CPU (runs already on the device, e.g. from
     :func:`prepare_runs`, are launched as they are); otherwise it falls back to torch.

@@ -10,7 +10,7 @@ request's copies run while the daemon commits the one before and prepares the on
 and learns of aborts on the receiving side. ``ended`` (the node's hook) hears of every request
 of this node that ended -- freed, its session closed or reaped -- and aborts what it still sends
 toward the receiver, and tells the senders of inbound transfers given up mid-way. The states, records and the receiving side are in
-:mod:`kvd.handoff`.
+:mod:`kvd.handoff.inbox`.
 """
 
 from __future__ import annotations
@@ -19,25 +19,26 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, cast
 
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, LayoutMismatch, PermissionDenied
-from kvd.handoff import Ends, PeerLink, SendResult, SocketRoute, TicketInfo, TransferRef
-from kvd.leases import LeaseKind
+from kvd.records import Ends, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.handoff.link import PeerLink
+from kvd.records import LeaseKind
 from kvd.limits import quote
-from kvd.transfer import Plan, check_range, pair_envelopes, plan_chunk
+from kvd.handoff.plan import Plan, check_range, pair_envelopes, plan_chunk
 
 if TYPE_CHECKING:
     from kvd.backends.base import Backend, Landed
-    from kvd.node import Node
-    from kvd.pool import Envelope, IndexVectors
+    from kvd.daemon.node import Node
+    from kvd.records import Envelope, IndexVectors
 
 __all__ = ["Outbox", "SendItem", "MAX_SEND_ITEMS", "check_batch_size"]
 
-log = logging.getLogger("kvd.outbox")
+log = logging.getLogger("kvd.handoff.outbox")
 
 
 @dataclass(slots=True)
@@ -59,7 +60,7 @@ class _Ahead:
     """Sends planned by :meth:`Outbox.begin` while the prompt computes, from the request's
     vectors ``src`` and this pool's envelopes ``env``: ``plans`` maps ``(start, end, last)`` to
     its plan. A Send of such a range uses it only while both are unchanged
-    (:meth:`kvd.pool.Pool.unchanged`, checked under the Send's lease, and envelope equality);
+    (:meth:`kvd.pool.pool.Pool.unchanged`, checked under the Send's lease, and envelope equality);
     any other Send plans itself."""
 
     src: IndexVectors
@@ -152,6 +153,9 @@ class Outbox:
         # lock; a few threads, so that one unreachable peer (its call's deadline) delays no other.
         self._notices = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvd-notice")
         node.on_ended.append(self.ended)
+        # Test only, never configured (kvd.engine.faults): edits the destination vectors this
+        # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
+        self.dest_fault: Callable[[IndexVectors], IndexVectors] | None = None
 
     def close(self) -> None:
         """Stop the notice threads (notices not yet sent are dropped: the peers' heartbeats and
@@ -286,13 +290,17 @@ class Outbox:
             plans = {}
             for t0 in range(0, n, step):
                 key = (t0, min(n, t0 + step), t0 + step >= n)
-                plans[key] = plan_chunk(self.node.layout, src, ticket.vectors, env, ticket.envelopes, *key)
+                plans[key] = plan_chunk(self.node.layout, src, self._dest(ticket), env, ticket.envelopes, *key)
         except KvdError:
             return None
         except Exception:  # a bug: the Send plans for itself (and meets it there, reported)
             log.exception("planning the sends of %s ahead failed", rid)
             return None
         return _Ahead(src, env, plans)
+
+    def _dest(self, ticket: TicketInfo) -> IndexVectors:
+        """The destination vectors to plan from: the ticket's (unless a test set :attr:`dest_fault`)."""
+        return ticket.vectors if self.dest_fault is None else self.dest_fault(ticket.vectors)
 
     def _check_ticket(self, rid: str, ticket: TicketInfo) -> None:
         """What this daemon alone can refuse in a ticket: another layout, backend or request."""
@@ -312,12 +320,20 @@ class Outbox:
         """The ticket's transfer (registered if new), counted active; Aborted if it was aborted.
         PermissionDenied for other ticket bytes than the transfer's: a Send after the first skips
         the receiver's check, so it must carry the very ticket the receiver checked (and this
-        daemon planned from). Each call is matched by one :meth:`_leave`."""
+        daemon planned from). PermissionDenied, before anything of the transfer changes, for a
+        session other than the one that opened it (callers check :meth:`Node.own` first; this
+        holds even if the request changed hands meanwhile). Each call is matched by one
+        :meth:`_leave`."""
         key = (ticket.boot_id, ticket.lease_id)
         with self._lock:
             ob = self._open.get(key)
             if ob is None:
                 ob = self._open[key] = _Outbound(rid, ticket, raw, session)
+            elif ob.session != session or ob.rid != rid:
+                raise PermissionDenied(
+                    f"the transfer under lease {ticket.lease_id} of receiver boot {ticket.boot_id!r} belongs to another client "
+                    "session's request; only the session that began it may send in it"
+                )
             elif ob.raw != raw:
                 raise PermissionDenied(
                     f"ticket for {quote(rid)} under lease {ticket.lease_id} differs from the ticket its transfer began with; pass "
@@ -329,11 +345,15 @@ class Outbox:
             return ob
 
     def _leave(self, ob: _Outbound, *, last: bool) -> None:
-        """Uncount one call of ``ob``; forget it when it is done (``last``), failed, or never
-        accepted by the receiver, and no other call is in it."""
+        """Uncount one call of ``ob``; forget it when it is done (``last``) or never accepted by
+        the receiver, and no other call is in it. An aborted one stays listed, as an idle abort
+        does (:meth:`abort_remote`), so that the engine's next Send hears why; the heartbeat loop
+        drops it after ``lease_ttl``."""
         with self._lock:
             ob.active -= 1
-            if (last or ob.aborted or not ob.began) and ob.active == 0:
+            if ob.aborted and not ob.aborted_at:
+                ob.aborted_at = time.monotonic()
+            if (last or not ob.began) and ob.active == 0:
                 self._open.pop((ob.ticket.boot_id, ob.ticket.lease_id), None)
 
     def _prepare(self, session: str, f: _Flight) -> None:
@@ -342,6 +362,9 @@ class Outbox:
         SEND lease and the plan."""
         rid, ticket, t0, t1 = f.item.rid, f.item.ticket, f.item.start, f.item.end
         self._check_ticket(rid, ticket)
+        # Ownership first: a caller that does not hold the request must be refused before it
+        # touches the open transfer at all (a failure below, once it began, aborts it).
+        self.node.own(session, rid)
         ob = f.ob = self._enter(session, rid, ticket, f.item.raw)
         # A transfer the receiver accepted before (an earlier chunk, begin) fails there too if
         # this Send fails, whatever step it fails in.
@@ -374,7 +397,7 @@ class Outbox:
                 with self._lock:
                     self.planned_ahead_total += 1
             else:
-                f.plan = plan_chunk(self.node.layout, src, ticket.vectors, own_env, ticket.envelopes, t0, end, f.item.last)
+                f.plan = plan_chunk(self.node.layout, src, self._dest(ticket), own_env, ticket.envelopes, t0, end, f.item.last)
             f.step("plan")
         except BaseException:
             if pending is not None:
@@ -430,7 +453,7 @@ class Outbox:
                 # every byte was written -- the request's pages may be gone already.
                 raise Aborted(f"transfer of {quote(f.item.rid)} aborted before its commit: {f.ob.aborted}")
             ticket = f.item.ticket
-            self.link.commit(ticket.peer_address, ticket.ref, f.item.last, f.issued, ticket.via)
+            self.link.commit(ticket.peer_address, ticket.ref, f.item.last, f.issued, self.address, ticket.via)
             f.step("commit")
         except Exception as exc:  # noqa: BLE001 -- the item's outcome
             return self._fail(session, f, exc)
@@ -475,13 +498,13 @@ class Outbox:
 
     def _tell_receiver(self, ticket: TicketInfo, reason: str) -> None:
         try:
-            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, True, ticket.via)
+            self.link.abort_receive(ticket.peer_address, ticket.ref, reason, True, self.address, ticket.via)
         except KvdError as exc:
             log.info("could not tell %s about the abort of %s: %s", ticket.peer_address, ticket.rid, exc)
 
     def ended(self, e: Ends) -> None:
         """The node's hook (under its lock; never blocks): requests ended or inbound transfers
-        were given up (:meth:`kvd.node.Node._end`).
+        were given up (:meth:`kvd.daemon.node.Node._end`).
 
         * Each transfer that a request of ``e.rids`` (of ``e.session``) still sends is aborted:
           an idle one (between chunks, or begun and no Send yet) is forgotten here and its
@@ -533,19 +556,28 @@ class Outbox:
         for ob in obs:
             # In-flight sends stop at their next batch and then report drained=True themselves.
             try:
-                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, ob.active == 0, ob.ticket.via)
+                self.link.abort_receive(ob.ticket.peer_address, ob.ticket.ref, ob.aborted, ob.active == 0, self.address, ob.ticket.via)
             except KvdError:
                 pass
         return bool(obs)
 
     def abort_remote(self, ref: TransferRef, reason: str) -> None:
         """The receiver aborted: stop writing at the next batch. An idle transfer (between
-        chunks) stays listed for ``lease_ttl`` so the engine's next Send gets the reason; the
-        heartbeat loop drops it after that."""
+        chunks, or begun and no Send yet) stays listed for ``lease_ttl`` so the engine's next
+        Send gets the reason; the heartbeat loop drops it after that.
+
+        An idle transfer has nothing in flight, and no Send can start in it any more (it is
+        aborted): the receiver hears so at once (AbortReceive, drained), so that the fence on
+        its pages ends now rather than ``fence_s`` later. A Send in progress says so itself
+        once its writes returned."""
         with self._lock:
             ob = self._open.get((ref.boot_id, ref.lease_id))
+            ack = False
             if ob is not None and (not ob.aborted or ob.presumed):
                 ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
+                ack = ob.began and ob.active == 0
+        if ack:
+            self._tell_receiver(ob.ticket, ob.aborted)
 
     def heartbeat_once(self) -> None:
         """Tell every receiver with an open transfer that this sender is alive; stop transfers

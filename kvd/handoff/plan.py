@@ -24,10 +24,10 @@ import numpy as np
 import torch
 
 from kvd.errors import InvalidArgument, LayoutMismatch
-from kvd.layout import GroupKind, Layout
+from kvd.pool.layout import GroupKind, Layout
 from kvd.limits import quote
-from kvd.pool import Envelope, IndexVectors
-from kvd.runs import coalesce_np
+from kvd.records import Envelope, IndexVectors
+from kvd.copy.runs import coalesce_np
 
 __all__ = ["Block", "Plan", "check_range", "pair_envelopes", "plan_chunk"]
 
@@ -80,8 +80,27 @@ def pair_envelopes(layout: Layout, src_env: list[Envelope], dst_env: list[Envelo
             raise LayoutMismatch(f"group {name} missing from an envelope list (sender {sorted(se)}, receiver {sorted(de)})")
         if se[name].page_bytes != de[name].page_bytes:
             raise LayoutMismatch(f"group {name}: page bytes {se[name].page_bytes} here vs {de[name].page_bytes} at the receiver")
+        _check_addresses(de[name])
         out[name] = (se[name], de[name])
     return out
+
+
+#: Addresses are planned as int64 (numpy): an envelope must end below this.
+_ADDRESS_END = 1 << 63
+
+
+def _check_addresses(env: Envelope) -> None:
+    """InvalidArgument unless every page ``[first_page, last_page]`` of the receiver's ``env``
+    ends below :data:`_ADDRESS_END`: what a real arena's envelope always does, so a ticket whose
+    envelope says otherwise was corrupted (or forged) before its seal is checked."""
+    if env.last_page < env.first_page:
+        return  # no valid page: any id is refused against it (plan_chunk)
+    end = env.base + (env.last_page + 1) * env.page_bytes
+    if env.base < 0 or env.first_page < 0 or end > _ADDRESS_END:
+        raise InvalidArgument(
+            f"the receiver's envelope of group {env.group} spans [{env.base:#x}, {end:#x}) past the address space: the ticket "
+            "is corrupt; pass the decode daemon's ticket unchanged"
+        )
 
 
 def _ids(vec: torch.Tensor) -> np.ndarray:

@@ -47,15 +47,15 @@ from typing import NamedTuple
 from kvd import errors as E
 from kvd.errors import InternalError, InvalidArgument, KvdError, Unavailable
 from kvd.limits import MAX_ID_BYTES, clip, quote, too_long
-from kvd.unix_socket import MAX_PATH, UnixServer, check_path, stirred
-from kvd.unix_socket import recv_exact as _recv_exact
+from kvd.ipc.unix_socket import MAX_PATH, UnixServer, check_path, stirred
+from kvd.ipc.unix_socket import recv_exact as _recv_exact
 
 __all__ = [
     "MAX_FDS", "MAX_PATH", "MAX_WATCHES", "HandleHeader", "HandleRequest", "HandleServer", "Handles", "Watch",
     "check_path", "fetch", "ping", "watch",
 ]
 
-log = logging.getLogger("kvd.fdpass")
+log = logging.getLogger("kvd.ipc.fdpass")
 
 #: The kernel's limit of fds in one SCM_RIGHTS message (SCM_MAX_FD).
 MAX_FDS = 253

@@ -1,6 +1,6 @@
 """Unix stream sockets as kvd serves them: path checks, claiming a path, an accept loop, exact reads.
 
-Shared by the handle socket (:mod:`kvd.fdpass`) and the peer socket
+Shared by the handle socket (:mod:`kvd.ipc.fdpass`) and the peer socket
 (:mod:`kvd.server.peer_socket`). Each refusal names the setting an operator changes
 (``handle_socket``, ``peer_socket``), so one message fits both.
 """
@@ -19,7 +19,7 @@ from kvd.errors import InvalidArgument, Unavailable
 
 __all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "recv_exact", "stirred", "unlink_own"]
 
-log = logging.getLogger("kvd.unix_socket")
+log = logging.getLogger("kvd.ipc.unix_socket")
 _S = TypeVar("_S", bound="UnixServer")
 
 #: Bytes of a Unix socket path (sun_path is 108 bytes with its terminating NUL).

@@ -6,7 +6,7 @@ the client turns a ``grpc.RpcError`` back into the most specific kvd exception w
 with the code as a ``grpc.StatusCode``: the table, the metadata keys (``kvd-error`` names the class,
 ``kvd-shortfall-bytes`` a CapacityError's shortfall, ``kvd-holders`` a Pinned error's lease
 labels) and the way back live in :mod:`kvd.errors`, where the Unix sockets below the gRPC edge
-(``kvd.server.peer_socket``, ``kvd.fdpass``) use them too, so a refusal raises the same class
+(``kvd.server.peer_socket``, ``kvd.ipc.fdpass``) use them too, so a refusal raises the same class
 with the same message over every transport.
 """
 

@@ -1,0 +1,1 @@
+"""Page moves: coalesced runs, the GPU kernels, pinned staging."""

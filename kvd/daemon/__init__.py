@@ -1,0 +1,1 @@
+"""A daemon's state around its pool: sessions, ownership, leases, the sweep."""

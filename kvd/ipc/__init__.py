@@ -1,0 +1,1 @@
+"""Unix-socket plumbing shared by the daemon's local servers: the accept loop, fd passing."""

@@ -1,0 +1,1 @@
+"""The unified KV pool: layouts and presets, per-group allocators, placement, compaction, sizing."""
