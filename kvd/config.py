@@ -47,6 +47,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVD_", extra="forbid", validate_default=True)
 
     layout: str = Field("tiny-hybrid", description="layout preset name or path to a layout YAML/JSON file")
+    layout_from_engine: bool = Field(
+        False,
+        description="take the layout from the first engine that proposes one (ProposeLayout; kvd's vLLM connector "
+        "does when it registers its KV caches) instead of `layout`, which is then only a placeholder: until then "
+        "Allocate, Attach and GetInfo are FAILED_PRECONDITION; an engine proposing another layout is refused, naming both",
+    )
     arena_bytes: int = Field(64 << 20, description="KV pool size in bytes (the backed size; with post_capture, the final size may be set later)")
     reserve_bytes: int | None = Field(None, description="address space to reserve (default: arena_bytes; post_capture: 4x arena_bytes)")
     post_capture: bool = Field(False, description="start with only the sink backed; the engine calls Finalize(bytes) after capturing its graphs")

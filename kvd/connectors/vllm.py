@@ -31,7 +31,8 @@ can redirect its bytes) and a random request name bound to the prompt's hash on 
 Layout: :func:`layout_from_vllm` derives kvd's :class:`~kvd.pool.layout.Layout` from vLLM's own
 ``KVCacheConfig`` (full-attention groups -> ``full``, sliding-window -> ``swa`` with the window,
 Mamba -> ``state`` slots of the state's bytes; page size = vLLM's attention block size); the
-worker refuses a daemon whose layout differs, naming both. CPU KV tensors only
+worker proposes it to its daemon when it registers its KV caches: a daemon started with
+``layout_from_engine`` takes it, one serving another layout refuses it, naming both. CPU KV tensors only
 (``[blocks, kv_heads, block_size, 2 * head_size]``, K|V fused on the last dim).
 
 kvd imports: :mod:`kvd.client` (``Client``), :mod:`kvd.errors`, :mod:`kvd.pool.layout`.
@@ -527,14 +528,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ============================ worker side ============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        info = self._kv.info()
+        # A daemon started with layout_from_engine takes this vLLM's layout; one with another
+        # layout refuses it, naming both.
         try:
-            self._layout.require_compatible(info.layout)
+            self._kv.propose_layout(self._layout)
         except LayoutMismatch as exc:
             raise LayoutMismatch(
-                f"KvdConnector: the kvd daemon at {self._address} serves another layout ({exc}).\n"
-                f"this vLLM:\n{self._layout.describe()}\nthe daemon:\n{info.layout.describe()}\n"
-                "start the daemon with this vLLM's layout (kvd.connectors.vllm.layout_from_vllm)"
+                f"KvdConnector: the kvd daemon at {self._address} refused this vLLM's layout: {exc}\n"
+                "start that daemon with layout_from_engine=true, or with this vLLM's layout "
+                "(kvd.connectors.vllm.layout_from_vllm)"
             ) from None
         for ln, slot in self._slots.items():
             t = kv_caches.get(ln)

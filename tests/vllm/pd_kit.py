@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
-import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -92,6 +93,15 @@ class Engine:
                                      cwd=REPO, env={**os.environ, **ENV, **(env or {})})
         err.close()
         self.name = name
+        # A thread reads stdout: select() on the pipe under a buffered reader hung the tier (the
+        # READY or RESULT line sat in the reader's buffer behind a vLLM log line, the pipe empty).
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, name=f"engine-{name}-stdout", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            self._lines.put(line)
+        self._lines.put("")  # EOF: the engine died
 
     def ready(self, timeout: float = 240) -> Engine:
         line = self._line(timeout)
@@ -103,11 +113,15 @@ class Engine:
         """The next READY / RESULT line (vLLM logs to stdout too); '' once the engine died."""
         end = time.monotonic() + timeout
         while True:
-            r, _, _ = select.select([self.proc.stdout], [], [], max(0.0, end - time.monotonic()))
-            if not r:
-                raise TimeoutError(f"engine {self.name}: no answer in {timeout} s\n{self.tail()}")
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
-            if not line or line.startswith(("READY", "RESULT ")):
+            try:
+                line = self._lines.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                self.dump_stacks()
+                raise TimeoutError(f"engine {self.name}: no answer in {timeout} s\n{self.tail(12000)}") from None
+            if not line:
+                self._lines.put("")  # later calls see the EOF too
+                return line
+            if line.startswith(("READY", "RESULT ")):
                 return line
 
     def submit(self, prompts: list[list[int]], params: list[dict | None] | None = None, max_tokens: int = 32) -> None:
@@ -123,6 +137,12 @@ class Engine:
     def run(self, prompts: list[list[int]], params: list[dict | None] | None = None, max_tokens: int = 32) -> dict:
         self.submit(prompts, params, max_tokens)
         return self.result()
+
+    def dump_stacks(self) -> None:
+        """Every thread's stack into the engine log (engine_proc registers SIGUSR1 with faulthandler)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
 
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text()[-n:] if self.log.exists() else ""

@@ -5,8 +5,8 @@ skips where vLLM is not installed. Per model (Llama; Gemma3: sliding window 16, 
 GraniteMoeHybrid: Mamba2 state slots): the baseline, then a decode engine, a prefill engine and
 two daemons, each its own process, and:
 
-* identical greedy token ids (32) for 4 prompts: shorter than the window, not a block multiple,
-  several windows long;
+* identical greedy token ids (32) for 4 prompts: not block multiples, one to several blocks
+  handed over, several windows long;
 * a negative control: the decode daemon's arena corrupted once the KV arrived -> outputs differ;
 * a prefill engine killed mid-transfer -> the waiting decode request fails through vLLM's
   load-error path, and neither daemon keeps a page.
@@ -29,7 +29,9 @@ from pd_kit import Daemon, Engine, free_port, kv_config, prompts, ticket, transf
 from tiny_models import build  # noqa: E402
 
 MODELS = ["llama", "gemma3", "granitemoehybrid"]
-LENGTHS = [40, 100, 77, 200]  # window 16 / block 32: not block multiples, 200 = 12 windows
+# Not block multiples; 200 = 12 windows of 16. Each at least one block plus one: Llama's and Gemma3's
+# blocks are 32 tokens, GraniteMoeHybrid's 64 (vLLM sizes the attention block to the Mamba state's page).
+LENGTHS = [70, 100, 77, 200]
 ADMIT_TTL = 12.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -178,7 +180,7 @@ def test_killed_prefill_fails_the_decode_request(pd: PD) -> None:
     failed_s = time.perf_counter() - t0
     print(f"\n{pd.model}: decode request failed {failed_s:.2f} s after the prefill engine was killed "
           f"(finish_reason {out['finish'][0]!r})")
-    assert out["tokens"][0] != pd.baseline["tokens"][1], "a failed load must never decode"
+    assert len(out["tokens"][0]) < 32, "a failed load must never decode"
     assert out["finish"][0] in ("error", "abort"), out
     assert failed_s < 3.0
     deadline = time.monotonic() + 5
