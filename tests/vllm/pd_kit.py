@@ -47,10 +47,12 @@ class Daemon:
     log: Path
 
     @classmethod
-    def start(cls, tmp: Path, name: str, layout: Path, *extra: str) -> Daemon:
+    def start(cls, tmp: Path, name: str, layout: Path | str | None = None, *extra: str) -> Daemon:
+        """A daemon on ``tmp/name.sock``; without ``layout`` it takes the first engine's (layout_from_engine)."""
         sock = tmp / f"{name}.sock"
         log = tmp / f"{name}.daemon.log"
-        argv = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", str(sock), "--layout", str(layout),
+        argv = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", str(sock),
+                *(["--layout", str(layout)] if layout else ["--layout-from-engine"]),
                 "--backend", "local", "--arena-bytes", str(64 << 20), "--peer-timeout-s", "0.5", *extra]
         err = open(log, "w")  # noqa: SIM115 -- the child holds it
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO)
@@ -81,9 +83,9 @@ class Engine:
     """A vLLM engine process answering jobs on stdin (see engine_proc.py)."""
 
     def __init__(self, tmp: Path, name: str, model: str, kv: str | None = None, layout_out: Path | None = None,
-                 env: dict | None = None) -> None:
+                 env: dict | None = None, extra: list[str] | None = None) -> None:
         self.log = tmp / f"{name}.engine.log"
-        argv = [sys.executable, str(HERE / "engine_proc.py"), model]
+        argv = [sys.executable, str(HERE / "engine_proc.py"), model, *(extra or [])]
         if kv:
             argv += ["--kv", kv]
         if layout_out:

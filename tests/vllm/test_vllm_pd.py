@@ -10,6 +10,9 @@ two daemons, each its own process, and:
 * a negative control: the decode daemon's arena corrupted once the KV arrived -> outputs differ;
 * a prefill engine killed mid-transfer -> the waiting decode request fails through vLLM's
   load-error path, and neither daemon keeps a page.
+
+The daemons start with ``layout_from_engine`` (each takes its engine's layout). Once, on Llama: a
+vLLM whose daemon is missing, or serves another layout, refuses to start, saying so.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
 
 from kvd.client import Client
+from kvd.pool.layout import Layout
 from pd_kit import Daemon, Engine, free_port, kv_config, prompts, ticket, transfer, wait_state  # noqa: E402
 from tiny_models import build  # noqa: E402
 
@@ -62,9 +66,9 @@ def pd(request, tmp_path_factory):
         base.stop()
     started: list = []
     try:
-        pd_ = Daemon.start(tmp, "prefill", layout)
+        pd_ = Daemon.start(tmp, "prefill")  # layout_from_engine: each takes its engine's layout
         started.append(pd_)
-        dd = Daemon.start(tmp, "decode", layout)
+        dd = Daemon.start(tmp, "decode")
         started.append(dd)
         port, hold = free_port(), tmp / "hold-sends"
         decode = Engine(tmp, "decode", model_dir, kv_config("kv_consumer", dd.address, kvd_ticket_listen=f"127.0.0.1:{port}",
@@ -75,6 +79,10 @@ def pd(request, tmp_path_factory):
                          env={"KVDCONN_TEST_HOLD_FILE": str(hold)})
         started.append(prefill)
         prefill.ready()
+        want = Layout.model_validate_json(layout.read_text())  # what the baseline engine derived
+        for d in (pd_, dd):
+            with Client.connect(d.address, name="probe") as c:
+                assert c.info().layout == want, f"{model}: the daemon took another layout than the engine's"
         yield PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold)
     finally:
         for p in reversed(started):
@@ -188,3 +196,43 @@ def test_killed_prefill_fails_the_decode_request(pd: PD) -> None:
         time.sleep(0.05)
     assert live_requests(pd.decode_d.address) == 0 and live_requests(pd.prefill_d.address) == 0, "pages leaked"
     pd.hold.unlink()
+
+
+# ---- refusals at start-up (Llama only: they do not depend on the model) ---------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return build("llama", str(tmp_path_factory.getbasetemp() / "models"))
+
+
+def refused_start(tmp: Path, name: str, model: str, kv: str) -> tuple[str, float]:
+    """Start an engine that must not start; its log and how long it took to give up."""
+    e = Engine(tmp, name, model, kv)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            e.ready()
+        took = time.perf_counter() - t0
+        e.proc.wait(30)
+    finally:
+        e.stop()
+    assert e.proc.returncode != 0
+    return e.log.read_text(), took
+
+
+def test_vllm_refuses_to_start_without_its_daemon(tmp_path, llama) -> None:
+    address = f"unix:{tmp_path}/no-daemon.sock"
+    log, took = refused_start(tmp_path, "orphan", llama, kv_config("kv_producer", address))
+    print(f"\nvLLM without its daemon gave up after {took:.1f} s")
+    assert f"no kvd daemon answers at {address!r}" in log, log[-3000:]
+
+
+def test_vllm_refuses_a_daemon_of_another_layout_naming_both(tmp_path, llama) -> None:
+    d = Daemon.start(tmp_path, "tiny", "tiny-hybrid")
+    try:
+        log, _ = refused_start(tmp_path, "mismatch", llama, kv_config("kv_producer", d.address))
+        with Client.connect(d.address, name="probe") as c:
+            assert c.info().layout.name == "tiny-hybrid" and c.stats().pool.requests_live == 0
+    finally:
+        d.stop()
+    assert f"the kvd daemon at {d.address} refused this vLLM's layout" in log, log[-3000:]
+    assert "layout tiny-hybrid page_size=4" in log and "layout llama page_size=32" in log, log[-3000:]

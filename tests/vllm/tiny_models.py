@@ -13,7 +13,7 @@ VOCAB = 512
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]  # ids 0..3
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=8192,
               pad_token_id=0, eos_token_id=1, bos_token_id=2, initializer_range=0.1,
               tie_word_embeddings=False)
 
