@@ -33,6 +33,7 @@ from tiny_models import build  # noqa: E402
 
 
 def ttft_colocated(e: Engine, p: list[int], repeats: int) -> float:
+    e.run([p], max_tokens=1)  # warm-up
     return statistics.median(timed(lambda: e.run([p], max_tokens=1)) for _ in range(repeats))
 
 
@@ -42,21 +43,30 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+PARTS: dict[int, list[tuple[float, float, float]]] = {}  # prompt length -> (ticket, prefill, decode) seconds
+
+
 def pd_once(prefill: Engine, decode: Engine, port: int, ps: list[list[int]], max_tokens: int) -> tuple[dict, dict]:
+    t0 = time.perf_counter()
     tks = [ticket(port, p) for p in ps]
+    t1 = time.perf_counter()
     pre = prefill.run([p[: t["kvd_tokens"]] for p, t in zip(ps, tks)], tks, max_tokens=1)
+    t2 = time.perf_counter()
     out = decode.run(ps, [{"kvd_rid": t["kvd_rid"]} for t in tks], max_tokens=max_tokens)
+    PARTS.setdefault(len(ps[0]), []).append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     return pre, out
 
 
-def plain_copy_s(nbytes: int, repeats: int = 5) -> float:
-    """A contiguous torch copy of ``nbytes`` in this process (the floor for any KV copy)."""
+def plain_copy_s(nbytes: int, repeats: int = 16) -> float:
+    """A contiguous torch copy of ``nbytes`` in this process, from and to memory out of the caches
+    (each repeat another slice of 64+ MiB buffers, touched first): the median of ``repeats``, the
+    floor for a KV copy of those bytes."""
     import torch
 
-    a = torch.randn(max(1, nbytes // 4))
-    b = torch.empty_like(a)
-    b.copy_(a)
-    return statistics.median(timed(lambda: b.copy_(a)) for _ in range(repeats))
+    n = max(1, nbytes // 4)
+    src, dst = torch.randn(max(n * repeats, 16 << 20)), torch.empty(max(n * repeats, 16 << 20)).fill_(1.0)
+    slots = [(i * n) % (src.numel() - n + 1) for i in range(repeats)]
+    return statistics.median(timed(lambda: dst[o:o + n].copy_(src[o:o + n])) for o in slots)
 
 
 def nixl_run(tmp: Path, model: str, ps: list[list[int]], lengths: list[int], repeats: int, extra: list[str]) -> dict:
@@ -76,7 +86,10 @@ def nixl_run(tmp: Path, model: str, ps: list[list[int]], lengths: list[int], rep
                            max_tokens=max_tokens)
 
         out = once(ps, 32)
-        ttft = {n: statistics.median(timed(lambda: once(prompts([n]), 1)) for _ in range(repeats)) for n in lengths}
+        ttft = {}
+        for n in lengths:
+            once(prompts([n]), 1)  # warm-up, as for kvd
+            ttft[n] = statistics.median(timed(lambda: once(prompts([n]), 1)) for _ in range(repeats))
         return {"tokens": out["tokens"], "ttft": ttft}
     finally:
         pre.stop()
@@ -128,11 +141,17 @@ def main() -> int:
         r_pre, r_dec = pd_once(pre, dec, port, ps, 32)
         same = [x == y for x, y in zip(r_dec["tokens"], base["tokens"])]
         fig["identical"] = sum(same)
-        fig["copy"] = {"prefill": r_pre["copy_stats"], "decode": r_dec["copy_stats"]}
+        fig["copy"] = {"prefill": pre.copy_stats(), "decode": dec.copy_stats()}
         ttft = {}
         for n_ in lengths:
             p = prompts([n_])
+            pd_once(pre, dec, port, p, 1)  # warm-up: the first request of a length is slower
+            before = pre.copy_stats(), dec.copy_stats()
             ttft[n_] = statistics.median(timed(lambda: pd_once(pre, dec, port, p, 1)) for _ in range(a.repeats))
+            after = pre.copy_stats(), dec.copy_stats()
+            fig.setdefault("copy_per_request", {})[n_] = {
+                k: (after[0 if k.startswith(("save", "send")) else 1][k] - before[0 if k.startswith(("save", "send")) else 1][k]) / a.repeats
+                for k in ("save_bytes", "save_s", "send_bytes", "send_s", "load_bytes", "load_s")}
         fig["ttft_pd_s"] = ttft
     finally:
         for p in reversed(started):
@@ -152,13 +171,20 @@ def main() -> int:
     print("TTFT (median of %d)  colocated   PD (kvd)   PD adds" % a.repeats)
     for n_ in lengths:
         c, p = fig["ttft_colocated_s"][n_], fig["ttft_pd_s"][n_]
-        print(f"  {n_:5d} tokens       {c * 1e3:8.1f} ms {p * 1e3:8.1f} ms {(p - c) * 1e3:+8.1f} ms")
+        parts = [statistics.median(x[i] for x in PARTS[n_][-a.repeats:]) for i in range(3)]
+        fig.setdefault("ttft_pd_parts_s", {})[n_] = dict(zip(("ticket", "prefill", "decode"), parts))
+        print(f"  {n_:5d} tokens       {c * 1e3:8.1f} ms {p * 1e3:8.1f} ms {(p - c) * 1e3:+8.1f} ms   (ticket "
+              f"{parts[0] * 1e3:.1f} ms, prefill {parts[1] * 1e3:.1f} ms, decode's first token {parts[2] * 1e3:.1f} ms)")
     pre_s, dec_s = cs["prefill"], cs["decode"]
     print(f"KV moved by kvd: {pre_s['send_bytes']:,d} B in {pre_s['sends']} Sends, {pre_s['send_s'] * 1e3:.1f} ms in kvd "
           f"(a plain copy of those bytes: {fig['plain_copy_s']['send'] * 1e3:.2f} ms)")
     print(f"connector copies: save (vLLM -> kvd) {pre_s['save_bytes']:,d} B in {pre_s['save_s'] * 1e3:.1f} ms "
           f"(plain copy {fig['plain_copy_s']['save'] * 1e3:.2f} ms); load (kvd -> vLLM) {dec_s['load_bytes']:,d} B in "
           f"{dec_s['load_s'] * 1e3:.1f} ms (plain copy {fig['plain_copy_s']['load'] * 1e3:.2f} ms), for the N requests")
+    for n_, c in fig.get("copy_per_request", {}).items():
+        print(f"  per {n_}-token request: save {c['save_bytes']:,.0f} B {c['save_s'] * 1e3:.1f} ms (plain "
+              f"{plain_copy_s(int(c['save_bytes'])) * 1e3:.2f} ms), Send {c['send_s'] * 1e3:.1f} ms, load {c['load_s'] * 1e3:.1f} ms "
+              f"(plain {plain_copy_s(int(c['load_bytes'])) * 1e3:.2f} ms)")
     if "nixl" in fig:
         print(f"vLLM NixlConnector: {fig['nixl']}")
     if a.out:

@@ -604,9 +604,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             d = view.k.shape[-1]
             cache[blk, :, off, :d] = view.k[page, off]
             cache[blk, :, off, d:] = view.v[page, off]
-            self.copy_stats.load_bytes += 2 * view.k[page, off].nbytes
-            log.debug("load %s %s [%d, %d) blocks %s pages %s: %.6f", ld.req_id, ln, ld.start, ld.end, sorted(set(blk.tolist())),
-                      sorted(set(page.tolist())), float(cache[blk, :, off].double().abs().sum()))
+            self.copy_stats.load_bytes += len(page) * cache.shape[1] * cache.shape[3] * cache.element_size()
+            if log.isEnabledFor(logging.DEBUG):  # the checksum costs more than the copy
+                log.debug("load %s %s [%d, %d) blocks %s pages %s: %.6f", ld.req_id, ln, ld.start, ld.end, sorted(set(blk.tolist())),
+                          sorted(set(page.tolist())), float(cache[blk, :, off].double().abs().sum()))
 
     def _index(self, ids: list[int], start: int, end: int, group: str, full: list[int], swa_first: int, swa: list[int],
                ln: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -649,8 +650,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             view.v[page, off] = src[..., d:]
             self.copy_stats.save_s += time.perf_counter() - t0
             self.copy_stats.save_bytes += src.nbytes
-            log.debug("save %s %s [%d, %d) blocks %s pages %s: %.6f", sv.req_id, layer_name, sv.start, sv.end,
-                      sorted(set(blk.tolist())), sorted(set(page.tolist())), float(src.double().abs().sum()))
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("save %s %s [%d, %d) blocks %s pages %s: %.6f", sv.req_id, layer_name, sv.start, sv.end,
+                          sorted(set(blk.tolist())), sorted(set(page.tolist())), float(src.double().abs().sum()))
 
     def _open(self, sv: _Save) -> dict | None:
         """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""

@@ -4,7 +4,8 @@
 
 Prints ``READY`` once the engine is up (and, with --layout-out, writes the kvd layout derived from
 this engine's own KV cache config there). Then each stdin line is a job
-``{"prompts": [[ids]], "params": [kv_transfer_params | null], "max_tokens": N}``, answered by one
+``{"prompts": [[ids]], "params": [kv_transfer_params | null], "max_tokens": N}`` (or ``{"stats": true}``:
+the connector's CopyStats), answered by one
 line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}`` (with
 --kv also ``copy_stats``: the connector's CopyStats so far).
 """
@@ -48,6 +49,13 @@ def main() -> None:
     print("READY", flush=True)
     for line in sys.stdin:
         job = json.loads(line)
+        if job.get("stats"):  # the connector's CopyStats only (a Send finishes after its request)
+            from dataclasses import asdict
+
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            print("RESULT " + json.dumps({"copy_stats": asdict(get_kv_transfer_group().copy_stats)}), flush=True)
+            continue
         params = job.get("params") or [None] * len(job["prompts"])
         sps = [SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True,
                               extra_args={"kv_transfer_params": p} if p else None) for p in params]
@@ -61,7 +69,9 @@ def main() -> None:
 
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            res["copy_stats"] = asdict(get_kv_transfer_group().copy_stats)
+            stats = getattr(get_kv_transfer_group(), "copy_stats", None)  # KvdConnector's (not NixlConnector's)
+            if stats is not None:
+                res["copy_stats"] = asdict(stats)
         print("RESULT " + json.dumps(res), flush=True)
 
 

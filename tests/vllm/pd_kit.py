@@ -146,6 +146,12 @@ class Engine:
             self.proc.send_signal(signal.SIGUSR1)
             time.sleep(1.0)
 
+    def copy_stats(self) -> dict:
+        """The connector's CopyStats so far (engine started with a kv config)."""
+        self.proc.stdin.write(json.dumps({"stats": True}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.result()["copy_stats"]
+
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text()[-n:] if self.log.exists() else ""
 
