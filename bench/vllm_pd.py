@@ -63,6 +63,7 @@ def plain_copy_s(nbytes: int, repeats: int = 16) -> float:
     floor for a KV copy of those bytes."""
     import torch
 
+    torch.set_num_threads(1)  # two OMP threads on a shared 2-core box wait for each other's time slice (~8 ms)
     n = max(1, nbytes // 4)
     src, dst = torch.randn(max(n * repeats, 16 << 20)), torch.empty(max(n * repeats, 16 << 20)).fill_(1.0)
     slots = [(i * n) % (src.numel() - n + 1) for i in range(repeats)]

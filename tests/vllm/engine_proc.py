@@ -1,6 +1,6 @@
 """One vLLM engine (offline LLM API, in-process engine core) driven over stdin/stdout by the tests.
 
-    python engine_proc.py MODEL [--kv JSON] [--layout-out FILE] [--block-size N]
+    python engine_proc.py MODEL [--kv JSON] [--layout-out FILE] [--block-size N] [--max-num-batched-tokens N]
 
 Prints ``READY`` once the engine is up (and, with --layout-out, writes the kvd layout derived from
 this engine's own KV cache config there). Then each stdin line is a job
@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--layout-out", default=None)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step (default: the longest prompt in one step); below a prompt: chunked prefill")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -35,7 +37,7 @@ def main() -> None:
 
     kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, max_num_seqs=8,
               seed=0, enable_prefix_caching=False, block_size=a.block_size,
-              max_num_batched_tokens=max(2048, a.max_model_len))
+              max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_model_len))
     if a.kv:
         kw["kv_transfer_config"] = KVTransferConfig(**json.loads(a.kv))
     llm = LLM(**kw)

@@ -11,7 +11,8 @@ two daemons, each its own process, and:
 * a prefill engine killed mid-transfer -> the waiting decode request fails through vLLM's
   load-error path, and neither daemon keeps a page.
 
-The daemons start with ``layout_from_engine`` (each takes its engine's layout). Once, on Llama: a
+The prefill engine runs chunked prefill (64 tokens a step): a prompt's KV is saved over several
+steps. The daemons start with ``layout_from_engine`` (each takes its engine's layout). Once, on Llama: a
 vLLM whose daemon is missing, or serves another layout, refuses to start, saying so.
 """
 
@@ -37,6 +38,7 @@ MODELS = ["llama", "gemma3", "granitemoehybrid"]
 # blocks are 32 tokens, GraniteMoeHybrid's 64 (vLLM sizes the attention block to the Mamba state's page).
 LENGTHS = [70, 100, 77, 200]
 ADMIT_TTL = 12.0
+CHUNK = 64  # the prefill engine's tokens per step (chunked prefill); one Granite block
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -75,8 +77,9 @@ def pd(request, tmp_path_factory):
                                                          kvd_admit_ttl_s=ADMIT_TTL))
         started.append(decode)
         decode.ready()  # one engine starting at a time: two at once hung here (2 cores)
+        # chunked prefill on the producer: 64 tokens a step, so the longer prompts are saved over several steps
         prefill = Engine(tmp, "prefill", model_dir, kv_config("kv_producer", pd_.address, kvd_session_ttl_s=0.5),
-                         env={"KVDCONN_TEST_HOLD_FILE": str(hold)})
+                         env={"KVDCONN_TEST_HOLD_FILE": str(hold)}, extra=["--max-num-batched-tokens", str(CHUNK)])
         started.append(prefill)
         prefill.ready()
         want = Layout.model_validate_json(layout.read_text())  # what the baseline engine derived
