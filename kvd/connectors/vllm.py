@@ -602,8 +602,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             blk, off, page = self._index(ids, ld.start, ld.end, slot.group, ld.full, ld.swa_first, ld.swa, ln)
             d = view.k.shape[-1]
-            cache[blk, :, off, :d] = view.k[page, off]
-            cache[blk, :, off, d:] = view.v[page, off]
+            # [blocks, block_size, kv_heads, 2 * head_size]: the two indexed dims adjacent (index_put
+            # with a slice between them took ~5x longer)
+            tokens_first = cache.permute(0, 2, 1, 3)
+            tokens_first[blk, off, :, :d] = view.k[page, off]
+            tokens_first[blk, off, :, d:] = view.v[page, off]
             self.copy_stats.load_bytes += len(page) * cache.shape[1] * cache.shape[3] * cache.element_size()
             if log.isEnabledFor(logging.DEBUG):  # the checksum costs more than the copy
                 log.debug("load %s %s [%d, %d) blocks %s pages %s: %.6f", ld.req_id, ln, ld.start, ld.end, sorted(set(blk.tolist())),
@@ -645,7 +648,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                                          layer_name)
             d = view.k.shape[-1]
             t0 = time.perf_counter()
-            src = self._caches[layer_name][blk, :, off]  # [T, kv_heads, 2 * head_size]
+            src = self._caches[layer_name].permute(0, 2, 1, 3)[blk, off]  # [T, kv_heads, 2 * head_size]
             view.k[page, off] = src[..., :d]
             view.v[page, off] = src[..., d:]
             self.copy_stats.save_s += time.perf_counter() - t0
