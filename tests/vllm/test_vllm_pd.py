@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
+# Not "vllm": with tests/ on sys.path (rootdir conftest), tests/vllm imports as a namespace package.
+pytest.importorskip("vllm.config", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
 
 from kvd.client import Client
 from kvd.pool.layout import Layout
