@@ -422,7 +422,7 @@ class Node:
         with self._lock:
             return NodeStats(
                 pool=self.pool.stats(),
-                layout_name=self.pool.layout.name,
+                layout_name="(from the first engine)" if self.layout_pending else self.pool.layout.name,
                 leases_live=len(self.leases),
                 leases_expired_total=self.leases.expired_total,
                 stale_refusals_total=self.stale_refusals,

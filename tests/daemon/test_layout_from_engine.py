@@ -32,11 +32,13 @@ def test_first_engine_sets_the_layout_and_a_different_one_is_refused_naming_both
     with expect(E.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION, "layout_from_engine"):
         first.info()
     boot = adopting.node.pool.boot_id
+    assert first.stats().layout_name == "(from the first engine)"  # not the placeholder's name
 
     info = first.propose_layout(OTHER)
     assert info.layout == OTHER and info.boot_id == boot
     assert first.info().layout.fingerprint == OTHER.fingerprint
     first.allocate(rid(), 16)  # allocations are served now, in the engine's layout
+    assert first.stats().layout_name == "tiny-hybrid-p32"
     assert adopting.node.pool.layout.page_size == OTHER.page_size
 
     stats = adopting.node.stats()
