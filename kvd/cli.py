@@ -1,6 +1,8 @@
 """``kvd`` command line: ``serve`` runs a daemon, ``status`` prints a daemon's pool as a table
 (``--json`` for scripts), ``top`` redraws its pool and activity live (:mod:`kvd.tools.top`), ``plan``
-sizes a model's layout for a memory budget (:mod:`kvd.pool.plan`), ``demo`` runs a prefill node and a decode node with the reference engine and checks every output.
+sizes a model's layout for a memory budget (:mod:`kvd.pool.plan`), ``demo`` runs a prefill node and a
+decode node with the reference engine and checks every output, ``proxy`` fronts a vLLM prefill/decode
+pair that use kvd's connector (:mod:`kvd.connectors.vllm_proxy`).
 
 Every ``serve`` option maps to a :class:`kvd.config.Settings` field (and a ``KVD_*`` variable);
 ``kvd serve --help`` lists them with their descriptions and defaults.
@@ -224,6 +226,31 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _proxy_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "proxy",
+        help="OpenAI-compatible proxy for vLLM prefill/decode over kvd (POST /v1/completions)",
+        description="Prefill with max_tokens=1 on --prefill carrying a ticket from the decode instance's KvdConnector "
+        "(--tickets, its kvd_ticket_listen), then decode on --decode; see docs/vllm.md.",
+    )
+    p.add_argument("--listen", default="127.0.0.1:8000", help="host:port to serve on (default: %(default)s)")
+    p.add_argument("--prefill", required=True, help="prefill vLLM base URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, help="decode vLLM base URL, e.g. http://127.0.0.1:8200")
+    p.add_argument("--tickets", required=True, help="the decode connector's ticket URL, e.g. http://127.0.0.1:8201")
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from kvd.connectors.vllm_proxy import make_server
+
+    srv = make_server(args.listen, args.prefill, args.decode, args.tickets)
+    print(f"kvd proxy: serving on {args.listen}", flush=True)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvd", description="kvd: per-node KV-cache daemon for disaggregated LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -232,9 +259,12 @@ def main(argv: list[str] | None = None) -> int:
     _demo_parser(sub)
     _plan_parser(sub)
     _top_parser(sub)
+    _proxy_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"serve": cmd_serve, "status": _cmd_status, "demo": _cmd_demo, "plan": _cmd_plan, "top": _cmd_top}[args.cmd](args)
+        return {
+            "serve": cmd_serve, "status": _cmd_status, "demo": _cmd_demo, "plan": _cmd_plan, "top": _cmd_top, "proxy": _cmd_proxy,
+        }[args.cmd](args)
     except KvdError as exc:
         print(f"kvd {args.cmd}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

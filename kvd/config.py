@@ -65,6 +65,12 @@ class Settings(BaseSettings):
     )
     tp: int = Field(1, ge=1, le=1024, description="tensor-parallel degree of the engine rank this daemon serves (with model)")
     draft: str | None = Field(None, description="path of the draft model's config.json: its KV becomes the draft group (with model)")
+    layout_from_engine: bool = Field(
+        False,
+        description="take the layout from the first engine that proposes one (ProposeLayout; kvd's vLLM connector "
+        "does when it registers its KV caches) instead of `layout`, which is then only a placeholder: until then "
+        "Allocate, Attach and GetInfo are FAILED_PRECONDITION; an engine proposing another layout is refused, naming both",
+    )
     arena_bytes: int = Field(64 << 20, description="KV pool size in bytes (the backed size; with post_capture, the final size may be set later)")
     reserve_bytes: int | None = Field(None, description="address space to reserve (default: arena_bytes; post_capture: 4x arena_bytes)")
     post_capture: bool = Field(False, description="start with only the sink backed; the engine calls Finalize(bytes) after capturing its graphs")

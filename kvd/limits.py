@@ -2,7 +2,8 @@
 
 * Every string a request carries is at most :data:`MAX_ID_BYTES` bytes of UTF-8 (request ids,
   session names, the boot id a caller quotes, a sender's name), except reasons (Abort,
-  AbortReceive, AbortSend): :data:`MAX_REASON_BYTES`. :func:`kvd.rpc.convert.parse_request` checks every
+  AbortReceive, AbortSend): :data:`MAX_REASON_BYTES`, and a proposed layout (ProposeLayout):
+  :data:`MAX_LAYOUT_BYTES`. :func:`kvd.rpc.convert.parse_request` checks every
   string field of every request against them before any handler runs, on gRPC and on the peer
   socket; the proto documents them. Longer is InvalidArgument, naming the field, the limit and
   the length.
@@ -18,12 +19,14 @@ with these too.
 
 from __future__ import annotations
 
-__all__ = ["MAX_ID_BYTES", "MAX_REASON_BYTES", "MAX_MESSAGE_BYTES", "QUOTE_CHARS", "clip", "quote", "too_long", "utf8_len"]
+__all__ = ["MAX_ID_BYTES", "MAX_REASON_BYTES", "MAX_LAYOUT_BYTES", "MAX_MESSAGE_BYTES", "QUOTE_CHARS", "clip", "quote", "too_long", "utf8_len"]
 
 #: Bytes of UTF-8 in a request id, session name, quoted boot id or sender name.
 MAX_ID_BYTES = 256
 #: Bytes of UTF-8 in a reason (Abort, a peer's AbortReceive / AbortSend).
 MAX_REASON_BYTES = 1024
+#: Bytes of UTF-8 in a layout's JSON (ProposeLayout): a few groups take well under 1 KiB.
+MAX_LAYOUT_BYTES = 64 << 10
 #: Bytes of UTF-8 of a status message on any transport (gRPC percent-encodes it into the
 #: trailing metadata, where non-ASCII bytes take three each).
 MAX_MESSAGE_BYTES = 2048

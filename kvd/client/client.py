@@ -189,6 +189,12 @@ class _Surface:
     def info(self) -> PoolInfo:
         return self._call("GetInfo", pb.GetInfoRequest(), _info)
 
+    def propose_layout(self, layout: Layout) -> PoolInfo:
+        """Offer this engine's layout: a daemon started with ``layout_from_engine`` and no layout
+        yet takes it; otherwise LayoutMismatch (naming both) unless it is compatible with the
+        daemon's. Returns the daemon's info (its layout)."""
+        return self._call("ProposeLayout", pb.ProposeLayoutRequest(layout_json=layout.model_dump_json()), _info)
+
     def stats(self) -> NodeStats:
         return self._call("GetStats", pb.GetStatsRequest(), _stats)
 

@@ -28,6 +28,7 @@ from kvd.errors import (
     FailedPrecondition,
     InternalError,
     InvalidArgument,
+    LayoutMismatch,
     NotFound,
     PermissionDenied,
     StaleEpoch,
@@ -61,8 +62,12 @@ class Node:
         session_ttl: float = 10.0,
         lease_ttl: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        layout_from_engine: bool = False,
     ) -> None:
         self.pool = pool
+        #: the pool's layout is a placeholder until the first engine proposes its own
+        #: (:meth:`propose_layout`); allocations wait for it
+        self.layout_pending = layout_from_engine
         self.clock = clock
         self.session_ttl = session_ttl
         self.leases = LeaseTable(default_ttl=lease_ttl, clock=clock)
@@ -98,6 +103,38 @@ class Node:
     @property
     def layout(self) -> Layout:
         return self.pool.layout
+
+    def propose_layout(self, session_id: str, layout: Layout) -> Layout:
+        """An engine's layout. A daemon started with ``layout_from_engine`` and no layout yet takes
+        it (the pool is rebuilt over the same arena: nothing was allocated, allocations wait for
+        it); otherwise the proposal must be compatible with the pool's layout: LayoutMismatch
+        naming both layouts if not, the pool unchanged. Returns the layout the daemon serves."""
+        with self._lock:
+            self.touch(session_id)
+            if self.layout_pending:
+                pool = Pool(layout, self.pool.arena, post_capture=self.pool.post_capture)
+                pool.boot_id = self.pool.boot_id  # the same boot: sessions and tickets quote it
+                self.pool = pool
+                self.layout_pending = False
+                log.info("layout taken from the first engine (session %s):\n%s", session_id, layout.describe())
+                return layout
+            try:
+                self.pool.layout.require_compatible(layout)
+            except LayoutMismatch as exc:
+                raise LayoutMismatch(
+                    f"this daemon serves another layout than the engine's ({exc}; 'here' is the daemon).\n"
+                    f"the daemon:\n{self.pool.layout.describe()}\nthe engine:\n{layout.describe()}\n"
+                    "start the daemon with the engine's layout, or with layout_from_engine=true and no engine yet"
+                ) from None
+            return self.pool.layout
+
+    def require_layout(self) -> None:
+        """FailedPrecondition while the layout waits for the first engine (layout_from_engine)."""
+        if self.layout_pending:
+            raise FailedPrecondition(
+                "this daemon takes its layout from the first engine (layout_from_engine=true) and none has proposed one "
+                "yet: call ProposeLayout first (kvd's vLLM connector does when it registers its KV caches)"
+            )
 
     # ---- sessions ---------------------------------------------------------------------------
     def open_session(self, name: str = "", ttl: float | None = None) -> SessionInfo:
@@ -264,6 +301,7 @@ class Node:
     def allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> list[IndexVectors]:
         with self._lock:
             s = self.touch(session_id)
+            self.require_layout()
             out = self.pool.allocate_many(specs)
             now = self.clock()
             for spec in specs:
@@ -277,6 +315,7 @@ class Node:
         """Shortfall in bytes (0: fits). Changes nothing."""
         with self._lock:
             self.touch(session_id)
+            self.require_layout()
             return self.pool.shortfall_bytes(specs)
 
     def extend(self, session_id: str, items: Sequence[tuple[str, int]]) -> list[IndexVectors]:
@@ -395,7 +434,7 @@ class Node:
         with self._lock:
             return NodeStats(
                 pool=self.pool.stats(),
-                layout_name=self.pool.layout.name,
+                layout_name="(from the first engine)" if self.layout_pending else self.pool.layout.name,
                 leases_live=len(self.leases),
                 leases_expired_total=self.leases.expired_total,
                 stale_refusals_total=self.stale_refusals,

@@ -20,7 +20,7 @@ from kvd import errors as E
 from kvd.errors import InvalidArgument, KvdError
 from kvd.records import SEND_PHASES, SendResult, TransferRef, TransferState
 from kvd.records import LeaseKind
-from kvd.limits import MAX_ID_BYTES, MAX_REASON_BYTES, QUOTE_CHARS, quote, too_long
+from kvd.limits import MAX_ID_BYTES, MAX_LAYOUT_BYTES, MAX_REASON_BYTES, QUOTE_CHARS, quote, too_long
 from kvd.records import Activity, LeaseActivity, RequestActivity, TransferActivity
 from kvd.records import NodeStats
 from kvd.records import Envelope, IndexVectors
@@ -225,7 +225,7 @@ def status_from_pb(m: pb.PeerStatus) -> KvdError:
 
 #: The bound (bytes of UTF-8) of a request's string field, by field name; every other string
 #: field of a request (request ids, session names, boot ids, senders): MAX_ID_BYTES.
-STRING_LIMITS: dict[str, int] = {"reason": MAX_REASON_BYTES}
+STRING_LIMITS: dict[str, int] = {"reason": MAX_REASON_BYTES, "layout_json": MAX_LAYOUT_BYTES}
 
 # Per message type: (field, bound or 0, repeated, map entry's value plan or None, nested plan or
 # None) for each field that holds a string somewhere below it.

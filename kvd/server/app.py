@@ -221,7 +221,8 @@ class Daemon:
             d = cls._start(settings, layout, handle_path, peer_path, undo)
             undo.pop_all()  # it serves: from here on Daemon.stop undoes it
         arena = d.node.pool.arena
-        log.info("kvd serving %s on %s (pool %s)", layout.name, ", ".join(d.addresses), f"{arena.reserved:,d} B reserved")
+        shown = "(the layout of the first engine)" if settings.layout_from_engine else layout.name
+        log.info("kvd serving %s on %s (pool %s)", shown, ", ".join(d.addresses), f"{arena.reserved:,d} B reserved")
         return d
 
     @classmethod
@@ -239,6 +240,7 @@ class Daemon:
             pool,
             session_ttl=settings.session_ttl_s,
             lease_ttl=settings.lease_ttl_s,
+            layout_from_engine=settings.layout_from_engine,
         )
         Inbox.attach(node, peer_timeout=settings.peer_timeout_s, fence_s=settings.fence_s)
         metrics = Metrics(node)

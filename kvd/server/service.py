@@ -25,6 +25,7 @@ from kvd.handoff.flight import SendItem, check_batch_size
 from kvd.handoff.outbox import Outbox
 from kvd.handoff.inbox import inbox_of
 from kvd.daemon.node import Node
+from kvd.pool.layout import Layout
 from kvd.records import AllocSpec, LeaseKind
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import to_status
@@ -165,7 +166,23 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         )
 
     def GetInfo(self, request, context):
-        return self._run(context, lambda: self._with_session(context, self.info))
+        def go():
+            self.node.require_layout()
+            return self.info()
+
+        return self._run(context, lambda: self._with_session(context, go))
+
+    def ProposeLayout(self, request: pb.ProposeLayoutRequest, context):
+        def go():
+            try:
+                layout = Layout.model_validate_json(request.layout_json)
+            except ValueError as exc:
+                raise InvalidArgument(f"layout_json is not a kvd layout ({str(exc)[:1500]}); send Layout.model_dump_json()") from None
+            with self.node.lock:  # the adopted layout and the info that reports it, as one picture
+                self.node.propose_layout(self._session(context), layout)
+                return self.info()
+
+        return self._run(context, go)
 
     def _with_session(self, context, fn: Callable[[], T]) -> T:
         self.node.touch(self._session(context))
@@ -192,6 +209,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         # shm: the path of the arena file. cuda-vmm: the handle socket, where the client fetches
         # the chunk fds with its session id (kvd.ipc.fdpass); only the backed prefix is exported.
         def go():
+            self.node.require_layout()  # the views follow the layout
             h = self.node.pool.arena.handle()
             path = h.path
             if h.kind == "cuda-vmm":

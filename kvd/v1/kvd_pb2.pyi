@@ -15,7 +15,8 @@ Conventions
 * Physical index vectors are always tagged with the pool's boot id and epoch; a call that
   quotes a stale pair is refused with FAILED_PRECONDITION, never acted on.
 * Bounds: every string in a request (request ids, session names, boot ids, sender names; in
-  repeated and nested fields too) is at most 256 bytes of UTF-8, except a reason: at most 1024.
+  repeated and nested fields too) is at most 256 bytes of UTF-8, except a reason: at most 1024,
+  and a proposed layout's JSON: at most 64 KiB.
   Longer is INVALID_ARGUMENT naming the field, its length and the limit. So is a request whose
   bytes do not parse as the method's message. Error messages quote at most 64 characters of any
   caller's string and are at most 2048 bytes. A whole message is at most 64 MiB.
@@ -1453,6 +1454,30 @@ class GetInfoRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetInfoRequest: _TypeAlias = GetInfoRequest  # noqa: Y015
+
+@_typing.final
+class ProposeLayoutRequest(_message.Message):
+    """An engine's layout (kvd.pool.layout.Layout as JSON). A daemon started with layout_from_engine
+    and no layout yet takes it; otherwise a layout that differs is INVALID_ARGUMENT (LayoutMismatch)
+    naming both. Answers the daemon's PoolInfo (its layout then).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYOUT_JSON_FIELD_NUMBER: _builtins.int
+    layout_json: _builtins.str
+    def __init__(
+        self,
+        *,
+        layout_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout_json", b"layout_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProposeLayoutRequest: _TypeAlias = ProposeLayoutRequest  # noqa: Y015
 
 @_typing.final
 class SendRequest(_message.Message):

@@ -54,6 +54,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.PoolInfo.FromString,
                 _registered_method=True)
+        self.ProposeLayout = channel.unary_unary(
+                '/kvd.v1.Kvd/ProposeLayout',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.ProposeLayoutRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.PoolInfo.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/kvd.v1.Kvd/GetStats',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.GetStatsRequest.SerializeToString,
@@ -183,6 +188,12 @@ class KvdServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeLayout(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -336,6 +347,11 @@ def add_KvdServicer_to_server(servicer, server):
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.GetInfoRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.PoolInfo.SerializeToString,
+            ),
+            'ProposeLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeLayout,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.ProposeLayoutRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.PoolInfo.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
@@ -551,6 +567,33 @@ class Kvd:
             target,
             '/kvd.v1.Kvd/GetInfo',
             kvd_dot_v1_dot_kvd__pb2.GetInfoRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.PoolInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/ProposeLayout',
+            kvd_dot_v1_dot_kvd__pb2.ProposeLayoutRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.PoolInfo.FromString,
             options,
             channel_credentials,

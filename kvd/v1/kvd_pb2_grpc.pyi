@@ -15,7 +15,8 @@ Conventions
 * Physical index vectors are always tagged with the pool's boot id and epoch; a call that
   quotes a stale pair is refused with FAILED_PRECONDITION, never acted on.
 * Bounds: every string in a request (request ids, session names, boot ids, sender names; in
-  repeated and nested fields too) is at most 256 bytes of UTF-8, except a reason: at most 1024.
+  repeated and nested fields too) is at most 256 bytes of UTF-8, except a reason: at most 1024,
+  and a proposed layout's JSON: at most 64 KiB.
   Longer is INVALID_ARGUMENT naming the field, its length and the limit. So is a request whose
   bytes do not parse as the method's message. Error messages quote at most 64 characters of any
   caller's string and are at most 2048 bytes. A whole message is at most 64 MiB.
@@ -53,6 +54,7 @@ class KvdStub:
     KeepAlive: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.KeepAliveRequest, _kvd_pb2.KeepAliveResponse]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.CloseSessionRequest, _kvd_pb2.CloseSessionResponse]
     GetInfo: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.GetInfoRequest, _kvd_pb2.PoolInfo]
+    ProposeLayout: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.ProposeLayoutRequest, _kvd_pb2.PoolInfo]
     GetStats: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.GetStatsRequest, _kvd_pb2.Stats]
     GetActivity: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.GetActivityRequest, _kvd_pb2.Activity]
     Attach: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.AttachRequest, _kvd_pb2.AttachResponse]
@@ -83,6 +85,7 @@ class KvdAsyncStub(KvdStub):
     KeepAlive: _aio.UnaryUnaryMultiCallable[_kvd_pb2.KeepAliveRequest, _kvd_pb2.KeepAliveResponse]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_kvd_pb2.CloseSessionRequest, _kvd_pb2.CloseSessionResponse]  # type: ignore[assignment]
     GetInfo: _aio.UnaryUnaryMultiCallable[_kvd_pb2.GetInfoRequest, _kvd_pb2.PoolInfo]  # type: ignore[assignment]
+    ProposeLayout: _aio.UnaryUnaryMultiCallable[_kvd_pb2.ProposeLayoutRequest, _kvd_pb2.PoolInfo]  # type: ignore[assignment]
     GetStats: _aio.UnaryUnaryMultiCallable[_kvd_pb2.GetStatsRequest, _kvd_pb2.Stats]  # type: ignore[assignment]
     GetActivity: _aio.UnaryUnaryMultiCallable[_kvd_pb2.GetActivityRequest, _kvd_pb2.Activity]  # type: ignore[assignment]
     Attach: _aio.UnaryUnaryMultiCallable[_kvd_pb2.AttachRequest, _kvd_pb2.AttachResponse]  # type: ignore[assignment]
@@ -132,6 +135,13 @@ class KvdServicer(metaclass=_abc_1.ABCMeta):
     def GetInfo(
         self,
         request: _kvd_pb2.GetInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.PoolInfo, _abc.Awaitable[_kvd_pb2.PoolInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def ProposeLayout(
+        self,
+        request: _kvd_pb2.ProposeLayoutRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvd_pb2.PoolInfo, _abc.Awaitable[_kvd_pb2.PoolInfo]]: ...
 

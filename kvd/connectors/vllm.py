@@ -1,0 +1,753 @@
+"""kvd as vLLM's KV connector (vLLM v1, pinned to 0.32: the connector API moves between releases).
+
+Start each vLLM next to its own kvd daemon::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvdConnector",
+        "kv_connector_module_path": "kvd.connectors.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"kvd_address": "unix:/run/kvd/kvd.sock"}}'
+
+The decode instance (``kv_consumer``) also names ``kvd_ticket_listen`` (``host:port``): the
+connector serves tickets there. One request, push mode (the decode daemon holds the KV before
+the decode vLLM admits the request; the prefill side never waits for decode's free blocks)::
+
+    proxy ── POST /v1/kvd/tickets {prompt_token_ids} ──▶ decode connector (scheduler side)
+          ◀── {kvd_rid, kvd_tokens: L, kvd_ticket} ──── allocate(rid, L, receive) + RECV lease
+    proxy ── prompt[:L], max_tokens=1, kv_transfer_params {kvd_ticket, kvd_rid, kvd_tokens} ──▶ prefill vLLM
+             prefill connector (worker): allocate(req, L), begin_send(ticket); save_kv_layer writes
+             each layer's KV of the request into its kvd pages; wait_for_save: Mamba state slots,
+             then Send + free on a background thread (vLLM frees its blocks at once)
+    proxy ── prompt, kv_transfer_params {kvd_rid} ──▶ decode vLLM
+             get_num_new_matched_tokens -> (L, load_async=True); a watcher waits for the kvd
+             transfer (WaitReady); once READY the worker copies kvd pages into vLLM's blocks
+             (start_load_kv) and reports the request in get_transfer_results; FAILED: in
+             failed_recving (vLLM's load-error path: the request fails, never garbage)
+
+``L``: the prompt's whole blocks short of its last token; the decode vLLM computes the tail itself
+(so a recurrent state handed over is exactly the state after ``L`` tokens; a ticket for a prompt
+shorter than one block plus one is refused: serve it on the decode instance alone). What ``kv_transfer_params`` carry is
+small and capability-like: a sealed ticket (checked by the decode daemon that minted it: nobody
+can redirect its bytes) and a random request name bound to the prompt's hash on the decode side.
+
+Layout: :func:`layout_from_vllm` derives kvd's :class:`~kvd.pool.layout.Layout` from vLLM's own
+``KVCacheConfig`` (full-attention groups -> ``full``, sliding-window -> ``swa`` with the window,
+Mamba -> ``state`` slots of the state's bytes; page size = vLLM's attention block size); the
+worker proposes it to its daemon when it registers its KV caches: a daemon started with
+``layout_from_engine`` takes it, one serving another layout refuses it, naming both. CPU KV tensors only
+(``[blocks, kv_heads, block_size, 2 * head_size]``, K|V fused on the last dim).
+
+kvd imports: :mod:`kvd.client` (``Client``), :mod:`kvd.errors`, :mod:`kvd.pool.layout`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, NamedTuple
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+from kvd.client import Client
+from kvd.errors import InvalidArgument, KvdError, LayoutMismatch
+from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
+
+__all__ = ["KvdConnector", "CopyStats", "layout_from_vllm", "LayerSlot"]
+
+log = logging.getLogger("kvd.connectors.vllm")
+if os.environ.get("KVDCONN_DEBUG"):
+    logging.basicConfig()
+    log.setLevel(logging.DEBUG)
+
+#: test-only: while the file this names exists, the prefill sender holds each Send (after begin_send:
+#: the transfer is open at the decode daemon), so a test can kill the prefill vLLM mid-transfer
+HOLD_SEND_ENV = "KVDCONN_TEST_HOLD_FILE"
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_MAX_TICKET_BODY = 1 << 20  # a ticket request is a prompt's token ids
+
+
+class LayerSlot(NamedTuple):
+    """Where one vLLM layer lives in kvd: group name, layer index in that group, vLLM group index."""
+
+    group: str
+    index: int
+    vllm_group: int
+
+
+def layout_from_vllm(kv_cache_config: Any, *, name: str = "vllm") -> tuple[Layout, dict[str, LayerSlot]]:
+    """kvd's layout for a vLLM ``KVCacheConfig``, and each layer's place in it.
+
+    Full-attention groups become one ``full`` group, sliding-window groups one ``swa`` group
+    (one window for all), Mamba groups one ``state`` group whose slot holds a layer's state bytes
+    (``uint8``). Raises InvalidArgument for what kvd cannot carry (MLA, mixed head shapes or
+    windows, block sizes that differ between attention groups, no full-attention layer)."""
+    layers: dict[str, list[tuple[str, int]]] = {"full": [], "swa": [], "state": []}
+    attn: dict[str, set] = {"full": set(), "swa": set()}
+    windows: set[int] = set()
+    state_bytes: set[int] = set()
+    block_sizes: set[int] = set()
+    dtypes: set[str] = set()
+    for gi, grp in enumerate(kv_cache_config.kv_cache_groups):
+        spec = grp.kv_cache_spec
+        if type(spec) is MambaSpec:
+            kind = "state"
+            state_bytes.add(spec.real_page_size_bytes)
+        elif type(spec) in (FullAttentionSpec, SlidingWindowSpec):
+            kind = "swa" if type(spec) is SlidingWindowSpec else "full"
+            if kind == "swa":
+                windows.add(int(spec.sliding_window))
+            elif spec.sliding_window is not None:
+                raise InvalidArgument(f"kv cache group {gi}: a full-attention spec with a sliding window is not supported by kvd")
+            dt = _DTYPE_NAMES.get(spec.dtype)
+            if dt is None:
+                raise InvalidArgument(f"kv cache group {gi}: dtype {spec.dtype} is not one kvd carries ({sorted(DTYPES)})")
+            dtypes.add(dt)
+            block_sizes.add(int(spec.block_size))
+            attn[kind].add((int(spec.num_kv_heads), int(spec.head_size), int(spec.head_size_v or spec.head_size), dt))
+        else:
+            raise InvalidArgument(
+                f"kv cache group {gi} is a {type(spec).__name__}; kvd's vLLM connector carries full attention, "
+                "sliding window and Mamba groups"
+            )
+        layers[kind].extend((ln, gi) for ln in grp.layer_names)
+    for kind, shapes in attn.items():
+        if len(shapes) > 1:
+            raise InvalidArgument(f"{kind}-attention layers differ in (kv heads, head size, v head size, dtype): {sorted(shapes)}")
+    if len(windows) > 1 or len(state_bytes) > 1 or len(block_sizes) > 1 or len(dtypes) > 1:
+        raise InvalidArgument(
+            f"kvd needs one window ({sorted(windows)}), one state size ({sorted(state_bytes)}), one attention "
+            f"block size ({sorted(block_sizes)}) and one dtype ({sorted(dtypes)}) per model"
+        )
+    if not layers["full"]:
+        raise InvalidArgument("the model has no full-attention layer; kvd's layout needs a full group (it owns the page ids)")
+    groups = []
+    for kind in ("full", "swa"):
+        if layers[kind]:
+            h, d, dv, _ = next(iter(attn[kind]))
+            groups.append(GroupSpec(kind=GroupKind(kind), num_layers=len(layers[kind]), num_kv_heads=h, head_dim=d,
+                                    v_head_dim=dv, window=windows.pop() if kind == "swa" else None))
+    if layers["state"]:
+        groups.append(GroupSpec(kind=GroupKind.STATE, num_layers=len(layers["state"]), state_elems=state_bytes.pop(), dtype="uint8"))
+    layout = Layout(name=name, page_size=block_sizes.pop(), dtype=dtypes.pop(), groups=tuple(groups),
+                    source="vLLM KVCacheConfig (kvd.connectors.vllm.layout_from_vllm)")
+    slots = {ln: LayerSlot(kind, i, gi) for kind, ls in layers.items() for i, (ln, gi) in enumerate(ls)}
+    return layout, slots
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+@dataclass
+class CopyStats:
+    """What the worker side of a connector copied and sent so far (bytes, seconds): ``save`` is
+    vLLM's blocks -> kvd pages (prefill, in save_kv_layer / wait_for_save), ``send`` the kvd Sends
+    (prefill daemon -> decode daemon, as SendResult reports them), ``load`` kvd pages -> vLLM's
+    blocks (decode, start_load_kv)."""
+
+    save_bytes: int = 0
+    save_s: float = 0.0
+    send_bytes: int = 0
+    send_s: float = 0.0
+    sends: int = 0
+    load_bytes: int = 0
+    load_s: float = 0.0
+    loads: int = 0
+
+
+# ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
+@dataclass
+class _Save:
+    req_id: str
+    rid: str  # the kvd request: the ticket's (both daemons name the request alike)
+    ticket: bytes
+    tokens: int  # L: the request's prompt length, all of it sent
+    block_ids: tuple[list[int], ...]
+    start: int  # tokens computed in this step: [start, end)
+    end: int
+    last: bool
+
+
+@dataclass
+class _Load:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    start: int  # load tokens [start, end) (start: vLLM's own prefix-cache hit)
+    end: int
+    full: list[int] = field(default_factory=list)
+    swa_first: int = 0
+    swa: list[int] = field(default_factory=list)
+    state: int | None = None
+    error: str = ""  # the transfer failed: report, never copy
+
+
+@dataclass
+class KvdMetadata(KVConnectorMetadata):
+    saves: list[_Save] = field(default_factory=list)
+    loads: list[_Load] = field(default_factory=list)
+
+
+# ---- the decode side's ticket book (scheduler role) ----------------------------------------------
+@dataclass
+class _Pending:
+    rid: str
+    tokens: int
+    digest: str  # of prompt[:tokens]
+    deadline: float  # freed if not admitted by then
+    xfer_deadline: float  # FAILED if the KV has not arrived by then (admitted or not)
+    state: str = "WAITING"  # WAITING | READY | FAILED | LOADING
+    reason: str = ""
+    req_id: str | None = None
+    block_ids: tuple[list[int], ...] | None = None
+    start: int = 0
+    dispatched: bool = False
+
+
+class _TicketBook:
+    """Tickets minted on the decode daemon for requests the decode vLLM has not admitted yet."""
+
+    def __init__(self, kv: Client, admit_ttl: float, block_size: int) -> None:
+        self.kv = kv
+        self.admit_ttl = admit_ttl
+        self.block_size = block_size
+        self.lock = threading.Lock()
+        self.pending: dict[str, _Pending] = {}
+        self.by_req: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="kvd-ticket-reaper", daemon=True)
+        self._reaper.start()
+
+    def mint(self, prompt: list[int]) -> dict:
+        if not prompt or len(prompt) < 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidArgument("prompt_token_ids: give the prompt's token ids (at least 2 ints)")
+        # Whole blocks only, and never the last prompt token (the decode vLLM computes the tail
+        # itself, so a recurrent state handed over is exactly the state after n tokens): with a
+        # partly filled last block loaded, vLLM 0.32 (CPU) gave a different first token.
+        n = (len(prompt) - 1) // self.block_size * self.block_size
+        if n == 0:
+            raise InvalidArgument(f"prompt of {len(prompt)} tokens: shorter than one block ({self.block_size}) plus one; "
+                                  "serve it on the decode instance alone")
+        rid = "vllm-" + secrets.token_urlsafe(12)
+        self.kv.allocate(rid, n, receive=True)
+        try:
+            lease = self.kv.acquire_lease(rid, "recv", ttl=self.admit_ttl)
+        except KvdError:
+            self.kv.free(rid)
+            raise
+        with self.lock:
+            now = time.monotonic()
+            self.pending[rid] = _Pending(rid, n, prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
+        threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
+        return {"kvd_rid": rid, "kvd_tokens": n, "kvd_ticket": base64.b64encode(lease.ticket).decode()}
+
+    def status(self, rid: str) -> dict | None:
+        with self.lock:
+            p = self.pending.get(rid)
+            return None if p is None else {"kvd_rid": rid, "state": p.state, "reason": p.reason, "admitted": p.req_id is not None}
+
+    def _watch(self, rid: str) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                p = self.pending.get(rid)
+                if p is None:
+                    return
+                left = p.xfer_deadline - time.monotonic()
+                if left <= 0:
+                    if p.state == "WAITING":
+                        p.state, p.reason = "FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket"
+                    return
+            try:
+                st = self.kv.wait_ready(rid, timeout=min(left, 5.0))
+            except KvdError as exc:
+                state, reason = "FAILED", f"{type(exc).__name__}: {exc}"
+            else:
+                if st.state.name not in ("READY", "FAILED"):
+                    continue
+                state, reason = st.state.name, st.reason
+            with self.lock:
+                p = self.pending.get(rid)
+                if p is not None and p.state == "WAITING":
+                    p.state, p.reason = state, reason
+            return
+
+    def _reap(self) -> None:
+        """Free what the decode vLLM never admitted, once its admission window passed."""
+        while not self._stop.wait(0.25):
+            now = time.monotonic()
+            with self.lock:
+                dead = [p for p in self.pending.values() if p.req_id is None and p.deadline <= now]
+                for p in dead:
+                    del self.pending[p.rid]
+            for p in dead:
+                log.warning("kvd request %s was never admitted by this vLLM within %.1f s: freed", p.rid, self.admit_ttl)
+                self._free(p.rid)
+
+    def _free(self, rid: str) -> None:
+        try:
+            if self.kv.vectors(rid) is not None:
+                try:
+                    self.kv.abort(rid, "the decode vLLM is done with it")
+                except KvdError:
+                    pass  # nothing in flight
+                self.kv.free(rid)
+        except KvdError as exc:
+            log.debug("free %s: %s", rid, exc)
+
+    # -- scheduler hooks --
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        rid = params.get("kvd_rid")
+        if not isinstance(rid, str) or "kvd_ticket" in params:
+            return 0, False
+        with self.lock:
+            p = self.pending.get(rid)
+            if p is None:
+                log.warning("request %s names kvd request %r, which this connector does not hold (expired?): computing locally",
+                            request.request_id, rid)
+                return 0, False
+            if p.req_id not in (None, request.request_id):
+                log.warning("kvd request %r is already admitted as %s; computing %s locally", rid, p.req_id, request.request_id)
+                return 0, False
+            prompt = list(request.prompt_token_ids or [])
+            if len(prompt) <= p.tokens or prompt_digest(prompt[: p.tokens]) != p.digest:
+                log.warning("request %s: its prompt is not the one kvd request %r was minted for: computing locally",
+                            request.request_id, rid)
+                return 0, False
+            p.req_id = request.request_id
+            p.deadline = float("inf")
+            self.by_req[request.request_id] = rid
+        return (p.tokens - num_computed, True) if p.tokens > num_computed else (0, False)
+
+    def allocated(self, request: Any, blocks: Any, n_external: int) -> None:
+        if n_external <= 0:
+            return
+        with self.lock:
+            rid = self.by_req.get(request.request_id)
+            p = self.pending.get(rid) if rid else None
+            if p is not None and not p.dispatched:
+                p.block_ids = tuple(list(b) for b in blocks.get_block_ids())
+                p.start = p.tokens - n_external
+
+    def ready_loads(self) -> list[_Load]:
+        out = []
+        with self.lock:
+            todo = [p for p in self.pending.values() if p.block_ids is not None and not p.dispatched and p.state in ("READY", "FAILED")]
+            for p in todo:
+                p.dispatched = True
+        for p in todo:
+            load = _Load(p.req_id, p.block_ids, p.start, p.tokens, error=p.reason if p.state == "FAILED" else "")
+            if not load.error:
+                try:
+                    v = self.kv.vectors(p.rid)
+                    load.full, load.swa_first, load.swa, load.state = v.full.tolist(), v.swa_first_page, v.swa.tolist(), v.state
+                except KvdError as exc:
+                    load.error = f"{type(exc).__name__}: {exc}"
+            out.append(load)
+        return out
+
+    def finished(self, req_ids: set[str]) -> None:
+        """The worker copied (or failed) these requests: their kvd pages go back."""
+        for req_id in req_ids:
+            with self.lock:
+                rid = self.by_req.pop(req_id, None)
+                if rid is not None:
+                    self.pending.pop(rid, None)
+            if rid is not None:
+                self._free(rid)
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def _ticket_server(book: _TicketBook, listen: str) -> ThreadingHTTPServer:
+    host, _, port = listen.rpartition(":")
+
+    class Handler(BaseHTTPRequestHandler):
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            if self.path != "/v1/kvd/tickets":
+                return self._reply(404, {"error": f"no such endpoint {self.path[:64]!r}; POST /v1/kvd/tickets"})
+            n = int(self.headers.get("Content-Length") or 0)
+            if not 0 < n <= _MAX_TICKET_BODY:
+                return self._reply(400, {"error": f"body of {n} bytes: send JSON {{prompt_token_ids: [...]}} of at most {_MAX_TICKET_BODY}"})
+            try:
+                body = json.loads(self.rfile.read(n))
+                self._reply(200, book.mint(body.get("prompt_token_ids") if isinstance(body, dict) else None))
+            except (ValueError, InvalidArgument) as exc:
+                self._reply(400, {"error": str(exc)})
+            except KvdError as exc:
+                self._reply(503, {"error": f"{type(exc).__name__}: {exc}"})
+
+        def do_GET(self) -> None:  # noqa: N802
+            prefix = "/v1/kvd/transfers/"
+            st = book.status(self.path[len(prefix):]) if self.path.startswith(prefix) else None
+            self._reply(200, st) if st else self._reply(404, {"error": "no such kvd request here"})
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, name="kvd-ticket-server", daemon=True).start()
+    return srv
+
+
+def _connect(address: str, name: str, ttl: float | None) -> Client:
+    try:
+        return Client.connect(address, name=name, ttl=ttl, timeout=10.0)
+    except KvdError as exc:
+        raise RuntimeError(
+            f"KvdConnector: no kvd daemon answers at {address!r} ({type(exc).__name__}: {exc}); start `kvd serve` "
+            "there first, or set kv_connector_extra_config.kvd_address to the daemon beside this vLLM"
+        ) from exc
+
+
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector over the local kvd daemon (see the module doc for the flow)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = cfg.kv_connector_extra_config or {}
+        self._address = extra.get("kvd_address")
+        if not isinstance(self._address, str) or not self._address:
+            raise ValueError("KvdConnector: set kv_connector_extra_config.kvd_address (e.g. 'unix:/run/kvd/kvd.sock')")
+        ttl = extra.get("kvd_session_ttl_s")
+        model = str(getattr(vllm_config.model_config, "model", "") or "vllm")
+        self._layout, self._slots = layout_from_vllm(kv_cache_config, name=model.rstrip("/").rsplit("/", 1)[-1][:64])
+        self._bs = self._layout.page_size
+        self._state_groups = {s.vllm_group for s in self._slots.values() if s.group == "state"}
+        self._producer = cfg.kv_role in ("kv_producer", "kv_both")
+        self._consumer = cfg.kv_role in ("kv_consumer", "kv_both")
+        self._kv = _connect(self._address, f"vllm-{role.name.lower()}-{os.getpid()}", float(ttl) if ttl else None)
+        self._book: _TicketBook | None = None
+        self._server: ThreadingHTTPServer | None = None
+        # scheduler side, producer: requests to save, with their block ids so far
+        self._saving: dict[str, dict] = {}
+        # worker side
+        self._caches: dict[str, torch.Tensor] = {}
+        self._views: dict[str, list] = {}
+        self._sent_rids: set[str] = set()  # producer: kvd requests opened this step or before
+        self._vecs: dict[str, Any] = {}
+        self._done: set[str] = set()
+        self.copy_stats = CopyStats()
+        self._failed: set[str] = set()  # consumer: loads that failed this step
+        self._bad_saves: set[str] = set()  # producer: transfers that could not open
+        self._sends: queue.Queue = queue.Queue()
+        self._sender: threading.Thread | None = None
+        if role is KVConnectorRole.SCHEDULER and self._consumer:
+            listen = extra.get("kvd_ticket_listen")
+            if not isinstance(listen, str) or ":" not in listen:
+                raise ValueError("KvdConnector (kv_consumer): set kv_connector_extra_config.kvd_ticket_listen to host:port "
+                                 "(the proxy asks this decode instance for tickets there)")
+            self._book = _TicketBook(self._kv, float(extra.get("kvd_admit_ttl_s", 30.0)), self._bs)
+            self._server = _ticket_server(self._book, listen)
+            log.info("KvdConnector: tickets on http://%s/v1/kvd/tickets, kvd at %s", listen, self._address)
+
+    # ============================ scheduler side ============================
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if self._book is not None:
+            return self._book.matched(request, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self._book is not None and num_external_tokens > 0:
+            self._book.allocated(request, blocks, num_external_tokens)
+            return
+        params = request.kv_transfer_params or {}
+        if not (self._producer and "kvd_ticket" in params) or request.request_id in self._saving:
+            return
+        n = len(request.prompt_token_ids or [])
+        if params.get("kvd_tokens") != n:
+            log.error("request %s: its prompt has %d tokens, the ticket is for %r (send the decode side's prompt[:kvd_tokens]); "
+                      "not sending its KV", request.request_id, n, params.get("kvd_tokens"))
+            return
+        try:
+            ticket = base64.b64decode(params["kvd_ticket"], validate=True)
+        except (ValueError, TypeError):
+            log.error("request %s: kvd_ticket is not base64; not sending its KV", request.request_id)
+            return
+        rid = params.get("kvd_rid")
+        if not isinstance(rid, str):
+            log.error("request %s: kv_transfer_params has a kvd_ticket but no kvd_rid; not sending its KV", request.request_id)
+            return
+        self._saving[request.request_id] = {"ticket": ticket, "rid": rid, "tokens": n, "blocks": None, "params": params}
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = KvdMetadata()
+        if self._saving:
+            steps = scheduler_output.num_scheduled_tokens
+            for r in scheduler_output.scheduled_new_reqs:
+                s = self._saving.get(r.req_id)
+                if s is not None:
+                    s["blocks"] = tuple(list(b) for b in r.block_ids)
+                    self._save_step(meta, r.req_id, s, r.num_computed_tokens, steps.get(r.req_id, 0))
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                s = self._saving.get(req_id)
+                if s is None or s["blocks"] is None:
+                    continue
+                new = cached.new_block_ids[i]
+                if new is not None:
+                    s["blocks"] = tuple(old + list(b) for old, b in zip(s["blocks"], new))
+                self._save_step(meta, req_id, s, cached.num_computed_tokens[i], steps.get(req_id, 0))
+        if self._book is not None:
+            meta.loads = self._book.ready_loads()
+        return meta
+
+    def _save_step(self, meta: KvdMetadata, req_id: str, s: dict, computed: int, scheduled: int) -> None:
+        start, end = computed, min(computed + scheduled, s["tokens"])
+        if end > start and not s.get("sent"):
+            last = end >= s["tokens"]
+            s["sent"] = last
+            meta.saves.append(_Save(req_id, s["rid"], s["ticket"], s["tokens"], s["blocks"], start, end, last))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._book is not None and connector_output.finished_recving:
+            self._book.finished(set(connector_output.finished_recving))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        s = self._saving.pop(request.request_id, None)
+        if self._book is not None and request.request_id in self._book.by_req:
+            with self._book.lock:
+                rid = self._book.by_req.get(request.request_id)
+                p = self._book.pending.get(rid)
+                gone = p is None or not p.dispatched  # finished (aborted) before its load: nothing will copy
+            if gone:
+                self._book.finished({request.request_id})
+        if s is None:
+            return False, None
+        # The KV is in kvd already (copied in save_kv_layer / wait_for_save): vLLM may free its blocks now.
+        return False, {"kvd_rid": s["params"].get("kvd_rid"), "kvd_tokens": s["tokens"]}
+
+    # ============================ worker side ============================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # A daemon started with layout_from_engine takes this vLLM's layout; one with another
+        # layout refuses it, naming both.
+        try:
+            self._kv.propose_layout(self._layout)
+        except LayoutMismatch as exc:
+            raise LayoutMismatch(
+                f"KvdConnector: the kvd daemon at {self._address} refused this vLLM's layout "
+                f"(kvd.connectors.vllm.layout_from_vllm): {exc}"
+            ) from None
+        for ln, slot in self._slots.items():
+            t = kv_caches.get(ln)
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgument(f"KvdConnector: layer {ln} registered {type(t).__name__}, not one KV tensor")
+            if t.device.type != "cpu":
+                raise InvalidArgument(f"KvdConnector: layer {ln} lives on {t.device}; this connector copies CPU KV tensors only")
+            if slot.group == "state":
+                continue
+            g = self._layout.group(slot.group)
+            want = (g.num_kv_heads, self._bs, g.head_dim + g.v_dim)
+            if t.dim() != 4 or tuple(t.shape[1:]) != want:
+                raise InvalidArgument(f"KvdConnector: layer {ln} is {tuple(t.shape)}; expected [blocks, {want[0]}, {want[1]}, {want[2]}]")
+        self._caches = kv_caches
+        self._views = self._kv.attach().views
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for load in getattr(meta, "loads", ()):
+            if load.error:
+                log.error("kvd transfer for request %s failed: %s", load.req_id, load.error)
+                self._failed.add(load.req_id)
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._load(load)
+            except (RuntimeError, IndexError, KvdError) as exc:
+                log.error("kvd load for request %s failed: %s", load.req_id, exc)
+                self._failed.add(load.req_id)
+            else:
+                self._done.add(load.req_id)
+                self.copy_stats.load_s += time.perf_counter() - t0
+                self.copy_stats.loads += 1
+
+    def _load(self, ld: _Load) -> None:
+        for ln, slot in self._slots.items():
+            cache, view = self._caches[ln], self._views[slot.group][slot.index]
+            ids = ld.block_ids[slot.vllm_group]
+            if slot.group == "state":
+                blk = _last_real(ids, ln)
+                if ld.state is None:
+                    raise RuntimeError(f"layer {ln}: the kvd request has no state slot")
+                cache[blk].view(-1).view(torch.uint8).copy_(view.k[ld.state])
+                self.copy_stats.load_bytes += view.k[ld.state].numel()
+                continue
+            blk, off, page = self._index(ids, ld.start, ld.end, slot.group, ld.full, ld.swa_first, ld.swa, ln)
+            d = view.k.shape[-1]
+            # [blocks, block_size, kv_heads, 2 * head_size]: the two indexed dims adjacent (index_put
+            # with a slice between them took ~5x longer)
+            tokens_first = cache.permute(0, 2, 1, 3)
+            tokens_first[blk, off, :, :d] = view.k[page, off]
+            tokens_first[blk, off, :, d:] = view.v[page, off]
+            self.copy_stats.load_bytes += len(page) * cache.shape[1] * cache.shape[3] * cache.element_size()
+            if log.isEnabledFor(logging.DEBUG):  # the checksum costs more than the copy
+                log.debug("load %s %s [%d, %d) blocks %s pages %s: %.6f", ld.req_id, ln, ld.start, ld.end, sorted(set(blk.tolist())),
+                          sorted(set(page.tolist())), float(cache[blk, :, off].double().abs().sum()))
+
+    def _index(self, ids: list[int], start: int, end: int, group: str, full: list[int], swa_first: int, swa: list[int],
+               ln: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """vLLM block, in-block offset and kvd page of tokens [start, end) that vLLM keeps (not in the null block)."""
+        t = torch.arange(start, end)
+        j = t // self._bs
+        if int(j.max()) >= len(ids) if len(t) else False:
+            raise RuntimeError(f"layer {ln}: tokens up to {end} but vLLM gave {len(ids)} blocks")
+        blk = torch.tensor(ids, dtype=torch.long)[j]
+        keep = blk != 0  # the null block: a sliding-window block vLLM dropped
+        t, j, blk = t[keep], j[keep], blk[keep]
+        if group == "full":
+            page = torch.tensor(full, dtype=torch.long)[j]
+        else:
+            k = j - swa_first
+            if len(k) and (int(k.min()) < 0 or int(k.max()) >= len(swa)):
+                raise RuntimeError(f"layer {ln}: vLLM keeps request blocks {sorted(set(j.tolist()))}, kvd's window holds "
+                                   f"[{swa_first}, {swa_first + len(swa)})")
+            page = torch.tensor(swa, dtype=torch.long)[k]
+        return blk, t % self._bs, page
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and finish before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        slot = self._slots.get(layer_name)
+        if slot is None or slot.group == "state":
+            return  # state slots are copied once the step's forward is done (wait_for_save)
+        for sv in getattr(self._get_connector_metadata(), "saves", ()):
+            vec = self._open(sv)
+            if vec is None:
+                continue
+            view = self._views[slot.group][slot.index]
+            blk, off, page = self._index(sv.block_ids[slot.vllm_group], sv.start, sv.end, slot.group, vec["full"], 0, vec["swa"],
+                                         layer_name)
+            d = view.k.shape[-1]
+            t0 = time.perf_counter()
+            src = self._caches[layer_name].permute(0, 2, 1, 3)[blk, off]  # [T, kv_heads, 2 * head_size]
+            view.k[page, off] = src[..., :d]
+            view.v[page, off] = src[..., d:]
+            self.copy_stats.save_s += time.perf_counter() - t0
+            self.copy_stats.save_bytes += src.nbytes
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("save %s %s [%d, %d) blocks %s pages %s: %.6f", sv.req_id, layer_name, sv.start, sv.end,
+                          sorted(set(blk.tolist())), sorted(set(page.tolist())), float(src.double().abs().sum()))
+
+    def _open(self, sv: _Save) -> dict | None:
+        """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""
+        v = self._vecs.get(sv.req_id)
+        if v is None and sv.req_id not in self._bad_saves:
+            try:
+                vec = self._kv.allocate(sv.rid, sv.tokens)
+                v = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
+                self._vecs[sv.req_id] = v
+                # the decode daemon checks the ticket now, while the prompt computes
+                self._kv.begin_send(sv.rid, sv.ticket)
+            except KvdError as exc:
+                log.error("kvd: cannot open the transfer of request %s: %s", sv.req_id, exc)
+                self._bad_saves.add(sv.req_id)
+                self._drop(sv.req_id, sv.rid)
+                return None
+        return v
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        for sv in getattr(meta, "saves", ()):
+            if not sv.last:
+                continue
+            if sv.req_id in self._bad_saves:
+                self._bad_saves.discard(sv.req_id)
+                continue
+            v = self._open(sv)
+            if v is None:
+                continue
+            for ln, slot in self._slots.items():
+                if slot.group == "state":
+                    blk = _last_real(sv.block_ids[slot.vllm_group], ln)
+                    t0 = time.perf_counter()
+                    dst = self._views["state"][slot.index].k[v["state"]]
+                    dst.copy_(self._caches[ln][blk].view(-1).view(torch.uint8))
+                    self.copy_stats.save_s += time.perf_counter() - t0
+                    self.copy_stats.save_bytes += dst.numel()
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_loop, name="kvd-sender", daemon=True)
+                self._sender.start()
+            self._sends.put(sv)
+
+    def _send_loop(self) -> None:
+        hold = os.environ.get(HOLD_SEND_ENV)
+        while (sv := self._sends.get()) is not None:
+            while hold and os.path.exists(hold):
+                time.sleep(0.05)
+            try:
+                res = self._kv.send(sv.rid, sv.ticket, start=0, end=sv.tokens, last=True)
+                log.debug("kvd: sent %s: %d bytes in %.4f s", sv.req_id, res.nbytes, res.seconds)
+                self.copy_stats.send_bytes += res.nbytes
+                self.copy_stats.send_s += res.seconds
+                self.copy_stats.sends += 1
+            except KvdError as exc:
+                log.error("kvd: sending request %s failed: %s", sv.req_id, exc)
+                try:
+                    self._kv.abort(sv.rid, f"the prefill vLLM's send failed: {exc}")
+                except KvdError:
+                    pass
+            self._drop(sv.req_id, sv.rid)
+
+    def _drop(self, req_id: str, rid: str) -> None:
+        self._vecs.pop(req_id, None)
+        try:
+            self._kv.free(rid)
+        except KvdError as exc:
+            log.debug("free %s: %s", rid, exc)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # A failed receive is reported in both sets: vLLM then fails the request (kv_load_failure_policy
+        # "fail", the default) instead of waiting for it; 0.32 refuses block-level errors with HMA groups.
+        done, failed = self._done | self._failed, self._failed
+        self._done, self._failed = set(), set()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._sender is not None:
+            self._sends.put(None)
+            self._sender.join(timeout=30)
+        if self._server is not None:
+            self._server.shutdown()
+        if self._book is not None:
+            self._book.close()
+        self._kv.close()
+
+
+def _last_real(ids: list[int], ln: str) -> int:
+    real = [b for b in ids if b != 0]
+    if not real:
+        raise RuntimeError(f"layer {ln}: vLLM gave the request no state block")
+    return real[-1]

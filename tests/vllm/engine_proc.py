@@ -1,0 +1,81 @@
+"""One vLLM engine (offline LLM API, in-process engine core) driven over stdin/stdout by the tests.
+
+    python engine_proc.py MODEL [--kv JSON] [--layout-out FILE] [--block-size N] [--max-num-batched-tokens N]
+
+Prints ``READY`` once the engine is up (and, with --layout-out, writes the kvd layout derived from
+this engine's own KV cache config there). Then each stdin line is a job
+``{"prompts": [[ids]], "params": [kv_transfer_params | null], "max_tokens": N}`` (or ``{"stats": true}``:
+the connector's CopyStats), answered by one
+line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}`` (with
+--kv also ``copy_stats``: the connector's CopyStats so far).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import signal
+import sys
+import time
+
+
+def main() -> None:
+    faulthandler.register(signal.SIGUSR1)  # kill -USR1 PID: every thread's stack to stderr (a hung engine)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--kv", default=None)
+    ap.add_argument("--layout-out", default=None)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step (default: the longest prompt in one step); below a prompt: chunked prefill")
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, max_num_seqs=8,
+              seed=0, enable_prefix_caching=False, block_size=a.block_size,
+              max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_model_len))
+    if a.kv:
+        kw["kv_transfer_config"] = KVTransferConfig(**json.loads(a.kv))
+    llm = LLM(**kw)
+    if a.layout_out:
+        from kvd.connectors.vllm import layout_from_vllm
+
+        core = llm.llm_engine.engine_core.engine_core  # VLLM_ENABLE_V1_MULTIPROCESSING=0: in this process
+        layout, _ = layout_from_vllm(core.scheduler.kv_cache_config, name=a.model.rstrip("/").rsplit("/", 1)[-1])
+        with open(a.layout_out, "w") as f:
+            f.write(layout.model_dump_json())
+    print("READY", flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        if job.get("stats"):  # the connector's CopyStats only (a Send finishes after its request)
+            from dataclasses import asdict
+
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            print("RESULT " + json.dumps({"copy_stats": asdict(get_kv_transfer_group().copy_stats)}), flush=True)
+            continue
+        params = job.get("params") or [None] * len(job["prompts"])
+        sps = [SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True,
+                              extra_args={"kv_transfer_params": p} if p else None) for p in params]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], sps, use_tqdm=False)
+        res = dict(tokens=[list(o.outputs[0].token_ids) for o in outs],
+                   finish=[o.outputs[0].finish_reason for o in outs],
+                   kv_params=[o.kv_transfer_params for o in outs], seconds=time.perf_counter() - t0)
+        if a.kv:  # the worker-side connector (in this process): what it copied and sent so far
+            from dataclasses import asdict
+
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            stats = getattr(get_kv_transfer_group(), "copy_stats", None)  # KvdConnector's (not NixlConnector's)
+            if stats is not None:
+                res["copy_stats"] = asdict(stats)
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

