@@ -85,7 +85,7 @@ class LayerSlot(NamedTuple):
     """Where one vLLM layer lives in kvd: group name, layer index in that group, vLLM group index."""
 
     group: str
-    index: int
+    layer_index: int  # not ``index``: that would shadow tuple.index
     vllm_group: int
 
 
@@ -149,7 +149,7 @@ def layout_from_vllm(kv_cache_config: Any, *, name: str = "vllm") -> tuple[Layou
     return layout, slots
 
 
-def prompt_digest(token_ids: list[int]) -> str:
+def _prompt_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
 
 
@@ -197,7 +197,7 @@ class _Load:
 
 
 @dataclass
-class KvdMetadata(KVConnectorMetadata):
+class _KvdMetadata(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
     loads: list[_Load] = field(default_factory=list)
 
@@ -232,8 +232,9 @@ class _TicketBook:
         self._reaper = threading.Thread(target=self._reap, name="kvd-ticket-reaper", daemon=True)
         self._reaper.start()
 
-    def mint(self, prompt: list[int]) -> dict:
-        if not prompt or len(prompt) < 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    def mint(self, prompt: object) -> dict:
+        """A ticket for ``prompt`` (the ``prompt_token_ids`` of a ticket request, unchecked JSON)."""
+        if not isinstance(prompt, list) or len(prompt) < 2 or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise InvalidArgument("prompt_token_ids: give the prompt's token ids (at least 2 ints)")
         # Whole blocks only, and never the last prompt token (the decode vLLM computes the tail
         # itself, so a recurrent state handed over is exactly the state after n tokens): with a
@@ -251,7 +252,7 @@ class _TicketBook:
             raise
         with self.lock:
             now = time.monotonic()
-            self.pending[rid] = _Pending(rid, n, prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
+            self.pending[rid] = _Pending(rid, n, _prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
         threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
         return {"kvd_rid": rid, "kvd_tokens": n, "kvd_ticket": base64.b64encode(lease.ticket).decode()}
 
@@ -324,7 +325,7 @@ class _TicketBook:
                 log.warning("kvd request %r is already admitted as %s; computing %s locally", rid, p.req_id, request.request_id)
                 return 0, False
             prompt = list(request.prompt_token_ids or [])
-            if len(prompt) <= p.tokens or prompt_digest(prompt[: p.tokens]) != p.digest:
+            if len(prompt) <= p.tokens or _prompt_digest(prompt[: p.tokens]) != p.digest:
                 log.warning("request %s: its prompt is not the one kvd request %r was minted for: computing locally",
                             request.request_id, rid)
                 return 0, False
@@ -350,6 +351,8 @@ class _TicketBook:
             for p in todo:
                 p.dispatched = True
         for p in todo:
+            if p.req_id is None or p.block_ids is None:  # allocated() sets block_ids only on an admitted request
+                raise RuntimeError(f"kvd request {p.rid}: dispatched with no admitted vLLM request or no blocks")
             load = _Load(p.req_id, p.block_ids, p.start, p.tokens, error=p.reason if p.state == "FAILED" else "")
             if not load.error:
                 try:
@@ -496,7 +499,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._saving[request.request_id] = {"ticket": ticket, "rid": rid, "tokens": n, "blocks": None, "params": params}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        meta = KvdMetadata()
+        meta = _KvdMetadata()
         if self._saving:
             steps = scheduler_output.num_scheduled_tokens
             for r in scheduler_output.scheduled_new_reqs:
@@ -517,7 +520,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             meta.loads = self._book.ready_loads()
         return meta
 
-    def _save_step(self, meta: KvdMetadata, req_id: str, s: dict, computed: int, scheduled: int) -> None:
+    def _save_step(self, meta: _KvdMetadata, req_id: str, s: dict, computed: int, scheduled: int) -> None:
         start, end = computed, min(computed + scheduled, s["tokens"])
         if end > start and not s.get("sent"):
             last = end >= s["tokens"]
@@ -536,7 +539,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._book is not None and request.request_id in self._book.by_req:
             with self._book.lock:
                 rid = self._book.by_req.get(request.request_id)
-                p = self._book.pending.get(rid)
+                # None: finished() dropped it between the unlocked check above and the lock (as before: gone)
+                p = self._book.pending.get(rid) if rid is not None else None
                 gone = p is None or not p.dispatched  # finished (aborted) before its load: nothing will copy
             if gone:
                 self._book.finished({request.request_id})
@@ -591,13 +595,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _load(self, ld: _Load) -> None:
         for ln, slot in self._slots.items():
-            cache, view = self._caches[ln], self._views[slot.group][slot.index]
+            cache, view = self._caches[ln], self._views[slot.group][slot.layer_index]
             ids = ld.block_ids[slot.vllm_group]
             if slot.group == "state":
-                blk = _last_real(ids, ln)
+                state_blk = _last_real(ids, ln)
                 if ld.state is None:
                     raise RuntimeError(f"layer {ln}: the kvd request has no state slot")
-                cache[blk].view(-1).view(torch.uint8).copy_(view.k[ld.state])
+                cache[state_blk].view(-1).view(torch.uint8).copy_(view.k[ld.state])
                 self.copy_stats.load_bytes += view.k[ld.state].numel()
                 continue
             blk, off, page = self._index(ids, ld.start, ld.end, slot.group, ld.full, ld.swa_first, ld.swa, ln)
@@ -643,7 +647,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             vec = self._open(sv)
             if vec is None:
                 continue
-            view = self._views[slot.group][slot.index]
+            view = self._views[slot.group][slot.layer_index]
             blk, off, page = self._index(sv.block_ids[slot.vllm_group], sv.start, sv.end, slot.group, vec["full"], 0, vec["swa"],
                                          layer_name)
             d = view.k.shape[-1]
@@ -689,7 +693,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 if slot.group == "state":
                     blk = _last_real(sv.block_ids[slot.vllm_group], ln)
                     t0 = time.perf_counter()
-                    dst = self._views["state"][slot.index].k[v["state"]]
+                    dst = self._views["state"][slot.layer_index].k[v["state"]]
                     dst.copy_(self._caches[ln][blk].view(-1).view(torch.uint8))
                     self.copy_stats.save_s += time.perf_counter() - t0
                     self.copy_stats.save_bytes += dst.numel()
