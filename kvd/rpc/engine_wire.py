@@ -38,6 +38,7 @@ _ORDER = (
     "OpenSession", "KeepAlive", "CloseSession", "GetInfo", "GetStats", "GetActivity", "Attach",
     "Allocate", "CanAllocate", "Extend", "Free", "GetVectors", "AcquireLease", "RenewLease", "ReleaseLease",
     "Compact", "Finalize", "Offload", "Restore", "BeginSend", "Send", "SendMany", "WaitReady", "Abort", "Echo",
+    "ProposeLayout",
 )
 
 
