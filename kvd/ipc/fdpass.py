@@ -33,6 +33,7 @@ sees the same class, message and extras (shortfall, holders) as over gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -264,6 +265,11 @@ class HandleServer(UnixServer):
                 if req.op == "watch":
                     conn.settimeout(None)
                     kept = self._keep_watch(conn)
+                    # A notify between the header and the watch joining the set missed this
+                    # watcher: if the backing changed meanwhile, tell it now (it asks again).
+                    if kept and self._export(False)[0] != header:
+                        with contextlib.suppress(OSError):
+                            conn.send(b"!", socket.MSG_DONTWAIT)
             except KvdError as exc:
                 self._answer_error(conn, exc)
             except OSError as exc:

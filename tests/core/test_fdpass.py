@@ -6,6 +6,7 @@ server must close its copies, refusals must come back as the same kvd exception,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -422,6 +423,43 @@ def test_a_watch_answers_the_header_and_stays_quiet_without_a_slot(tmp_path):
         assert srv.watching == 2
         srv.notify()  # the backing changed: every watcher hears of it
         assert not any(w.quiet() for w in watches[1:])
+    finally:
+        srv.stop()
+        exp.close()
+
+
+def test_a_backing_change_while_a_watch_is_answered_still_reaches_it(tmp_path):
+    """The notify that lands after a watch's header went out but before the server kept the watch
+    (a loaded host: the watcher already holds the header) must not be lost: the watcher would
+    trust a mapping of the old generation."""
+
+    class Changing(Exporter):
+        generation = 3
+
+        def __call__(self, want_fds: bool) -> tuple[HandleHeader, list[int]]:
+            h, fds = super().__call__(want_fds)
+            return dataclasses.replace(h, generation=self.generation), fds
+
+    exp = Changing()
+    srv = HandleServer(str(tmp_path / "h.sock"), exp, timeout=0.5).start()
+    keep = srv._keep_watch
+
+    def late_keep(conn):  # the daemon's finalize/resize runs between the reply and the keep
+        exp.generation += 1
+        srv.notify()
+        return keep(conn)
+
+    srv._keep_watch = late_keep
+    try:
+        try:
+            w = watch(srv.path)
+        except E.Unavailable as exc:  # told while it opened: it pings and maps again, as on any refusal
+            assert "past its watch reply" in str(exc)
+        else:
+            assert w.header.generation == 3
+            _until(lambda: not w.quiet(), 2.0)
+            assert not w.quiet(), "the watcher was not told of the change it missed"
+            w.close()
     finally:
         srv.stop()
         exp.close()
