@@ -23,7 +23,21 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvd.records import Activity, LeaseActivity, RequestActivity, TransferActivity
+from kvd.records import (
+    Activity,
+    AllocSpec,
+    CompactionResult,
+    Ends,
+    IndexVectors,
+    LeaseActivity,
+    LeaseKind,
+    NodeStats,
+    PoolStats,
+    RequestActivity,
+    SessionInfo,
+    TransferActivity,
+    TransferRef,
+)
 from kvd.errors import (
     FailedPrecondition,
     InternalError,
@@ -33,16 +47,11 @@ from kvd.errors import (
     PermissionDenied,
     StaleEpoch,
 )
-from kvd.records import Ends, TransferRef
 from kvd.pool.layout import Layout
 from kvd.limits import quote
 from kvd.daemon.inbound import Inbound, NoInbound
 from kvd.daemon.leases import Lease, LeaseTable
-from kvd.records import LeaseKind
-from kvd.records import AllocSpec, CompactionResult, IndexVectors
 from kvd.pool.pool import Pool
-from kvd.records import PoolStats
-from kvd.records import SessionInfo, NodeStats
 
 __all__ = ["Node", "MAX_SESSION_TTL"]
 

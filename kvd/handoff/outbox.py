@@ -22,10 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, PermissionDenied
-from kvd.records import Ends, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.records import Ends, LeaseKind, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.handoff.link import PeerLink
 from kvd.handoff.notices import Notices
-from kvd.records import LeaseKind
 from kvd.limits import quote
 from kvd.handoff.ahead import plan_ahead
 from kvd.handoff.flight import Flight, Outbound, SendItem, check_batch_size, refuse_duplicates

@@ -38,13 +38,11 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
-from kvd.records import TicketInfo
+from kvd.records import IndexVectors, LeaseKind, TicketInfo
 from kvd.daemon.leases import Lease
-from kvd.records import LeaseKind
 from kvd.limits import quote
 from kvd.daemon.node import Node
 from kvd.pool.layout import Layout
-from kvd.records import IndexVectors
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
 

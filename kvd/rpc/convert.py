@@ -18,13 +18,23 @@ from google.protobuf.message import DecodeError, Message
 
 from kvd import errors as E
 from kvd.errors import InvalidArgument, KvdError
-from kvd.records import SEND_PHASES, SendResult, TransferRef, TransferState
-from kvd.records import LeaseKind
+from kvd.records import (
+    SEND_PHASES,
+    Activity,
+    Envelope,
+    GroupStats,
+    IndexVectors,
+    LeaseActivity,
+    LeaseKind,
+    NodeStats,
+    PoolStats,
+    RequestActivity,
+    SendResult,
+    TransferActivity,
+    TransferRef,
+    TransferState,
+)
 from kvd.limits import MAX_ID_BYTES, MAX_LAYOUT_BYTES, MAX_REASON_BYTES, QUOTE_CHARS, quote, too_long
-from kvd.records import Activity, LeaseActivity, RequestActivity, TransferActivity
-from kvd.records import NodeStats
-from kvd.records import Envelope, IndexVectors
-from kvd.records import GroupStats, PoolStats
 from kvd.v1 import kvd_pb2 as pb
 
 __all__ = [

@@ -18,8 +18,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from kvd.records import Activity
-from kvd.records import NodeStats
+from kvd.records import Activity, NodeStats
 
 def console():
     """A rich console: the terminal's width on a terminal, 160 columns into a pipe or file (rich

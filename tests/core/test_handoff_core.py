@@ -14,12 +14,10 @@ import pool_testkit as pk
 from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
-from kvd.records import TicketInfo, TransferRef, TransferState
+from kvd.records import AllocSpec, LeaseKind, TicketInfo, TransferRef, TransferState
 from kvd.handoff.outbox import Outbox
-from kvd.records import LeaseKind
 from kvd.daemon.node import Node
 from kvd.handoff.inbox import Inbox
-from kvd.records import AllocSpec
 from kvd.pool.pool import Pool
 
 TOKENS = 20

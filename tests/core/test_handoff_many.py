@@ -19,13 +19,11 @@ import pool_testkit as pk
 from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, KvdError, NotFound, StaleEpoch
-from kvd.records import SEND_PHASES, SendResult, TicketInfo, TransferState
+from kvd.records import SEND_PHASES, AllocSpec, LeaseKind, SendResult, TicketInfo, TransferState
 from kvd.handoff.flight import MAX_SEND_ITEMS, SendItem
 from kvd.handoff.outbox import Outbox
-from kvd.records import LeaseKind
 from kvd.daemon.node import Node
 from kvd.handoff.inbox import Inbox
-from kvd.records import AllocSpec
 from kvd.pool.pool import Pool
 from kvd.handoff.plan import plan_chunk
 

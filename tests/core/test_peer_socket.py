@@ -18,11 +18,9 @@ import pytest
 
 import pool_testkit as pk
 from kvd import errors as E
-from kvd.records import SocketRoute, TransferRef, TransferState
-from kvd.records import LeaseKind
+from kvd.records import AllocSpec, LeaseKind, SocketRoute, TransferRef, TransferState
 from kvd.daemon.node import Node
 from kvd.handoff.inbox import Inbox
-from kvd.records import AllocSpec
 from kvd.pool.pool import Pool
 from kvd.server.peer_calls import PeerCalls
 from kvd.server import peer_conns

@@ -16,8 +16,7 @@ from daemon_kit import ARENA_BYTES, expect, rid
 import kvd
 from kvd import errors as E
 from kvd.client import AsyncClient
-from kvd.records import LeaseKind
-from kvd.records import AllocSpec
+from kvd.records import AllocSpec, LeaseKind
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.handoff.ticket import TICKET_VERSION, read as read_ticket
