@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,12 +41,13 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvd.errors import InvalidArgument, KvdError, Unavailable
-from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame, read_head
-from kvd.ipc.unix_socket import UnixServer, recv_exact
+from kvd.errors import InvalidArgument, KvdError
+from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame
+from kvd.ipc.unix_socket import recv_exact
 from kvd.rpc.convert import SESSION_KEY, parse_request, status_to_pb
 from kvd.rpc.engine_wire import METHOD_IDS, METHODS, Method, fast_path
 from kvd.rpc.status import code_from_int
+from kvd.server.framed import Close, FramedServer, refusal
 from kvd.server.service import KvdService
 from kvd.v1 import kvd_pb2 as pb
 
@@ -94,104 +94,39 @@ class _Context:
         return None
 
 
-class _Close(Exception):
-    """The connection cannot go on (a refused hello, a frame past the limit): reply, then close."""
-
-    def __init__(self, reply: bytes) -> None:
-        super().__init__()
-        self.reply = reply
-
-
-def _refusal(exc: BaseException) -> bytes:
-    return frame(REFUSED, status_to_pb(exc))
-
-
-class EngineSocketServer(UnixServer):
+class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     """Serves :data:`METHODS` of ``service`` on a Unix stream socket at ``path``.
 
     A thread per connection (at most ``max_connections``; more get an Unavailable refusal and
     close). A connection idles without limit between calls; a frame once begun must arrive
     within ``timeout``. A caller that sends garbage gets an INVALID_ARGUMENT refusal (and, when
     the stream can no longer be followed, the connection closes); neither stops the server.
-    ``group``: the socket file group-writable (``group_access``), as the gRPC one."""
+    ``group``: the socket file group-writable (``group_access``), as the gRPC one
+    (:class:`~kvd.server.framed.FramedServer`). A connection's state is the session it acts for."""
+
+    label = "engine socket"
+    thread_name = "kvd-engine-conn"
+    busy_hint = "close idle clients or use gRPC"
+    log = log
 
     def __init__(self, path: str, service: KvdService, *, timeout: float = 5.0, max_connections: int = MAX_CONNECTIONS,
                  group: bool = False, observe: Callable[[str, str, float], None] | None = None) -> None:
-        super().__init__(path, "fast_socket", "engine calls", group=group)
+        super().__init__(path, "fast_socket", "engine calls", timeout=timeout, max_connections=max_connections, group=group)
         self.service = service
-        self.timeout = timeout
-        self.max_connections = max_connections
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._lock = threading.Lock()
-        self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
-        self.refused = self.dropped = 0
         #: called with (method, status code name, seconds) after each call: the daemon's RPC latency histogram
         self.observe = observe
         # the bound handlers, by frame kind: one dict lookup per call
         self._handlers: dict[int, Any] = {k: getattr(service, m.name) for k, m in METHODS.items()}
 
-    @property
-    def connections(self) -> int:
-        """Connections open now."""
-        with self._lock:
-            return len(self._conns)
+    def _opened(self, conn: socket.socket) -> tuple[tuple[str, str], ...]:
+        return ()  # no session until a hello names one or an OpenSession opens one
 
-    def answered(self) -> dict[tuple[str, str], int]:
-        """Calls answered so far by ``(method, status code name)``; "OK" for a success."""
-        with self._lock:
-            return dict(self._answered)
-
-    def _end(self) -> None:
-        with self._lock:
-            conns = dict(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close would not)
-            except OSError:
-                pass
-        for t in conns.values():
-            t.join(self.timeout + 1.0)
-
-    def _accepted(self, conn: socket.socket) -> None:
-        t = threading.Thread(target=self._serve, args=(conn,), name="kvd-engine-conn", daemon=True)
-        with self._lock:
-            busy = len(self._conns) >= self.max_connections
-            if not busy:
-                self._conns[conn] = t
-        if busy:
-            self._close(conn, _refusal(Unavailable(
-                f"engine socket {self.path} serves {self.max_connections} connections already; close idle clients or use gRPC")))
-            return
-        t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        md: tuple[tuple[str, str], ...] = ()  # the session this connection acts for
-        try:
-            while not self._stop.is_set():
-                conn.settimeout(None)  # idle between calls
-                head = read_head(conn)
-                if head is None:
-                    return  # the caller closed it
-                conn.settimeout(self.timeout)
-                n, kind = head
-                if kind == HELLO:
-                    md = self._hello(conn, n)
-                    continue
-                reply, sid = self._answer(conn, n, kind, md)
-                if sid:
-                    md = ((SESSION_KEY, sid),)
-                conn.sendall(reply)
-        except _Close as c:
-            self._close(conn, c.reply)
-        except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()
-            if not self._stop.is_set():
-                with self._lock:
-                    self.dropped += 1
-                log.info("engine socket: dropped a connection: %s", exc)
-        finally:
-            conn.close()
-            with self._lock:
-                self._conns.pop(conn, None)
+    def _frame(self, conn: socket.socket, n: int, kind: int, md: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        if kind == HELLO:
+            return self._hello(conn, n)
+        reply, sid = self._answer(conn, n, kind, md)
+        conn.sendall(reply)
+        return ((SESSION_KEY, sid),) if sid else md
 
     def _hello(self, conn: socket.socket, n: int) -> tuple[tuple[str, str], ...]:
         """A hello names the session this connection acts for: answered with it, or refused
@@ -205,7 +140,7 @@ class EngineSocketServer(UnixServer):
                 raise InvalidArgument(f"engine socket: the hello does not parse as Session ({exc})") from exc
             s = self.service.node.touch(hello.session_id)
         except KvdError as exc:
-            raise _Close(_refusal(exc)) from exc
+            raise Close(refusal(exc)) from exc
         conn.sendall(frame(OK, pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.service.node.pool.boot_id)))
         return ((SESSION_KEY, s.session_id),)
 
@@ -213,7 +148,7 @@ class EngineSocketServer(UnixServer):
         """The reply frame to one call whose head was read (its body is read here), and the
         session id an OpenSession opened ("" otherwise)."""
         if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
-            raise _Close(_refusal(InvalidArgument(f"engine socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
+            raise Close(refusal(InvalidArgument(f"engine socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
         t0 = time.perf_counter()
         body = recv_exact(conn, n) if n else b""
         m = METHODS.get(kind)
@@ -235,21 +170,10 @@ class EngineSocketServer(UnixServer):
         except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place (a refusal before the handler)
             st = status_to_pb(exc)
             reply, code = frame(REFUSED, st), code_from_int(st.code).name
-        with self._lock:
-            self._answered[(name, code)] = self._answered.get((name, code), 0) + 1
+        self._count(name, code)
         if self.observe is not None:
             self.observe(name, code, time.perf_counter() - t0)
         return reply, sid
-
-    def _close(self, conn: socket.socket, reply: bytes) -> None:
-        with self._lock:
-            self.refused += 1
-        try:
-            conn.settimeout(self.timeout)
-            conn.sendall(reply)
-        except OSError:
-            pass  # the caller is gone; nothing else to do
-        conn.close()
 
 
 _OPEN = METHOD_IDS["OpenSession"]

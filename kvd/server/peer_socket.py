@@ -49,19 +49,19 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from kvd.errors import InvalidArgument, KvdError, Unavailable
+from kvd.errors import InvalidArgument, KvdError
 from kvd.records import PeerSocketStats
+from kvd.server.framed import Close, FramedServer, refusal
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import code_from_int
 from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame, read_head
-from kvd.ipc.unix_socket import UnixServer, recv_exact
+from kvd.ipc.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import parse_request, status_to_pb
 
@@ -107,21 +107,7 @@ METHODS: dict[int, Method] = {
 METHOD_IDS: dict[str, int] = {m.name: m.id for m in METHODS.values()}
 
 
-def _refusal(exc: BaseException) -> tuple[bytes, grpc.StatusCode]:
-    """The refusal frame of an exception (through the one mapping), and its status code."""
-    st = status_to_pb(exc)
-    return frame(REFUSED, st), code_from_int(st.code)
-
-
-class _Close(Exception):
-    """The connection cannot go on (a refused hello, a frame past the limit): reply, then close."""
-
-    def __init__(self, reply: bytes) -> None:
-        super().__init__()
-        self.reply = reply
-
-
-class PeerSocketServer(UnixServer):
+class PeerSocketServer(FramedServer[None]):
     """Serves :data:`METHODS` of ``calls`` on a Unix stream socket at ``path`` for boot ``boot_id``.
 
     A thread per connection (at most ``max_connections``; more get an Unavailable refusal). A
@@ -129,88 +115,30 @@ class PeerSocketServer(UnixServer):
     it; it may idle without limit (callers pool them), but a frame once begun must arrive within
     ``timeout``. A caller that sends garbage gets an InvalidArgument refusal (and, when the
     stream can no longer be followed, the connection closes); one that vanishes mid-frame is
-    dropped; neither stops the server.
+    dropped; neither stops the server (:class:`~kvd.server.framed.FramedServer`).
 
     :meth:`start` binds (replacing a stale socket file, refusing a live one); :meth:`stop`
     closes every connection (callers see EOF), waits for their threads and unlinks the path."""
 
+    label = "peer socket"
+    thread_name = "kvd-peer-conn"
+    busy_hint = "use gRPC"
+    log = log
+
     def __init__(self, path: str, calls: PeerCalls, boot_id: str, *, timeout: float = 2.0, max_connections: int = MAX_CONNECTIONS) -> None:
-        super().__init__(path, "peer_socket", "peer calls")
+        super().__init__(path, "peer_socket", "peer calls", timeout=timeout, max_connections=max_connections)
         self.calls = calls
         self.boot_id = boot_id
-        self.timeout = timeout
-        self.max_connections = max_connections
-        self._conns: dict[socket.socket, threading.Thread] = {}
-        self._lock = threading.Lock()
-        self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
-        #: connections refused (busy, a bad hello, another boot expected) and dropped (gone mid-frame).
-        self.refused = self.dropped = 0
 
     # -- what it did ---------------------------------------------------------------------------
-    @property
-    def connections(self) -> int:
-        """Connections open now."""
-        with self._lock:
-            return len(self._conns)
-
-    def answered(self) -> dict[tuple[str, str], int]:
-        """Calls answered so far by ``(method, status code name)``; "OK" for a success."""
-        with self._lock:
-            return dict(self._answered)
-
     def stats(self) -> PeerSocketStats:
         """What it served and the connections open, as one picture (what the exporter reads)."""
         with self._lock:
             return PeerSocketStats(dict(self._answered), len(self._conns))
 
     # -- serving -------------------------------------------------------------------------------
-    def _end(self) -> None:
-        with self._lock:
-            conns = dict(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close would not)
-            except OSError:
-                pass
-        for t in conns.values():
-            t.join(self.timeout + 1.0)
-
-    def _accepted(self, conn: socket.socket) -> None:
-        t = threading.Thread(target=self._serve, args=(conn,), name="kvd-peer-conn", daemon=True)
-        with self._lock:
-            busy = len(self._conns) >= self.max_connections
-            if not busy:
-                self._conns[conn] = t
-        if busy:
-            self._close(conn, _refusal(Unavailable(f"peer socket {self.path} serves {self.max_connections} connections already; use gRPC"))[0])
-            return
-        t.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            conn.settimeout(self.timeout)
-            self._greet(conn)
-            while not self._stop.is_set():
-                conn.settimeout(None)  # idle between calls: a pooled connection waits for the next Send
-                head = read_head(conn)
-                if head is None:
-                    return  # the caller closed it
-                conn.settimeout(self.timeout)
-                conn.sendall(self._answer(conn, *head))
-        except _Close as c:
-            self._close(conn, c.reply)
-        except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()
-            if not self._stop.is_set():
-                with self._lock:
-                    self.dropped += 1
-                log.info("peer socket: dropped a connection: %s", exc)
-        finally:
-            conn.close()
-            with self._lock:
-                self._conns.pop(conn, None)
-
-    def _greet(self, conn: socket.socket) -> None:
-        """Read the hello; answer it, or raise _Close (wrong daemon, wrong token, not a hello)."""
+    def _opened(self, conn: socket.socket) -> None:
+        """Read the hello; answer it, or raise Close (wrong daemon, wrong token, not a hello)."""
         head = read_head(conn)
         if head is None:
             raise ConnectionError("the caller closed before its hello")
@@ -227,16 +155,19 @@ class PeerSocketServer(UnixServer):
                 raise InvalidArgument(f"peer socket: the hello does not parse as PeerHello ({exc})") from exc
             me = frame(OK, pb.PeerHelloResponse(boot_id=self.boot_id))
             if hello.boot_id != self.boot_id:
-                raise _Close(me)  # the caller wants another daemon: it learns who answered, nothing more
+                raise Close(me)  # the caller wants another daemon: it learns who answered, nothing more
             self.calls.authorize(hello.token)
         except KvdError as exc:
-            raise _Close(_refusal(exc)[0]) from exc
+            raise Close(refusal(exc)) from exc
         conn.sendall(me)
+
+    def _frame(self, conn: socket.socket, n: int, kind: int, state: None) -> None:
+        conn.sendall(self._answer(conn, n, kind))
 
     def _answer(self, conn: socket.socket, n: int, kind: int) -> bytes:
         """The reply frame to one call frame whose head was read (its body is read here)."""
         if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
-            raise _Close(_refusal(InvalidArgument(f"peer socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit"))[0])
+            raise Close(refusal(InvalidArgument(f"peer socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
         body = recv_exact(conn, n)
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
@@ -247,20 +178,10 @@ class PeerSocketServer(UnixServer):
             request = parse_request(m.name, m.request, body)  # the words gRPC refuses it in
             reply, code = frame(OK, m.handler(self.calls, request)), "OK"
         except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place
-            reply, status = _refusal(exc)
+            st = status_to_pb(exc)
+            reply, status = frame(REFUSED, st), code_from_int(st.code)
             code = status.name
             if status == grpc.StatusCode.INTERNAL:
                 log.exception("peer socket: internal error in %s", name)
-        with self._lock:
-            self._answered[(name, code)] = self._answered.get((name, code), 0) + 1
+        self._count(name, code)
         return reply
-
-    def _close(self, conn: socket.socket, reply: bytes) -> None:
-        with self._lock:
-            self.refused += 1
-        try:
-            conn.settimeout(self.timeout)
-            conn.sendall(reply)
-        except OSError:
-            pass  # the caller is gone; nothing else to do
-        conn.close()

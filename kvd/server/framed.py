@@ -1,0 +1,148 @@
+"""A thread-per-connection server of frames (:mod:`kvd.ipc.frames`): what the peer socket and the
+engine socket share.
+
+:class:`FramedServer` holds the connections (a thread each, at most ``max_connections``; more
+get an Unavailable refusal and close), reads each frame's head, counts the calls answered, the
+connections refused and dropped, and ends every connection on :meth:`~UnixServer.stop`. A
+subclass says what a connection does first (:meth:`FramedServer._opened`: the peer socket's
+hello) and what one frame gets (:meth:`FramedServer._frame`), carrying a per-connection state
+between frames (the engine socket's session).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import ClassVar, Generic, TypeVar
+
+from kvd.errors import Unavailable
+from kvd.ipc.frames import REFUSED, frame, read_head
+from kvd.ipc.unix_socket import UnixServer
+from kvd.rpc.convert import status_to_pb
+
+__all__ = ["Close", "FramedServer", "refusal"]
+
+S = TypeVar("S")
+
+
+def refusal(exc: BaseException) -> bytes:
+    """The refusal frame of an exception (through the one mapping)."""
+    return frame(REFUSED, status_to_pb(exc))
+
+
+class Close(Exception):
+    """The connection cannot go on (a refused hello, a frame past the limit): reply, then close."""
+
+    def __init__(self, reply: bytes) -> None:
+        super().__init__()
+        self.reply = reply
+
+
+class FramedServer(UnixServer, Generic[S]):
+    """Frames on a Unix stream socket, a thread per connection; ``S``: what a connection carries
+    from one frame to the next.
+
+    A connection idles without limit between frames; a frame once begun must arrive within
+    ``timeout``. :meth:`_frame` (and :meth:`_opened`) reply on the connection themselves, or
+    raise :class:`Close` to send a last reply and close it; a caller gone mid-frame is dropped
+    (counted in ``dropped``, logged). Neither stops the server."""
+
+    #: In messages and logs ("peer socket"), and the name of each connection's thread.
+    label: ClassVar[str]
+    thread_name: ClassVar[str]
+    #: What a refused caller should do, after "serves N connections already; ".
+    busy_hint: ClassVar[str]
+    log: ClassVar[logging.Logger]
+
+    def __init__(self, path: str, setting: str, serves: str, *, timeout: float, max_connections: int, group: bool = False) -> None:
+        super().__init__(path, setting, serves, group=group)
+        self.timeout = timeout
+        self.max_connections = max_connections
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
+        #: connections refused (busy, a bad hello, a frame past the limit) and dropped (gone mid-frame).
+        self.refused = self.dropped = 0
+
+    # -- what it did ---------------------------------------------------------------------------
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        with self._lock:
+            return len(self._conns)
+
+    def answered(self) -> dict[tuple[str, str], int]:
+        """Calls answered so far by ``(method, status code name)``; "OK" for a success."""
+        with self._lock:
+            return dict(self._answered)
+
+    def _count(self, name: str, code: str) -> None:
+        with self._lock:
+            self._answered[(name, code)] = self._answered.get((name, code), 0) + 1
+
+    # -- what a subclass says ------------------------------------------------------------------
+    def _opened(self, conn: socket.socket) -> S:
+        """The state of a new connection, before its first frame (may read and reply)."""
+        raise NotImplementedError
+
+    def _frame(self, conn: socket.socket, n: int, kind: int, state: S) -> S:
+        """Serve one frame whose head was read (its body is read here); the state for the next."""
+        raise NotImplementedError
+
+    # -- serving -------------------------------------------------------------------------------
+    def _end(self) -> None:
+        with self._lock:
+            conns = dict(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close would not)
+            except OSError:
+                pass
+        for t in conns.values():
+            t.join(self.timeout + 1.0)
+
+    def _accepted(self, conn: socket.socket) -> None:
+        t = threading.Thread(target=self._serve, args=(conn,), name=self.thread_name, daemon=True)
+        with self._lock:
+            busy = len(self._conns) >= self.max_connections
+            if not busy:
+                self._conns[conn] = t
+        if busy:
+            self._close(conn, refusal(Unavailable(
+                f"{self.label} {self.path} serves {self.max_connections} connections already; {self.busy_hint}")))
+            return
+        t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.timeout)
+            state = self._opened(conn)
+            while not self._stop.is_set():
+                conn.settimeout(None)  # idle between calls: a pooled connection waits for the next one
+                head = read_head(conn)
+                if head is None:
+                    return  # the caller closed it
+                conn.settimeout(self.timeout)
+                state = self._frame(conn, *head, state)
+        except Close as c:
+            self._close(conn, c.reply)
+        except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()
+            if not self._stop.is_set():
+                with self._lock:
+                    self.dropped += 1
+                self.log.info("%s: dropped a connection: %s", self.label, exc)
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _close(self, conn: socket.socket, reply: bytes) -> None:
+        with self._lock:
+            self.refused += 1
+        try:
+            conn.settimeout(self.timeout)
+            conn.sendall(reply)
+        except OSError:
+            pass  # the caller is gone; nothing else to do
+        conn.close()
