@@ -72,15 +72,21 @@ class DaemonPeerLink:
                 stub = self._stubs[address] = pb_grpc.PeerStub(ch)
             return stub
 
-    def _start(self, address: str, method: str, request: Message, via: SocketRoute | None = None) -> Callable[[], Message]:
+    def _start(
+        self, address: str, method: str, request: Message, via: SocketRoute | None = None, *, wait_for_ready: bool = False
+    ) -> Callable[[], Message]:
         """Send ``request`` now, over the route's socket when it is usable, else over gRPC; the
-        returned function waits for the reply (kvd exceptions either way)."""
+        returned function waits for the reply (kvd exceptions either way). ``wait_for_ready``: a
+        channel still backing off from an earlier refusal waits (within ``timeout``) for the peer
+        instead of failing at once -- for idempotent reads only."""
         conn = self.sockets.checkout(via) if via is not None else None
         if conn is not None:
             self._count(method, "socket")
             return self.sockets.start(conn, method, request)
         self._count(method, "grpc")
-        future = getattr(self._stub(address), method).future(request, metadata=self._md, timeout=self.timeout)
+        future = getattr(self._stub(address), method).future(
+            request, metadata=self._md, timeout=self.timeout, wait_for_ready=wait_for_ready
+        )
 
         def wait() -> Message:
             try:
@@ -117,7 +123,10 @@ class DaemonPeerLink:
 
     def transfer_metadata(self, address: str, agent: str) -> bytes:
         """The receiver's data-plane metadata for ``agent`` (backend=nixl), over gRPC."""
-        r = cast(pb.TransferMetadataResponse, self._call(address, "TransferMetadata", pb.TransferMetadataRequest(agent=agent)))
+        # Over gRPC alone, and a read: a peer restarted on an address this daemon's channel saw
+        # refuse (its reconnect backoff) is waited for, not reported unreachable.
+        req = pb.TransferMetadataRequest(agent=agent)
+        r = cast(pb.TransferMetadataResponse, self._start(address, "TransferMetadata", req, wait_for_ready=True)())
         return r.metadata
 
     def close(self) -> None:
