@@ -170,6 +170,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fault", choices=("swa-full-ids", "draft-scrambled"), default=None,
                    help="TEST ONLY: the prefill daemon places the KV in the wrong decode pages, in a known way (it "
                    "plans from corrupted destination vectors, after the sealed ticket's checks); the run must then fail")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the run's figures (outputs identical, TTFT p50/p95 PD vs colocated and their ratio, "
+                   "warm-up) as JSON to FILE")
 
 
 def _device_flag(text: str) -> str:
@@ -193,7 +196,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     try:
         return run_demo(DemoOptions(requests=requests, backend=args.backend, quick=args.quick, seed=args.seed,
                                     spec_k=args.spec_k, chunk=args.chunk, device=args.device,
-                                    decode_device=args.decode_device, fault=args.fault))
+                                    decode_device=args.decode_device, fault=args.fault, json_path=args.json))
     except (RuntimeError, TimeoutError) as exc:  # a daemon or engine that failed: say so, no traceback of ours
         print(f"kvd demo: FAILED: {exc}", file=sys.stderr)
         return 2

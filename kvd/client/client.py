@@ -69,6 +69,7 @@ class PoolInfo(NamedTuple):
     reserved_bytes: int
     version: str
     peer_address: str
+    engine_socket: str = ""  # the daemon's engine socket ("" when it serves none)
 
 
 class TransferStatus(NamedTuple):
@@ -124,7 +125,7 @@ def _outcomes(r: pb.SendManyResponse) -> SendOutcomes:
 def _info(r: pb.PoolInfo) -> PoolInfo:
     return PoolInfo(
         r.boot_id, r.epoch, Layout.model_validate_json(r.layout_json), [envelope_from_pb(e) for e in r.envelopes],
-        r.backend, list(r.capabilities), r.finalized, r.reserved_bytes, r.version, r.peer_address,
+        r.backend, list(r.capabilities), r.finalized, r.reserved_bytes, r.version, r.peer_address, r.engine_socket,
     )
 
 
@@ -378,7 +379,9 @@ class Client(_Surface):
     ) -> Client:
         """Open a session on the daemon at ``address``. ``transport``: "auto" uses the daemon's
         engine socket when it serves one beside a ``unix:`` address (the same calls, several times
-        cheaper: :mod:`kvd.client.fast`), else gRPC; "grpc" or "fast" force one."""
+        cheaper: :mod:`kvd.client.fast`) or, found nowhere beside it, where the daemon's
+        OpenSession reply says it serves one (``Session.engine_socket``); else gRPC; "grpc" or
+        "fast" force one ("fast": the one beside the address)."""
         path = _fast.pick(address, transport)
         if path is not None:
             fc = _fast.FastChannel(path)
@@ -399,6 +402,15 @@ class Client(_Surface):
         except grpc.RpcError as exc:
             channel.close()
             raise from_rpc_error(exc) from exc
+        if (there := _fast.advertised(address, transport, s.engine_socket)) is not None:
+            fc = _fast.FastChannel(there)
+            try:
+                fc.adopt(s.session_id, timeout)
+            except (KvdError, OSError):
+                fc.close()  # not this daemon's socket after all, or gone: the session stays on gRPC
+            else:
+                channel.close()
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
         return cls(channel, s.session_id, s.ttl_seconds, timeout)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
@@ -483,6 +495,15 @@ class AsyncClient(_Surface):
         except grpc.RpcError as exc:
             await channel.close()
             raise from_rpc_error(exc) from exc
+        if (there := _fast.advertised(address, transport, s.engine_socket)) is not None:
+            fc = _fast.AsyncFastChannel(there)
+            try:
+                await fc.adopt(s.session_id, timeout)
+            except (KvdError, OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+                await fc.close()
+            else:
+                await channel.close()
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
         return cls(channel, s.session_id, s.ttl_seconds, timeout)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:

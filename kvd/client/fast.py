@@ -10,6 +10,13 @@ breaks mid-call is UNAVAILABLE, as a gRPC call to a stopped daemon is.
 A call blocks its connection until the reply (WaitReady until the transfer is ready), so each
 client keeps a small pool: a call takes a free connection or opens one (its hello names the
 client's session) and puts it back after the reply.
+
+Where the socket is. A client of ``unix:/p`` looks for ``/p.fast`` first (:func:`pick`: a stat, no
+round trip). Where there is none it opens its session over gRPC, and the reply's
+``Session.engine_socket`` says where the daemon serves its engine socket, if it does; the client
+then moves the session there (:func:`advertised`, then ``adopt``): the hello names the session,
+so only the daemon that opened it answers (another daemon's socket at that path refuses it and
+the client stays on gRPC).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from kvd.rpc.engine_wire import METHOD_IDS, METHODS, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["FastRpcError", "FastChannel", "AsyncFastChannel", "fast_socket_of", "pick", "bounded"]
+__all__ = ["FastRpcError", "FastChannel", "AsyncFastChannel", "fast_socket_of", "pick", "advertised", "bounded"]
 
 _RESPONSES: dict[str, type[Message]] = {m.name: m.response for m in METHODS.values()}
 #: Idle connections a client keeps (more are closed after their call).
@@ -121,6 +128,23 @@ class FastChannel:
             raise
         return s
 
+    def adopt(self, session_id: str, timeout: float | None) -> None:
+        """Act for ``session_id`` (opened over gRPC): open a connection, whose hello the daemon
+        answers only for a session of its own, and keep it. Raises the refusal (NotFound for a
+        session this daemon does not know) or OSError (nobody serves the path)."""
+        self.session_id = session_id
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(self.path)
+            s.sendall(frame(HELLO, pb.Session(session_id=session_id)))
+            _decode("OpenSession", *read_frame(s))
+        except BaseException:
+            s.close()
+            raise
+        with self._lock:
+            self._free.append(s)
+
     def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
         with self._lock:
@@ -183,6 +207,12 @@ class AsyncFastChannel:
             raise ConnectionError(f"a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")
         return kind, await r.readexactly(n)
 
+    async def adopt(self, session_id: str, timeout: float | None) -> None:
+        """As :meth:`FastChannel.adopt`."""
+        self.session_id = session_id
+        conn = await asyncio.wait_for(self._open(), timeout)
+        self._free.append(conn)
+
     async def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
         conn = self._free.pop() if self._free else None
@@ -235,6 +265,19 @@ def pick(address: str, transport: str) -> str | None:
             "with fast_socket on serves one at <path>.fast); use transport='auto' or 'grpc'"
         )
     return path
+
+
+def advertised(address: str, transport: str, engine_socket: str) -> str | None:
+    """The engine socket a session opened over gRPC at ``address`` moves to: ``engine_socket``, as
+    the daemon's OpenSession reply advertised it, for a ``unix:`` address under ``transport``
+    "auto" when a socket file is there; None otherwise (TCP stays on gRPC: the path is the
+    daemon host's; an old daemon advertises none)."""
+    if transport != "auto" or not engine_socket or not address.startswith(("unix:", "/")):
+        return None
+    try:
+        return engine_socket if stat.S_ISSOCK(os.stat(engine_socket).st_mode) else None
+    except OSError:
+        return None
 
 
 def bounded(method: str, request: Message, timeout: float | None) -> Message:

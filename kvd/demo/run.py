@@ -12,6 +12,16 @@ fit, so the decode engine retracts (offloads) a running one, restores it later, 
 step boundaries. The run passes only if every request's output equals the colocated reference
 token for token, with bit-identical logit traces (exit status 1 otherwise).
 
+Warm-up and time to first token. Before anything is timed the router runs
+:func:`kvd.engine.warmup.warmup_requests` through both engines and both daemons (every shape
+bucket of the workload: see that module), as a real engine warms up at start-up, and the
+reference runs the same set first; so compiles and first-use costs (Triton, cuBLAS, the caching
+allocator, the first Send's connections) stay out of the timed requests. The reference runs
+*after* the PD run, alone on the machine, one request at a time; the summary (and ``--json``)
+reports TTFT of the PD run (at the router: admission, the wait behind earlier prompts, prefill
+and its Sends), the PD prefill alone (the prefill engine's allocate to its last Send, no queue)
+and the colocated prefill, each p50 / p95, and their ratios.
+
 ``--device cuda`` (:attr:`DemoOptions.device`) runs the same thing on GPU 0: both daemons own a
 CUDA virtual-memory arena there (``kvd serve --arena cuda --cuda-device 0``), the ``local``
 backend copies KV GPU to GPU (``auto`` picks ``local``; an explicit ``mooncake`` needs Mooncake's
@@ -54,9 +64,10 @@ from kvd.engine.records import Completion, EngineConfig, Request
 from kvd.errors import Unavailable
 from kvd.engine.model import TargetConfig, build_models
 from kvd.engine.reference import compare, run_colocated
-from kvd.engine.router import EngineSpec, Ready, Router, engine_main, recv_or_raise
+from kvd.engine.router import EngineSpec, Ready, Router, RouterResult, engine_main, recv_or_raise
+from kvd.engine.warmup import warmup_requests
 
-__all__ = ["DemoOptions", "run_demo", "workload", "choose_backend"]
+__all__ = ["DemoOptions", "run_demo", "workload", "choose_backend", "ttft_figures"]
 
 PREFILL_BYTES = 4 << 20  # one prompt at a time, every SWA page of it
 DECODE_BYTES = 2 << 20  # ~10 of the workload's requests at once, 16 in flight: pressure is part of the demo
@@ -75,6 +86,7 @@ class DemoOptions:
     device: str = "cpu"  # cpu | cuda (GPU 0: daemons' arenas, engines and the reference)
     decode_device: str | None = None  # cuda:N: the decode daemon's arena and engine there; None: on `device`
     fault: str | None = None  # test only: the prefill daemon misplaces KV with a named fault (kvd.demo.faults.FAULTS)
+    json_path: str | None = None  # also write the summary's figures as JSON there
 
 
 def choose_backend(asked: str, err: TextIO, device: str = "cpu") -> str:
@@ -132,11 +144,16 @@ def workload(n: int, seed: int, *, quick: bool = False) -> list[Request]:
     return out
 
 
-def _reference_main(requests: list[Request], cfg: EngineConfig, conn, device: str = "cpu") -> None:
+def _reference_main(requests: list[Request], warm: list[Request], cfg: EngineConfig, conn, device: str = "cpu") -> None:
+    """Build the models at once, then wait for the word (the PD run is over: nothing else runs)
+    and send back ``(completions, ttft seconds by rid)``, the warm-up run first."""
     torch.set_num_threads(1)
     try:
         dev = prepare(device)  # before anything touches CUDA, exactly as in the engine processes
-        conn.send(run_colocated(requests, build_models(device=dev), cfg))
+        models = build_models(device=dev)
+        conn.recv()
+        ttft: dict[str, float] = {}
+        conn.send((run_colocated(requests, models, cfg, warmup=warm, ttft=ttft), ttft))
     except BaseException as exc:  # noqa: BLE001
         conn.send(RuntimeError(f"colocated reference failed: {type(exc).__name__}: {exc}"))
 
@@ -156,6 +173,9 @@ class _Daemon:
             "--listen-tcp", "127.0.0.1:0", "--backend", backend, "--post-capture",
             "--arena-bytes", str(PREFILL_BYTES if name == "prefill" else DECODE_BYTES),
             "--reserve-bytes", str(RESERVE_BYTES), "--arena-dir", arena_dir, "--grace-s", "1", "--log-level", "WARNING",
+            # allocate_recv's RECV lease takes the daemon's TTL: a ticket may wait behind up to
+            # max_inflight prompts before its BeginSend, and nothing renews it before then
+            "--lease-ttl-s", "60",
         ]
         if speculative:
             cmd.append("--speculative")
@@ -243,6 +263,7 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     cfg = EngineConfig(chunk=opts.chunk, spec_k=opts.spec_k)
     models = build_models()
     requests = workload(n, opts.seed, quick=opts.quick)
+    warm = warmup_requests(cfg)
     workdir = tempfile.mkdtemp(prefix="kvd-demo-")
     arena_dir = tempfile.mkdtemp(prefix="kvd-demo-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     layout_path = os.path.join(workdir, "layout.json")
@@ -254,9 +275,9 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     router = None
     try:
         # Everything starts at once; the engines connect when their daemon serves.
-        ref_recv, ref_send = ctx.Pipe(duplex=False)
-        ref = ctx.Process(target=_reference_main, args=(requests, cfg, ref_send, str(device)), name="kvd-demo-reference",
-                          daemon=True)
+        ref_conn, ref_child = ctx.Pipe()
+        ref = ctx.Process(target=_reference_main, args=(requests, warm, cfg, ref_child, str(device)),
+                          name="kvd-demo-reference", daemon=True)
         ref.start()
         procs.append(ref)
         for name in ("prefill", "decode"):
@@ -282,23 +303,31 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
                 raise RuntimeError(f"{name} engine computes on {msg.device}, not on {roles[name]}")
             device_names[name] = msg.device_name
         router = Router(conns["prefill"], conns["decode"], max_inflight=opts.max_inflight)
+        t_warm = time.perf_counter()
+        _check_warmup(router.run(warm))  # start-up: every shape bucket once, through both daemons
+        warm_s = time.perf_counter() - t_warm
         progress = _Progress(err)
         try:
             result = router.run(requests, progress)
         finally:
             progress.close()
+        ref_conn.send("go")  # the colocated run, alone now (the engines idle)
+        got = recv_or_raise(ref_conn)
+        if isinstance(got, BaseException):
+            raise got
+        reference, ref_ttft = got
         reports = router.shutdown()
         router = None
-        reference = recv_or_raise(ref_recv)
-        if isinstance(reference, BaseException):
-            raise reference
         stats = {d.name: _daemon_stats(d.address) for d in daemons}
         for p in procs:
             p.join(30)
         wall = time.perf_counter() - t0
         differs = compare(result.completions, reference)
+        ttft = ttft_figures(result, ref_ttft)
         _summary(out, opts, backend, models.layout, cfg, requests, result, reference, differs, reports, stats, wall, placement,
-                 device_names)
+                 device_names, ttft=ttft, warm=(len(warm), warm_s))
+        if opts.json_path:
+            _write_json(opts.json_path, opts, backend, requests, differs, ttft, (len(warm), warm_s), wall, placement)
         return 1 if differs else 0
     finally:
         if router is not None:
@@ -374,10 +403,55 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def _check_warmup(res: RouterResult) -> None:
+    """A warm-up request that failed is a broken start-up: say which, before anything is timed."""
+    bad = [f"{rid}: {c.error}" for rid, c in sorted(res.completions.items()) if c.error]
+    if bad:
+        raise RuntimeError(f"the warm-up failed ({len(bad)} request(s)): {'; '.join(bad[:4])}")
+
+
+def ttft_figures(result: RouterResult, colocated_s: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Milliseconds, p50 / p95 / max, of: ``pd`` (router-observed TTFT: submission to first
+    token), ``pd_prefill`` (the prefill engine's own time: allocate to its last Send), and
+    ``colocated`` (the reference's prefill, one request at a time); ``ratio``: PD over
+    colocated at p50 and p95, for TTFT (``pd_*``) and the prefill alone (``prefill_*``)."""
+    def fig(values: list[float]) -> dict[str, float]:
+        ms = [v * 1e3 for v in values]
+        return {"p50": statistics.median(ms) if ms else 0.0, "p95": _pct(ms, 0.95), "max": max(ms, default=0.0)}
+
+    pd = fig(list(result.ttft_s.values()))
+    pre = fig([f.prefill_s for f in result.firsts.values() if not f.error])
+    col = fig(list(colocated_s.values()))
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b > 0 else 0.0
+
+    return {
+        "pd": pd, "pd_prefill": pre, "colocated": col,
+        "ratio": {"pd_p50": ratio(pd["p50"], col["p50"]), "pd_p95": ratio(pd["p95"], col["p95"]),
+                  "prefill_p50": ratio(pre["p50"], col["p50"]), "prefill_p95": ratio(pre["p95"], col["p95"])},
+    }
+
+
+def _write_json(path: str, opts: DemoOptions, backend: str, requests: list[Request], differs: list[str],
+                ttft: dict[str, dict[str, float]], warm: tuple[int, float], wall: float, placement: Placement) -> None:
+    doc = {
+        "requests": len(requests), "identical": len(requests) - len(differs), "differ": differs, "backend": backend,
+        "device": str(placement.prefill), "decode_device": str(placement.decode), "quick": opts.quick,
+        "warmup": {"requests": warm[0], "seconds": round(warm[1], 3)},
+        "ttft_ms": {k: {q: round(v, 3) for q, v in d.items()} for k, d in ttft.items()},
+        "wall_s": round(wall, 3),
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
 def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineConfig, requests: list[Request], result,
              reference: dict[str, Completion], differs: list[str], reports: dict, stats: dict, wall: float,
              placement: Placement = Placement(torch.device("cpu"), torch.device("cpu")),
-             device_names: dict[str, str] | None = None) -> None:
+             device_names: dict[str, str] | None = None, *, ttft: dict[str, dict[str, float]],
+             warm: tuple[int, float]) -> None:
     w = TargetConfig().window
     plens = [len(r.prompt) for r in requests]
     comps = result.completions.values()
@@ -387,14 +461,23 @@ def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineCo
     send_s = sum(f.send_seconds for f in result.firsts.values())
     chunks = sum(f.chunks for f in result.firsts.values())
     decode_tokens = sum(max(0, len(c.tokens) - 1) for c in comps)
-    ttft = [v * 1e3 for v in result.ttft_s.values()]
+    pd, pre_t, col, ratio = ttft["pd"], ttft["pd_prefill"], ttft["colocated"], ttft["ratio"]
     ps, ds = stats["prefill"], stats["decode"]
     identical = len(requests) - len(differs)
     rows = [
         ("requests", f"{len(requests)}  (prompts {min(plens)}..{max(plens)} tokens: {sum(p < w for p in plens)} shorter than "
                      f"the {w}-token SWA window, {sum(p >= 4 * w for p in plens)} four or more windows long)"),
         ("outputs identical to colocated", f"{identical} / {len(requests)}" + ("" if not differs else f"   DIFFER: {', '.join(differs[:8])}")),
-        ("time to first token", f"p50 {statistics.median(ttft):.1f} ms   p95 {_pct(ttft, 0.95):.1f} ms   max {max(ttft):.1f} ms"),
+        ("warm-up", f"{warm[0]} requests before timing, {warm[1]:.1f} s (every shape bucket, through both engines and "
+                    "daemons; not timed or compared, counted in the engine and daemon figures below)"),
+        ("time to first token", f"p50 {pd['p50']:.1f} ms   p95 {pd['p95']:.1f} ms   max {pd['max']:.1f} ms   "
+                                f"(PD, at the router: admission, queue behind earlier prompts, prefill, Sends)"),
+        ("  PD prefill alone", f"p50 {pre_t['p50']:.1f} ms   p95 {pre_t['p95']:.1f} ms   max {pre_t['max']:.1f} ms   "
+                               "(prefill engine: allocate .. last Send)"),
+        ("  colocated", f"p50 {col['p50']:.1f} ms   p95 {col['p95']:.1f} ms   max {col['max']:.1f} ms   "
+                        "(reference prefill, one request at a time, alone)"),
+        ("  PD / colocated", f"TTFT p50 x{ratio['pd_p50']:.2f}  p95 x{ratio['pd_p95']:.2f};  prefill alone "
+                             f"p50 x{ratio['prefill_p50']:.2f}  p95 x{ratio['prefill_p95']:.2f}"),
         ("decode", f"{decode_tokens:,d} tokens in {result.decode_window_s:.1f} s = {decode_tokens / max(result.decode_window_s, 1e-9):,.0f} tokens/s"
                    + (f"   (speculative k={cfg.spec_k}: {dec.get('accepted', 0):,d} of {dec.get('proposed', 0):,d} draft tokens accepted)" if cfg.spec_k else "")),
         ("KV bytes moved", f"{nbytes / 2**20:,.2f} MiB in {chunks} Send calls; {send_s:.2f} s inside Send = "

@@ -5,14 +5,19 @@ own process; tests drive them in one thread). The handoff of one request, as SGL
 would do it on top of kvd::
 
     router          decode engine (daemon B)               prefill engine (daemon A)
-      | Admit(r) ──▶ allocate(r, n, receive=True)
-      |              acquire_lease(r, recv) ─ ticket ──┐
+      | Admit(r) ──▶ allocate_recv(r, n): allocate + RECV lease
+      |              + ticket, one call ──────────────┐
       | ◀────────────────────────────────────────────┘
-      | Prefill(r, prompt, ticket) ─────────────────────▶ allocate(r, n)
+      | Prefill(r, prompt, ticket) ─────────────────────▶ allocate(r, n), begin_send(r, ticket)
       |                                                    per chunk: forward, write KV, send(r, ticket, chunk)
-      | ◀─────────────────────────────── first token ──── free(r)
+      | ◀─────────────────────────────── first token ──── (the last send frees r: free=True)
       | Start(r, first token) ──▶ wait_ready(r) -> READY; decode (greedy or speculative)
       | ◀── Completion(r) ───────  free(r)
+
+``wait_ready`` is answered by the daemon the moment the transfer is READY (or FAILED), not
+polled: by the time the first token reaches the decode engine the last Send has committed, so
+the call normally returns at once; it blocks (up to ``EngineConfig.ready_wait``) only when the
+Start overtook the commit.
 
 Decode runs a batch in rounds. One round of one request at committed length ``L`` with next
 token ``x``: the draft proposes ``k`` tokens (plain greedy: ``k = 0``), the target scores
@@ -128,14 +133,14 @@ class DecodeEngine:
             # An allocation that does not fit changes nothing (all or nothing), so trying it is
             # the check: one round trip per admission, not a shortfall query and then the call.
             try:
-                vec = self.kv.allocate(req.rid, len(req.prompt), receive=True)
+                # allocate + RECV lease + its ticket in one round trip (all or nothing)
+                vec, lease = self.kv.allocate_recv(req.rid, len(req.prompt))  # type: ignore[attr-defined]
                 break
             except CapacityError:
                 # Requests already retracted go first: wait for memory rather than retract more.
                 if self.retracted or not self._retract_one():
                     self._defer(req.rid)
                     return None
-        lease = self.kv.acquire_lease(req.rid, "recv", ttl=self.cfg.lease_ttl, vectors=vec)  # type: ignore[attr-defined]
         self.stats.recv_leases += 1
         self.awaiting[req.rid] = _Seq(req, vec, length=len(req.prompt), draft_len=len(req.prompt))
         return lease.ticket
@@ -172,13 +177,17 @@ class DecodeEngine:
         self._free(rid)
         return s.completion(error=reason)
 
-    def poll_ready(self, timeout: float = 0.0) -> list[Completion]:
-        """Move started requests whose KV is READY into the running batch. Returns failures."""
+    def poll_ready(self, timeout: float | None = None) -> list[Completion]:
+        """Move started requests whose KV is READY into the running batch. Returns failures.
+        Each started request's ``wait_ready`` is answered when its transfer ends (``timeout``,
+        default ``cfg.ready_wait``: how long one may block; still not ready then, it is asked
+        again on the next call)."""
         failed = []
+        wait = self.cfg.ready_wait if timeout is None else timeout
         for rid, s in list(self.awaiting.items()):
             if not s.started:
                 continue
-            st = self.kv.wait_ready(rid, timeout=timeout)  # type: ignore[attr-defined]
+            st = self.kv.wait_ready(rid, timeout=wait)  # type: ignore[attr-defined]
             if st.ready:
                 del self.awaiting[rid]
                 s.vec = self.kv.vectors(rid)

@@ -8,13 +8,16 @@
     for each chunk [t0, t1):
         target + draft forward          reads earlier chunks from the arena, writes this one
         send(r, ticket, t0, t1, last)   the daemon moves the chunk's pages to the decode node;
-                                        the last chunk carries the recurrent state
-    free(r)                             the decode node owns the request now
+                                        the last chunk carries the recurrent state, and with
+                                        free=True the daemon frees r once it landed (the decode
+                                        node owns it now): no Free round trip
 
 Without a ticket (the colocated reference) the request stays in the pool for a decode engine.
 """
 
 from __future__ import annotations
+
+import time
 
 from kvd.engine.model import Models, Pending
 from kvd.engine.paged import PagedKV
@@ -39,11 +42,13 @@ class PrefillEngine:
         self.send_leases = 0  # one SEND lease per Send call, taken by the daemon
 
     def prefill(self, req: Request, ticket: bytes | None) -> FirstToken:
-        """Run ``req``'s prompt (in chunks). With a ticket: send every chunk as it is written and
-        free the request afterwards. Without (colocated): keep the request for a decode engine."""
+        """Run ``req``'s prompt (in chunks). With a ticket: send every chunk as it is written; the
+        last Send also frees the request (``free=True``; freed here when the daemon could not).
+        Without (colocated): keep the request for a decode engine."""
         n = len(req.prompt)
         if n == 0:
             raise ValueError(f"request {req.rid!r} has an empty prompt")
+        t_start = time.perf_counter()
         vec = self.kv.allocate(req.rid, n)
         seq = self.paged.seq(vec)
         if ticket is not None and self.ticket_rewrite is not None:
@@ -66,13 +71,16 @@ class PrefillEngine:
                     draft.forward(req.prompt[t0:t1], t0, seq, dpend)
                     dpend.commit(seq)
                 if ticket is not None:
-                    res = self.kv.send(req.rid, ticket, start=t0, end=t1, last=t1 == n)  # type: ignore[attr-defined]
+                    last = t1 == n
+                    res = self.kv.send(req.rid, ticket, start=t0, end=t1, last=last, free=last)  # type: ignore[attr-defined]
                     self.send_leases += 1
                     nbytes, secs, chunks = nbytes + res.nbytes, secs + res.seconds, chunks + 1
+                    if last and "free" not in res.phases:
+                        self.kv.free(req.rid)  # the daemon could not free it with the Send (the result says so)
         except KvdError as exc:
             self.kv.free(req.rid)
-            return FirstToken(req.rid, -1, 0.0, nbytes, secs, chunks, error=f"{type(exc).__name__}: {exc}")
+            return FirstToken(req.rid, -1, 0.0, nbytes, secs, chunks, error=f"{type(exc).__name__}: {exc}",
+                              prefill_s=time.perf_counter() - t_start)
         token = int(logits[-1].argmax())  # the last chunk's last position: the first generated token
-        if ticket is not None:
-            self.kv.free(req.rid)  # the decode node has it now
-        return FirstToken(req.rid, token, float(logits[-1, token]), nbytes, secs, chunks)
+        return FirstToken(req.rid, token, float(logits[-1, token]), nbytes, secs, chunks,
+                          prefill_s=time.perf_counter() - t_start)

@@ -17,8 +17,9 @@ TicketRewrite = Callable[[bytes], bytes]
 
 class KVApi(Protocol):
     """What the engines call on their daemon: :class:`kvd.client.Client` or, for the colocated
-    reference, :class:`kvd.engine.local.LocalKV`. The handoff calls (``acquire_lease``,
-    ``send``, ``wait_ready``, ``abort``) exist only on a client and are used only with one."""
+    reference, :class:`kvd.engine.local.LocalKV`. The handoff calls (``allocate_recv``,
+    ``begin_send``, ``send``, ``wait_ready``, ``abort``) exist only on a client and are used only
+    with one."""
 
     def allocate(self, rid: str, tokens: int, *, receive: bool = False) -> IndexVectors: ...
     def extend_many(self, items: Sequence[tuple[str, int]]) -> list[IndexVectors]: ...
@@ -34,7 +35,7 @@ class KVApi(Protocol):
 class EngineConfig:
     chunk: int | None = None  # prefill chunk in tokens; None: the whole prompt in one pass
     spec_k: int = 0  # draft tokens proposed per round; 0: plain greedy decoding
-    lease_ttl: float = 60.0  # RECV lease TTL (the daemon keeps it renewed while the engine waits)
+    ready_wait: float = 1.0  # seconds one wait_ready may block a decode step (answered on READY, not polled)
     compact_every: int = 8  # completions between compactions (there is one after each retraction too)
 
 
@@ -56,6 +57,10 @@ class FirstToken:
     send_seconds: float = 0.0
     chunks: int = 0
     error: str = ""
+    #: seconds inside :meth:`PrefillEngine.prefill <kvd.engine.prefill.PrefillEngine.prefill>`, its
+    #: allocate to its first token: with a ticket every daemon call of the handoff (begin_send,
+    #: the Sends) included; colocated, the compute alone. Queueing before it is not.
+    prefill_s: float = 0.0
 
 
 @dataclass(frozen=True)

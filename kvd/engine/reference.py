@@ -21,24 +21,33 @@ from kvd.engine.paged import PagedKV
 __all__ = ["run_colocated", "compare", "recompute"]
 
 
-def run_colocated(requests: Iterable[Request], models: Models, cfg: EngineConfig, *, arena_bytes: int = 64 << 20) -> dict[str, Completion]:
+def run_colocated(requests: Iterable[Request], models: Models, cfg: EngineConfig, *, arena_bytes: int = 64 << 20,
+                  warmup: Iterable[Request] = (), ttft: dict[str, float] | None = None) -> dict[str, Completion]:
     """Run every request to completion in one in-process pool, one at a time. The pool's arena is
     on the models' device (a CUDA arena for models on a GPU), so the reference computes and reads
-    KV where a prefill-decode pair on that device does."""
+    KV where a prefill-decode pair on that device does.
+
+    ``warmup`` (:func:`kvd.engine.warmup.warmup_requests`) runs first, through the same pool, and
+    is left out of the result. ``ttft``: filled with each request's time to first token here
+    (its prefill alone: :attr:`FirstToken.prefill_s`, nothing queued before it)."""
     kv = LocalKV(models.layout, arena_bytes, device=models.device)
     try:
         paged = PagedKV(models.layout, kv.views)
         pre = PrefillEngine(kv, paged, models, cfg)
         dec = DecodeEngine(kv, paged, models, cfg)
         out: dict[str, Completion] = {}
-        for req in requests:
-            first = pre.prefill(req, None)
-            if first.error:
-                raise RuntimeError(f"colocated prefill of {req.rid!r} failed: {first.error}")
-            dec.adopt(req, first)
-            while dec.running:
-                for c in dec.step():
-                    out[c.rid] = c
+        for timed, batch in ((False, warmup), (True, requests)):
+            for req in batch:
+                first = pre.prefill(req, None)
+                if first.error:
+                    raise RuntimeError(f"colocated prefill of {req.rid!r} failed: {first.error}")
+                if timed and ttft is not None:
+                    ttft[req.rid] = first.prefill_s
+                dec.adopt(req, first)
+                while dec.running:
+                    for c in dec.step():
+                        if timed:
+                            out[c.rid] = c
         kv.pool.check()
         if kv.pool.request_ids:
             raise RuntimeError(f"colocated reference leaked requests {kv.pool.request_ids}")

@@ -353,6 +353,7 @@ class Daemon:
                 observe=lambda method, code, s: metrics.rpc_seconds.labels(method, code).observe(s),  # one series for both transports
             ).start()
             _undo(undo, "the engine socket", engine_server.stop)
+            endpoint.engine_socket = engine_server.path  # advertised in Session and PoolInfo
         add_to_server(server, PeerService(node, endpoint, calls), "Peer")
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -74,6 +74,7 @@ class Endpoint:
         self.capabilities = capabilities
         self.handle_socket = handle_socket  # where a CUDA arena's fds are handed out ("" for shm)
         self.peer_socket = peer_socket  # where a same-host sender calls this daemon without gRPC ("" when off)
+        self.engine_socket = ""  # where engines call without gRPC (set once it serves; "" when off): Session, PoolInfo
 
     @property
     def issuer(self) -> Issuer:
@@ -134,7 +135,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def OpenSession(self, request: pb.OpenSessionRequest, context):
         def go():
             s = self.node.open_session(request.name, request.ttl_seconds or None)
-            return pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.node.pool.boot_id)
+            return pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.node.pool.boot_id,
+                              engine_socket=self.endpoint.engine_socket)
 
         return self._run(context, go)
 
@@ -163,6 +165,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             reserved_bytes=pool.arena.reserved,
             version=__version__,
             peer_address=self.endpoint.peer_address,
+            engine_socket=self.endpoint.engine_socket,
         )
 
     def GetInfo(self, request, context):

@@ -155,6 +155,7 @@ class PoolInfo(_message.Message):
     RESERVED_BYTES_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    ENGINE_SOCKET_FIELD_NUMBER: _builtins.int
     boot_id: _builtins.str
     epoch: _builtins.int
     layout_json: _builtins.str
@@ -167,6 +168,8 @@ class PoolInfo(_message.Message):
     version: _builtins.str
     peer_address: _builtins.str
     """where other daemons reach this one (Peer service)"""
+    engine_socket: _builtins.str
+    """as Session.engine_socket"""
     @_builtins.property
     def envelopes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Envelope]: ...
     @_builtins.property
@@ -187,10 +190,11 @@ class PoolInfo(_message.Message):
         reserved_bytes: _builtins.int = ...,
         version: _builtins.str = ...,
         peer_address: _builtins.str = ...,
+        engine_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "boot_id", b"boot_id", "capabilities", b"capabilities", "envelopes", b"envelopes", "epoch", b"epoch", "finalized", b"finalized", "layout_fingerprint", b"layout_fingerprint", "layout_json", b"layout_json", "peer_address", b"peer_address", "reserved_bytes", b"reserved_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "boot_id", b"boot_id", "capabilities", b"capabilities", "engine_socket", b"engine_socket", "envelopes", b"envelopes", "epoch", b"epoch", "finalized", b"finalized", "layout_fingerprint", b"layout_fingerprint", "layout_json", b"layout_json", "peer_address", b"peer_address", "reserved_bytes", b"reserved_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -286,19 +290,23 @@ class Session(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     BOOT_ID_FIELD_NUMBER: _builtins.int
+    ENGINE_SOCKET_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ttl_seconds: _builtins.float
     boot_id: _builtins.str
+    engine_socket: _builtins.str
+    """the daemon's engine socket (absolute path; "" when it serves none): the"""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         ttl_seconds: _builtins.float = ...,
         boot_id: _builtins.str = ...,
+        engine_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "session_id", b"session_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "engine_socket", b"engine_socket", "session_id", b"session_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
