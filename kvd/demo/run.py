@@ -65,7 +65,7 @@ from kvd.errors import Unavailable
 from kvd.engine.model import TargetConfig, build_models
 from kvd.engine.reference import compare, run_colocated
 from kvd.engine.router import EngineSpec, Ready, Router, RouterResult, engine_main, recv_or_raise
-from kvd.engine.warmup import warmup_requests
+from kvd.engine.warmup import MOVE_LENGTHS, warmup_requests
 
 __all__ = ["DemoOptions", "run_demo", "workload", "choose_backend", "ttft_figures"]
 
@@ -286,7 +286,8 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
         conns = {}
         for d, budget in zip(daemons, (PREFILL_BYTES, DECODE_BYTES)):
             parent, child = ctx.Pipe()
-            spec = EngineSpec(d.name, d.address, cfg, budget, device=str(roles[d.name]))
+            spec = EngineSpec(d.name, d.address, cfg, budget, device=str(roles[d.name]),
+                              warm_moves=MOVE_LENGTHS if d.name == "decode" else ())
             p = ctx.Process(target=engine_main, args=(spec, child),
                             name=f"kvd-demo-{d.name}-engine", daemon=True)
             p.start()

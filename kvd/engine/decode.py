@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvd.engine.model import Models, Pending
@@ -197,6 +198,27 @@ class DecodeEngine:
                 self._free(rid)
                 failed.append(s.completion(error=f"transfer failed: {st.reason}"))
         return failed
+
+    def warm_up(self, lengths: Sequence[int]) -> None:
+        """Start-up, before anything is timed: the daemon's page moves once per shape -- offload
+        and restore (arena <-> host) and a compaction that moves pages (on a GPU arena: the
+        Triton page-move kernels' first compiles) -- on scratch requests, freed afterwards.
+        The first of ``lengths`` is freed first, leaving a hole the compaction fills. Not
+        counted in :attr:`stats`; leaves the pool as it found it (but for its epoch)."""
+        rids = [f"warmup-moves-{i}" for i in range(len(lengths))]
+        held: list[str] = []
+        try:
+            for rid, n in zip(rids, lengths):
+                self.kv.allocate(rid, n)
+                held.append(rid)
+            self.kv.free(held.pop(0))
+            for rid in held:
+                self.kv.offload(rid)
+                self.kv.restore(rid)
+            self.kv.compact()
+        finally:
+            if held:
+                self.kv.free(*held)
 
     # ---- pressure -------------------------------------------------------------------------
     def _retract_one(self, keep: str | None = None) -> bool:

@@ -53,6 +53,7 @@ class EngineSpec:
     cfg: EngineConfig
     finalize_bytes: int | None = None  # post-capture: the KV budget to back before serving
     device: str = "cpu"  # where the engine computes; its daemon's arena must be there too ("cuda:0": arena=cuda)
+    warm_moves: tuple[int, ...] = ()  # decode: DecodeEngine.warm_up's scratch lengths before Ready (none: no warm-up)
 
 
 # ---- messages ----------------------------------------------------------------------------
@@ -143,11 +144,14 @@ def engine_main(spec: EngineSpec, conn: Connection) -> None:
                 f"the daemon at {spec.address} keeps its arena on {paged.device}, but this engine computes on {dev}; "
                 "start the daemon with the matching arena (--arena cuda --cuda-device N for a GPU engine)"
             )
+        dec = DecodeEngine(kv, paged, models, spec.cfg) if spec.role == "decode" else None
+        if dec is not None and spec.warm_moves:
+            dec.warm_up(spec.warm_moves)  # the handoff's shapes warm up through the router (kvd.engine.warmup)
         conn.send(Ready(spec.role, att.tensor.numel(), str(dev), torch.cuda.get_device_name(dev) if dev.type == "cuda" else ""))
-        if spec.role == "prefill":
+        if dec is None:
             _prefill_loop(PrefillEngine(kv, paged, models, spec.cfg), conn)
         else:
-            _decode_loop(DecodeEngine(kv, paged, models, spec.cfg), conn)
+            _decode_loop(dec, conn)
     except BaseException:  # noqa: BLE001 - report anything, then exit
         try:
             conn.send(Crashed(spec.role, traceback.format_exc()))
