@@ -66,10 +66,10 @@ for what in "${STEPS[@]}"; do
     transfer01) step transfer01 150 python3 bench/gpu_transfer.py --devices 0,1 --json "$OUT/transfer01.json" ;;
     nvlink) step nvlink 60 python3 bench/nvlink_streams.py ;;
     wake) step wake 60 python3 bench/wake_probe.py ;;
-    demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local ;;
-    demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick ;;
-    demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local ;;
-    demo2-quick) step demo2 120 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local --quick ;;
+    demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local --json "$OUT/demo.json" ;;
+    demo-quick) step demo 120 python3 -m kvd.cli demo --device cuda --backend local --quick --json "$OUT/demo.json" ;;
+    demo2) step demo2 200 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local --json "$OUT/demo2.json" ;;
+    demo2-quick) step demo2 120 python3 -m kvd.cli demo --device cuda --decode-device cuda:1 --backend local --quick --json "$OUT/demo2.json" ;;
     mooncake)
       # with the arena tests (chunks now RDMA-capable) and the local backend's handoff tests (shared fixture)
       step mooncake-tests 180 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 150 -rs tests/gpu/test_mooncake_gpu.py \
