@@ -105,8 +105,8 @@ def _unified_names(t: torch.Tensor) -> list[str]:
     if sc != 1 and c > 1:
         return []
     dims = {"B": (b, sb), "H": (h, sh), "N": (n, sn)}
-    out = []
-    for order, names in (("BNH", ("LBNHC", "BLNHC")), ("BHN", ("LBHNC", "BLHNC", "BHLNC")), ("HBN", ("LHBNC",))):
+    out: list[str] = []
+    for order in ("BNH", "BHN", "HBN"):
         dense: dict[str, bool] = {}
         inner = c
         for d in reversed(order):  # innermost first: each stride at least the extent inside it
@@ -120,7 +120,7 @@ def _unified_names(t: torch.Tensor) -> list[str]:
             inner = st * e
         else:
             if order == "BNH" and dense["H"] and dense["N"]:
-                out.append(names[0] if dense["B"] else names[1])
+                out.append("LBNHC" if dense["B"] else "BLNHC")
             elif order == "BHN" and dense["N"]:
                 out.append(("LBHNC" if dense["B"] else "BLHNC") if dense["H"] else "BHLNC")
             elif order == "HBN" and dense["N"] and dense["B"]:
@@ -181,10 +181,11 @@ def detect_layout(t: torch.Tensor, *, num_kv_heads: int, block_size: int, head_s
     elif t.dim() == 5:
         if head_size != dv:
             raise _refuse(t, want, "the 5-D legacy layouts have one head size for K and V")
-        name = _legacy_name(t)
-        if name is None or tuple(t.shape[2:]) != (block_size, num_kv_heads, head_size):
+        legacy = _legacy_name(t)
+        if legacy is None or tuple(t.shape[2:]) != (block_size, num_kv_heads, head_size):
             raise _refuse(t, want, f"a 5-D legacy layout is [2, B, {block_size}, {num_kv_heads}, {head_size}] "
                                    f"or [B, 2, {block_size}, {num_kv_heads}, {head_size}]")
+        name = legacy
         k, v = (t[0], t[1]) if name == "FLASH_ATTN_LEGACY" else (t[:, 0], t[:, 1])
         ratio = 1
     else:
