@@ -14,7 +14,7 @@
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
 #   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer transfer01
-#                                            #   nvlink wake demo demo-quick demo2 demo2-quick mooncake mooncake-probe
+#                                            #   nvlink wake demo demo-quick demo2 demo2-quick mooncake mooncake-probe vllm
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU);
 # system libraries Mooncake needs and the host lacks come from its wheel (bench/mooncake_wheel.py libdir).
@@ -76,7 +76,10 @@ for what in "${STEPS[@]}"; do
         tests/gpu/test_vmm_arena.py tests/gpu/test_gpu_daemon.py tests/gpu/test_two_gpu_handoff.py
       step transfer-mooncake 180 python3 bench/gpu_transfer.py --backend mooncake --both --json "$OUT/transfer-mooncake.json" ;;
     mooncake-probe) step mooncake-probe 180 python3 bench/mooncake_cuda_probe.py ;;
-    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, transfer01, nvlink, wake, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe)"; rc=2 ;;
+    vllm)  # the vLLM connector's GPU layouts (issue 15): round trip through two cuda daemons, then the copy bench
+      step vllm-tests 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs tests/gpu/test_vllm_gpu_blocks.py tests/core/test_vllm_blocks.py
+      step vllm-copy 180 python3 bench/vllm_gpu_copy.py ;;
+    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, transfer01, nvlink, wake, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe, vllm)"; rc=2 ;;
   esac
 done
 exit $rc

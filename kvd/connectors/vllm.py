@@ -32,8 +32,16 @@ Layout: :func:`layout_from_vllm` derives kvd's :class:`~kvd.pool.layout.Layout` 
 ``KVCacheConfig`` (full-attention groups -> ``full``, sliding-window -> ``swa`` with the window,
 Mamba -> ``state`` slots of the state's bytes; page size = vLLM's attention block size); the
 worker proposes it to its daemon when it registers its KV caches: a daemon started with
-``layout_from_engine`` takes it, one serving another layout refuses it, naming both. CPU KV tensors only
-(``[blocks, kv_heads, block_size, 2 * head_size]``, K|V fused on the last dim).
+``layout_from_engine`` takes it, one serving another layout refuses it, naming both.
+
+KV tensors: CPU or CUDA, in any layout :mod:`kvd.connectors.vllm_blocks` knows (vLLM 0.32's
+``KVCacheLayout`` orders, told from each registered tensor's strides and checked against the one
+vLLM resolved; the legacy 5-D FlashAttention / FlashInfer layouts), the daemon's arena on the
+same device (``kvd serve --arena cuda --cuda-device N`` beside a GPU vLLM). On CUDA every copy runs
+on the connector's own stream: saves wait for vLLM's current stream and vLLM's stream waits for
+them at the end of the step (its blocks may be reused after); the sender waits for the step's copy
+event before the Send; a load is reported finished once its event has completed
+(``event.query()``). No copy waits for the device.
 
 kvd imports: :mod:`kvd.client` (``Client``), :mod:`kvd.errors`, :mod:`kvd.pool.layout`.
 """
@@ -64,6 +72,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
 from kvd.client import Client
+from kvd.connectors import vllm_blocks as vb
+from kvd.connectors.vllm_proxy import reply_json
 from kvd.errors import InvalidArgument, KvdError, LayoutMismatch
 from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
@@ -382,12 +392,7 @@ def _ticket_server(book: _TicketBook, listen: str) -> ThreadingHTTPServer:
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            reply_json(self, code, body)
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             if self.path != "/v1/kvd/tickets":
@@ -454,7 +459,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._views: dict[str, list] = {}
         self._sent_rids: set[str] = set()  # producer: kvd requests opened this step or before
         self._vecs: dict[str, Any] = {}
-        self._done: set[str] = set()
+        self._loading: dict[str, torch.cuda.Event | None] = {}  # consumer: loads issued, until their event completes
+        self._blocks: dict[str, vb.LayerBlocks] = {}
+        self._att: Any = None
+        self._copy = vb.CopyStream("cpu")
+        self._slots_meta: object = None
+        self._step_slots: dict[tuple[str, int], vb.DeviceSlots] = {}
         self.copy_stats = CopyStats()
         self._failed: set[str] = set()  # consumer: loads that failed this step
         self._bad_saves: set[str] = set()  # producer: transfers that could not open
@@ -560,20 +570,37 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 f"KvdConnector: the kvd daemon at {self._address} refused this vLLM's layout "
                 f"(kvd.connectors.vllm.layout_from_vllm): {exc}"
             ) from None
+        att = self._kv.attach()
+        arena_dev = att.tensor.device
+        expect = getattr(getattr(self._vllm_config, "cache_config", None), "kv_cache_layout", None)
+        blocks: dict[str, vb.LayerBlocks] = {}
         for ln, slot in self._slots.items():
             t = kv_caches.get(ln)
             if not isinstance(t, torch.Tensor):
                 raise InvalidArgument(f"KvdConnector: layer {ln} registered {type(t).__name__}, not one KV tensor")
-            if t.device.type != "cpu":
-                raise InvalidArgument(f"KvdConnector: layer {ln} lives on {t.device}; this connector copies CPU KV tensors only")
+            if t.device != arena_dev and not (t.device.type == arena_dev.type == "cuda" and t.device.index == arena_dev.index):
+                raise InvalidArgument(
+                    f"KvdConnector: layer {ln} lives on {t.device}, the kvd daemon's arena on {arena_dev}: start the daemon "
+                    f"beside this vLLM with {'--arena cuda --cuda-device ' + str(t.device.index) if t.is_cuda else '--arena shm'}"
+                )
             if slot.group == "state":
+                vb.state_bytes(t, 0)  # refuses a state block that is not one run of bytes
                 continue
             g = self._layout.group(slot.group)
-            want = (g.num_kv_heads, self._bs, g.head_dim + g.v_dim)
-            if t.dim() != 4 or tuple(t.shape[1:]) != want:
-                raise InvalidArgument(f"KvdConnector: layer {ln} is {tuple(t.shape)}; expected [blocks, {want[0]}, {want[1]}, {want[2]}]")
+            if t.dtype != self._layout.torch_dtype(g):
+                raise InvalidArgument(f"KvdConnector: layer {ln} is {t.dtype}, the layout says {self._layout.dtype}")
+            try:
+                blocks[ln] = vb.detect_layout(t, num_kv_heads=g.num_kv_heads, block_size=self._bs, head_size=g.head_dim,
+                                              head_size_v=g.v_dim, expect=expect if isinstance(expect, str) else None)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"KvdConnector: layer {ln}: {exc}") from None
+        names = sorted({b.layout.name for b in blocks.values()})
+        log.info("KvdConnector: vLLM KV on %s in layout %s; kvd arena on %s", arena_dev, ", ".join(names), arena_dev)
         self._caches = kv_caches
-        self._views = self._kv.attach().views
+        self._blocks = blocks
+        self._att = att
+        self._views = att.views
+        self._copy = vb.CopyStream(arena_dev)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -584,57 +611,33 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             t0 = time.perf_counter()
             try:
-                self._load(load)
+                with self._copy.after_current():
+                    self._load(load)
+                    self._loading[load.req_id] = self._copy.record()
             except (RuntimeError, IndexError, KvdError) as exc:
                 log.error("kvd load for request %s failed: %s", load.req_id, exc)
                 self._failed.add(load.req_id)
             else:
-                self._done.add(load.req_id)
-                self.copy_stats.load_s += time.perf_counter() - t0
+                self.copy_stats.load_s += time.perf_counter() - t0  # on CUDA: the time to issue the copies
                 self.copy_stats.loads += 1
 
     def _load(self, ld: _Load) -> None:
+        """Issue the copies of ``ld``'s kvd pages into vLLM's blocks (on the copy stream)."""
+        at: dict[int, vb.DeviceSlots] = {}
         for ln, slot in self._slots.items():
-            cache, view = self._caches[ln], self._views[slot.group][slot.layer_index]
+            view = self._views[slot.group][slot.layer_index]
             ids = ld.block_ids[slot.vllm_group]
             if slot.group == "state":
-                state_blk = _last_real(ids, ln)
                 if ld.state is None:
                     raise RuntimeError(f"layer {ln}: the kvd request has no state slot")
-                cache[state_blk].view(-1).view(torch.uint8).copy_(view.k[ld.state])
+                vb.state_bytes(self._caches[ln], _last_real(ids, ln)).copy_(view.k[ld.state], non_blocking=True)
                 self.copy_stats.load_bytes += view.k[ld.state].numel()
                 continue
-            blk, off, page = self._index(ids, ld.start, ld.end, slot.group, ld.full, ld.swa_first, ld.swa, ln)
-            d = view.k.shape[-1]
-            # [blocks, block_size, kv_heads, 2 * head_size]: the two indexed dims adjacent (index_put
-            # with a slice between them took ~5x longer)
-            tokens_first = cache.permute(0, 2, 1, 3)
-            tokens_first[blk, off, :, :d] = view.k[page, off]
-            tokens_first[blk, off, :, d:] = view.v[page, off]
-            self.copy_stats.load_bytes += len(page) * cache.shape[1] * cache.shape[3] * cache.element_size()
-            if log.isEnabledFor(logging.DEBUG):  # the checksum costs more than the copy
-                log.debug("load %s %s [%d, %d) blocks %s pages %s: %.6f", ld.req_id, ln, ld.start, ld.end, sorted(set(blk.tolist())),
-                          sorted(set(page.tolist())), float(cache[blk, :, off].double().abs().sum()))
-
-    def _index(self, ids: list[int], start: int, end: int, group: str, full: list[int], swa_first: int, swa: list[int],
-               ln: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """vLLM block, in-block offset and kvd page of tokens [start, end) that vLLM keeps (not in the null block)."""
-        t = torch.arange(start, end)
-        j = t // self._bs
-        if int(j.max()) >= len(ids) if len(t) else False:
-            raise RuntimeError(f"layer {ln}: tokens up to {end} but vLLM gave {len(ids)} blocks")
-        blk = torch.tensor(ids, dtype=torch.long)[j]
-        keep = blk != 0  # the null block: a sliding-window block vLLM dropped
-        t, j, blk = t[keep], j[keep], blk[keep]
-        if group == "full":
-            page = torch.tensor(full, dtype=torch.long)[j]
-        else:
-            k = j - swa_first
-            if len(k) and (int(k.min()) < 0 or int(k.max()) >= len(swa)):
-                raise RuntimeError(f"layer {ln}: vLLM keeps request blocks {sorted(set(j.tolist()))}, kvd's window holds "
-                                   f"[{swa_first}, {swa_first + len(swa)})")
-            page = torch.tensor(swa, dtype=torch.long)[k]
-        return blk, t % self._bs, page
+            lb = self._blocks[ln]
+            if slot.vllm_group not in at:  # the layers of one vLLM group share the request's slots
+                pages, first = (ld.full, 0) if slot.group == "full" else (ld.swa, ld.swa_first)
+                at[slot.vllm_group] = self._copy.slots(vb.token_slots(ids, ld.start, ld.end, self._bs, pages, first, what=f"layer {ln}"), lb)
+            self.copy_stats.load_bytes += vb.load_layer(lb, at[slot.vllm_group], view)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and finish before the request is scheduled
@@ -643,23 +646,27 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         slot = self._slots.get(layer_name)
         if slot is None or slot.group == "state":
             return  # state slots are copied once the step's forward is done (wait_for_save)
-        for sv in getattr(self._get_connector_metadata(), "saves", ()):
+        meta = self._get_connector_metadata()
+        if self._slots_meta is not meta:  # a new step: its requests' slots, once per vLLM group
+            self._slots_meta, self._step_slots = meta, {}
+        for sv in getattr(meta, "saves", ()):
             vec = self._open(sv)
             if vec is None:
                 continue
-            view = self._views[slot.group][slot.layer_index]
-            blk, off, page = self._index(sv.block_ids[slot.vllm_group], sv.start, sv.end, slot.group, vec["full"], 0, vec["swa"],
-                                         layer_name)
-            d = view.k.shape[-1]
+            view, lb = self._views[slot.group][slot.layer_index], self._blocks[layer_name]
             t0 = time.perf_counter()
-            src = self._caches[layer_name].permute(0, 2, 1, 3)[blk, off]  # [T, kv_heads, 2 * head_size]
-            view.k[page, off] = src[..., :d]
-            view.v[page, off] = src[..., d:]
-            self.copy_stats.save_s += time.perf_counter() - t0
-            self.copy_stats.save_bytes += src.nbytes
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("save %s %s [%d, %d) blocks %s pages %s: %.6f", sv.req_id, layer_name, sv.start, sv.end,
-                          sorted(set(blk.tolist())), sorted(set(page.tolist())), float(src.double().abs().sum()))
+            with self._copy.after_current():  # after this layer's KV write on vLLM's stream
+                key = (sv.req_id, slot.vllm_group)
+                at = self._step_slots.get(key)
+                if at is None:
+                    pages = vec["full"] if slot.group == "full" else vec["swa"]
+                    at = self._step_slots[key] = self._copy.slots(
+                        vb.token_slots(sv.block_ids[slot.vllm_group], sv.start, sv.end, self._bs, pages, 0, what=f"layer {layer_name}"),
+                        lb)
+                self.copy_stats.save_bytes += vb.save_layer(lb, at, view)
+            self.copy_stats.save_s += time.perf_counter() - t0  # on CUDA: the time to issue the copies
+            if log.isEnabledFor(logging.DEBUG):  # a checksum: it waits for the device
+                log.debug("save %s %s [%d, %d): %d tokens", sv.req_id, layer_name, sv.start, sv.end, len(at))
 
     def _open(self, sv: _Save) -> dict | None:
         """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""
@@ -689,25 +696,32 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             v = self._open(sv)
             if v is None:
                 continue
-            for ln, slot in self._slots.items():
-                if slot.group == "state":
-                    blk = _last_real(sv.block_ids[slot.vllm_group], ln)
-                    t0 = time.perf_counter()
-                    dst = self._views["state"][slot.layer_index].k[v["state"]]
-                    dst.copy_(self._caches[ln][blk].view(-1).view(torch.uint8))
-                    self.copy_stats.save_s += time.perf_counter() - t0
-                    self.copy_stats.save_bytes += dst.numel()
+            with self._copy.after_current():
+                for ln, slot in self._slots.items():
+                    if slot.group == "state":
+                        t0 = time.perf_counter()
+                        dst = self._views["state"][slot.layer_index].k[v["state"]]
+                        dst.copy_(vb.state_bytes(self._caches[ln], _last_real(sv.block_ids[slot.vllm_group], ln)), non_blocking=True)
+                        self.copy_stats.save_s += time.perf_counter() - t0
+                        self.copy_stats.save_bytes += dst.numel()
+                done = self._copy.record()
+            if done is not None:
+                # vLLM may reuse the request's blocks from the next step on: its stream waits for our reads
+                torch.cuda.current_stream(self._copy.device).wait_event(done)
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_loop, name="kvd-sender", daemon=True)
                 self._sender.start()
-            self._sends.put(sv)
+            self._sends.put((sv, done))
 
     def _send_loop(self) -> None:
         hold = os.environ.get(HOLD_SEND_ENV)
-        while (sv := self._sends.get()) is not None:
+        while (item := self._sends.get()) is not None:
+            sv, done = item
             while hold and os.path.exists(hold):
                 time.sleep(0.05)
             try:
+                if done is not None:
+                    done.synchronize()  # this thread, not the forward: the pages hold the KV before the daemon reads them
                 res = self._kv.send(sv.rid, sv.ticket, start=0, end=sv.tokens, last=True)
                 log.debug("kvd: sent %s: %d bytes in %.4f s", sv.req_id, res.nbytes, res.seconds)
                 self.copy_stats.send_bytes += res.nbytes
@@ -731,8 +745,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # A failed receive is reported in both sets: vLLM then fails the request (kv_load_failure_policy
         # "fail", the default) instead of waiting for it; 0.32 refuses block-level errors with HMA groups.
-        done, failed = self._done | self._failed, self._failed
-        self._done, self._failed = set(), set()
+        landed = {r for r, ev in self._loading.items() if ev is None or ev.query()}  # query: never waits
+        for r in landed:
+            del self._loading[r]
+        done, failed = landed | self._failed, self._failed
+        self._failed = set()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

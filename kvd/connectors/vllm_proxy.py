@@ -20,7 +20,18 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["make_server", "post_json"]
+__all__ = ["make_server", "post_json", "reply_json"]
+
+
+def reply_json(handler: BaseHTTPRequestHandler, code: int, body: dict) -> None:
+    """Answer ``handler``'s request with ``code`` and ``body`` as JSON (the proxy's and the
+    connector's ticket server's one reply)."""
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
 
 
 def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
@@ -36,12 +47,7 @@ def make_server(listen: str, prefill: str, decode: str, tickets: str) -> Threadi
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            reply_json(self, code, body)
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             try:

@@ -1,0 +1,137 @@
+"""The vLLM connector's copies (kvd.connectors.vllm_blocks) against a plain copy of the same bytes,
+for each KV layout vLLM 0.32 allocates (tensors made as its model runner makes them:
+tests/kits/vllm_alloc_kit.py), in one run, timed with CUDA events (wall clock on the CPU).
+
+    python bench/vllm_gpu_copy.py                      # cuda if present: 32 layers, 8 kv heads x 128, bf16
+    python bench/vllm_gpu_copy.py --device cpu --layers 2 --tokens 512   # a quick check without a GPU
+
+save = vLLM blocks -> kvd pages of every layer (one request, tokens [0, T)); load = kvd pages ->
+vLLM blocks. The request's vLLM blocks and kvd pages are shuffled (what a busy engine holds).
+plain = ``dst.copy_(src)`` of the same byte count, contiguous, same device. ratio = plain / copy
+time. Each copy is checked (the loaded blocks equal the source) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for p in (ROOT, os.path.join(ROOT, "tests", "kits")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import torch  # noqa: E402
+import vllm_alloc_kit as va  # noqa: E402
+
+from kvd.client.views import all_views  # noqa: E402
+from kvd.connectors import vllm_blocks as vb  # noqa: E402
+from kvd.pool.layout import GroupKind, GroupSpec, Layout  # noqa: E402
+
+
+def timed(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn`` (CUDA events on a GPU: device time of the work it queues)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return sorted(out)[len(out) // 2]
+
+
+def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens: int, layout: str, reps: int) -> dict:
+    rnd = random.Random(tokens)
+    nblocks = tokens // bs + 1
+    pool = 2 * nblocks + 8
+    grp = va.Group(tuple(f"l{i}" for i in range(layers)), heads, dim)
+    make = va.allocate_legacy if layout.endswith("_LEGACY") else va.allocate
+    _, src = make([grp], pool, bs, layout, device=str(device), fill=1)
+    _, dst = make([grp], pool, bs, layout, device=str(device))
+    kl = Layout(name="bench", page_size=bs, dtype="bfloat16",
+                groups=(GroupSpec(kind=GroupKind.FULL, num_layers=layers, num_kv_heads=heads, head_dim=dim),))
+    arena = torch.zeros(kl.page_bytes(kl.group("full")) * pool, dtype=torch.uint8, device=device)
+    views = all_views(kl, arena)["full"]
+    ids = rnd.sample(range(1, pool), nblocks)
+    pages = rnd.sample(range(pool), nblocks)
+    cs = vb.CopyStream(device)
+    srcb = [vb.detect_layout(src[n], num_kv_heads=heads, block_size=bs, head_size=dim) for n in grp.layers]
+    dstb = [vb.detect_layout(dst[n], num_kv_heads=heads, block_size=bs, head_size=dim) for n in grp.layers]
+
+    def save() -> None:  # what save_kv_layer does for every layer of one request
+        with cs.after_current():
+            at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), srcb[0])
+            for lb, v in zip(srcb, views):
+                vb.save_layer(lb, at, v)
+        ev = cs.record()
+        if ev is not None:
+            torch.cuda.current_stream(device).wait_event(ev)
+
+    def load() -> None:  # start_load_kv for one request
+        with cs.after_current():
+            at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), dstb[0])
+            for lb, v in zip(dstb, views):
+                vb.load_layer(lb, at, v)
+        ev = cs.record()
+        if ev is not None:
+            torch.cuda.current_stream(device).wait_event(ev)
+
+    save()
+    load()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for a, b in zip(srcb, dstb):  # checked before timing
+        for blk_i, blk in enumerate(ids):
+            n = min(bs, tokens - blk_i * bs)
+            assert torch.equal(a.k[blk, :n].view(torch.int16), b.k[blk, :n].view(torch.int16)), layout
+            assert torch.equal(a.v[blk, :n].view(torch.int16), b.v[blk, :n].view(torch.int16)), layout
+    nbytes = layers * tokens * heads * 2 * dim * 2
+    flat_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    flat_b = torch.empty_like(flat_a)
+    plain = timed(lambda: flat_b.copy_(flat_a), device, reps)
+    ts, tl = timed(save, device, reps), timed(load, device, reps)
+    return {"layout": layout, "tokens": tokens, "bytes": nbytes, "save_s": ts, "load_s": tl, "plain_s": plain}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--layouts", nargs="+", default=["LBNHC", "LBHNC", "BLNHC", "LHBNC",
+                                                       "FLASH_ATTN_LEGACY", "FLASHINFER_NHD_LEGACY", "FLASHINFER_HND_LEGACY"])
+    ap.add_argument("--reps", type=int, default=10)
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"vLLM connector copies on {name}: {a.layers} layers x {a.heads} kv heads x {a.dim}, bf16, "
+          f"{a.block_size}-token blocks; median of {a.reps}")
+    print(f"{'layout':<22} {'tokens':>6} {'MiB':>7} {'save ms':>8} {'load ms':>8} {'plain ms':>8} "
+          f"{'save GB/s':>9} {'load GB/s':>9} {'ratio s/l':>10}")
+    for lay in a.layouts:
+        for t in a.tokens:
+            r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps)
+            gb = r["bytes"] / 1e9
+            print(f"{lay:<22} {t:>6} {r['bytes'] / 2**20:>7.1f} {r['save_s'] * 1e3:>8.3f} {r['load_s'] * 1e3:>8.3f} "
+                  f"{r['plain_s'] * 1e3:>8.3f} {gb / r['save_s']:>9.1f} {gb / r['load_s']:>9.1f} "
+                  f"{r['plain_s'] / r['save_s']:>5.2f}/{r['plain_s'] / r['load_s']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""kvd.connectors.vllm_blocks on the CPU (no vLLM): vLLM 0.32's KV layouts, allocated as its model
+runner does (tests/kits/vllm_alloc_kit.py), told from their strides, saved into kvd page views and
+loaded back into fresh vLLM tensors byte for byte; SWA null blocks, a partial last block, kernel
+blocks; a wrong layout assumption gives other bytes, and unknown strides are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import vllm_alloc_kit as va
+
+from kvd.client.views import all_views
+from kvd.connectors import vllm_blocks as vb
+from kvd.errors import InvalidArgument
+from kvd.pool.layout import GroupKind, GroupSpec, Layout
+
+H, D, BS, NB = 2, 8, 4, 16
+FULL = va.Group(("l0", "l2", "l4"), H, D)
+SWA = va.Group(("l1", "l3"), H, D)
+TOKENS = 18  # 4 blocks and 2 tokens: a partial last block
+FULL_IDS = [7, 3, 9, 12, 5]
+SWA_IDS = [0, 0, 11, 2, 14]  # the window dropped the first two blocks: vLLM's null block 0
+# kvd's groups share the arena from byte 0: full pages (3 layers) below byte 33 x, swa (2 layers) above
+FULL_PAGES, SWA_FIRST, SWA_PAGES = [10, 4, 6, 1, 8], 2, [20, 18, 22]
+LAYOUT = Layout(name="gemma-like", page_size=BS, dtype="bfloat16", groups=(
+    GroupSpec(kind=GroupKind.FULL, num_layers=3, num_kv_heads=H, head_dim=D),
+    GroupSpec(kind=GroupKind.SWA, num_layers=2, num_kv_heads=H, head_dim=D, window=8),
+))
+UNIFIED = sorted(va.STRIDE_ORDERS)
+LEGACY = ["FLASH_ATTN_LEGACY", "FLASHINFER_NHD_LEGACY", "FLASHINFER_HND_LEGACY"]
+
+
+def _alloc(layout: str, fill: int | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    make = va.allocate_legacy if layout in LEGACY else va.allocate
+    raw, views = make([FULL, SWA], NB, BS, layout, fill=fill)
+    return (None if layout in LEGACY else raw), views
+
+
+def _kept() -> dict[str, list[tuple[int, int]]]:
+    """(vLLM block, offset) of every token the request keeps, per layer."""
+    out = {}
+    for g, ids in ((FULL, FULL_IDS), (SWA, SWA_IDS)):
+        for ln in g.layers:
+            out[ln] = [(ids[t // BS], t % BS) for t in range(TOKENS) if ids[t // BS] != 0]
+    return out
+
+
+def _slots(group: str) -> vb.Slots:
+    if group == "full":
+        return vb.token_slots(FULL_IDS, 0, TOKENS, BS, FULL_PAGES)
+    return vb.token_slots(SWA_IDS, 0, TOKENS, BS, SWA_PAGES, SWA_FIRST)
+
+
+def _round_trip(layout: str, detect=vb.detect_layout) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    _, src = _alloc(layout, fill=3)
+    _, dst = _alloc(layout)
+    arena = torch.zeros(LAYOUT.page_bytes(LAYOUT.group("swa")) * 24, dtype=torch.uint8)
+    views = all_views(LAYOUT, arena)
+    cs = vb.CopyStream("cpu")
+    for phase, tensors in (("save", src), ("load", dst)):
+        for g, name in ((FULL, "full"), (SWA, "swa")):
+            for i, ln in enumerate(g.layers):
+                lb = detect(tensors[ln], num_kv_heads=H, block_size=BS, head_size=D)
+                with cs.after_current():
+                    at = cs.slots(_slots(name), lb)
+                    (vb.save_layer if phase == "save" else vb.load_layer)(lb, at, views[name][i])
+        assert cs.record() is None
+    return src, dst, arena
+
+
+@pytest.mark.parametrize("layout", UNIFIED + LEGACY)
+def test_vllm_layouts_round_trip_byte_identical(layout):
+    src, dst, arena = _round_trip(layout)
+    _, exp = _alloc(layout)
+    for ln, kept in _kept().items():
+        lb = vb.detect_layout(src[ln], num_kv_heads=H, block_size=BS, head_size=D)
+        assert lb.layout.name == layout
+        eb = vb.detect_layout(exp[ln], num_kv_heads=H, block_size=BS, head_size=D)
+        for b, o in kept:
+            eb.k[b, o] = lb.k[b, o]
+            eb.v[b, o] = lb.v[b, o]
+    for ln in exp:  # kept tokens identical, everything else still zero (null block included)
+        assert torch.equal(dst[ln].view(torch.int16), exp[ln].view(torch.int16)), f"{layout} {ln}"
+    assert arena.any()
+
+
+def test_vllm_strides_are_what_vllm_computes():
+    """Element strides of a layer's view, worked out by hand from compute_layout_strides."""
+    c = 2 * D  # K|V elements per (head, token)
+    _, v = va.allocate([FULL], NB, BS, "LBNHC")
+    assert v["l0"].shape == (NB, H, BS, c) and v["l0"].stride() == (BS * H * c, c, H * c, 1)
+    _, v = va.allocate([FULL], NB, BS, "LBHNC")
+    assert v["l2"].stride() == (H * BS * c, BS * c, c, 1)
+    _, v = va.allocate([FULL], NB, BS, "BLHNC")  # a block holds the three layers' pages
+    assert v["l0"].stride() == (3 * H * BS * c, BS * c, c, 1)
+    assert v["l2"].storage_offset() - v["l0"].storage_offset() == H * BS * c  # l2: the group's second layer
+    _, v = va.allocate([FULL], NB, BS, "LHBNC")
+    assert v["l0"].stride() == (BS * c, NB * BS * c, c, 1)
+    _, v = va.allocate([FULL], NB, BS, "BHLNC")
+    assert v["l0"].stride() == (H * 3 * BS * c, 3 * BS * c, c, 1)
+    _, v = va.allocate_legacy([FULL], NB, BS, "FLASHINFER_HND_LEGACY")
+    assert v["l0"].shape == (NB, 2, BS, H, D) and v["l0"].stride() == (2 * H * BS * D, H * BS * D, D, BS * D, 1)
+    for name in UNIFIED:
+        _, v = va.allocate([FULL, SWA], NB, BS, name)
+        assert {vb.detect_layout(t, num_kv_heads=H, block_size=BS, head_size=D).layout.name for t in v.values()} == {name}
+
+
+def test_a_wrong_layout_assumption_gives_other_bytes():
+    """Negative control: take vLLM's NHD (LBNHC) memory for the CPU's HND (LBHNC), as a connector
+    that assumed one layout for every backend would."""
+
+    def as_hnd(t, **kw):
+        c = 2 * D
+        return vb.detect_layout(torch.as_strided(t, t.shape, (H * BS * c, BS * c, c, 1), t.storage_offset()), **kw)
+
+    src, dst, _ = _round_trip("LBNHC", detect=as_hnd)
+    src2, dst2, _ = _round_trip("LBNHC")
+    assert not all(torch.equal(dst[ln].view(torch.int16), dst2[ln].view(torch.int16)) for ln in dst)
+    # and the right assumption is what vLLM would see: its K rows land in kvd's K pages
+    lb = vb.detect_layout(src2["l0"], num_kv_heads=H, block_size=BS, head_size=D)
+    assert torch.equal(lb.k[FULL_IDS[0], 1].view(torch.int16), src2["l0"][FULL_IDS[0], :, 1, :D].view(torch.int16))
+
+
+def test_unknown_layouts_are_refused_naming_what_was_seen():
+    _, v = va.allocate([FULL], NB, BS, "LBNHC")
+    t = v["l0"]
+    with pytest.raises(InvalidArgument, match=r"vLLM resolved LBHNC, these strides are LBNHC"):
+        vb.detect_layout(t, num_kv_heads=H, block_size=BS, head_size=D, expect="HND")
+    assert vb.detect_layout(t, num_kv_heads=H, block_size=BS, head_size=D, expect="NHD").layout.name == "LBNHC"
+    odd = torch.zeros(BS, NB, H, 2 * D, dtype=torch.bfloat16).permute(1, 2, 0, 3)  # tokens outermost
+    with pytest.raises(InvalidArgument, match=r"strides \(32, 16, 512, 1\).*no KVCacheLayout order.*known: LBHNC"):
+        vb.detect_layout(odd, num_kv_heads=H, block_size=BS, head_size=D)
+    with pytest.raises(InvalidArgument, match=r"shape \(16, 2, 4, 16\).*\[blocks, 4, 4"):
+        vb.detect_layout(t, num_kv_heads=4, block_size=BS, head_size=D)
+    with pytest.raises(InvalidArgument, match="known:"):
+        vb.layout_named("LNBHC")
+
+
+def test_kernel_blocks_split_a_vllm_block():
+    """A backend that splits 4-token blocks into 2-token kernel blocks: B x 2 blocks of N = 2."""
+    _, src = va.allocate([FULL], NB * 2, 2, "LBNHC", fill=5)
+    _, dst = va.allocate([FULL], NB * 2, 2, "LBNHC")
+    arena = torch.zeros(LAYOUT.page_bytes(LAYOUT.group("full")) * 12 * 2, dtype=torch.uint8)
+    view = all_views(LAYOUT, arena)["full"][0]
+    cs = vb.CopyStream("cpu")
+    s = vb.token_slots(FULL_IDS, 0, TOKENS, BS, FULL_PAGES)
+    a, b = (vb.detect_layout(t["l0"], num_kv_heads=H, block_size=BS, head_size=D) for t in (src, dst))
+    assert a.ratio == 2
+    vb.save_layer(a, cs.slots(s, a), view)
+    vb.load_layer(b, cs.slots(s, b), view)
+    for t in range(TOKENS):  # block FULL_IDS[j], token o = kernel block 2 * id + o // 2, offset o % 2
+        kb, ko = 2 * FULL_IDS[t // BS] + (t % BS) // 2, t % 2
+        assert torch.equal(dst["l0"][kb, :, ko].view(torch.int16), src["l0"][kb, :, ko].view(torch.int16))
+        assert torch.equal(view.k[FULL_PAGES[t // BS], t % BS].view(torch.int16), src["l0"][kb, :, ko, :D].view(torch.int16))
+    assert int((dst["l0"].view(torch.int16) != 0).sum()) == TOKENS * H * 2 * D - int((src["l0"].view(torch.int16)[
+        [2 * FULL_IDS[t // BS] + (t % BS) // 2 for t in range(TOKENS)], :, [t % 2 for t in range(TOKENS)]] == 0).sum())
+
+
+def test_token_slots_skip_null_blocks_and_refuse_short_lists():
+    s = vb.token_slots(SWA_IDS, 0, TOKENS, BS, SWA_PAGES, SWA_FIRST)
+    assert s.block.tolist() == [11] * 4 + [2] * 4 + [14] * 2 and s.page.tolist() == [20] * 4 + [18] * 4 + [22] * 2
+    assert len(vb.token_slots([0, 0], 0, 8, BS, [], 2).page) == 0  # all in the null block: nothing to copy
+    with pytest.raises(RuntimeError, match="vLLM gave 2 blocks"):
+        vb.token_slots([3, 4], 0, 9, BS, [1, 2, 3])
+    with pytest.raises(RuntimeError, match=r"kvd holds pages for \[2, 4\)"):
+        vb.token_slots(SWA_IDS, 0, TOKENS, BS, SWA_PAGES[:2], SWA_FIRST)
+
+
+def test_state_bytes_is_a_whole_slot():
+    t = torch.arange(4 * 12, dtype=torch.int8).view(4, 1, 1, 12)
+    assert vb.state_bytes(t, 2).tolist() == list(range(24, 36))
+    with pytest.raises(InvalidArgument, match="not contiguous"):
+        vb.state_bytes(torch.zeros(4, 12, 2, dtype=torch.int8).transpose(1, 2), 0)
