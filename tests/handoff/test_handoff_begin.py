@@ -105,3 +105,28 @@ def test_the_asyncio_client_begins_a_send_too(hp):
     opened, res = hp.async_handoff("async-begin", send)
     assert opened is True and "check" not in res.phases, res
     hp.check()
+
+
+def test_a_send_of_a_begun_transfer_reuses_its_ticket_parse(hp, monkeypatch):
+    """Issue 16: the ticket's bytes parse alike, so a Send of an open transfer reads them once (at
+    BeginSend); bytes of no open transfer are parsed (and refused) as before."""
+    if hp.p.side.node is None:
+        pytest.skip("patches the daemon's ticket reader: in-process pair only")
+    import kvd.handoff.outbox as ob
+
+    rid, src, dst, lease = hp.setup_request(40, prefix="begin-parse")
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    assert hp.p.c.begin_send(rid, lease.ticket) is True
+    calls = []
+    real = ob.read_ticket
+    monkeypatch.setattr(ob, "read_ticket", lambda raw: calls.append(raw) or real(raw))
+    res = hp.p.c.send(rid, lease.ticket)
+    assert calls == [] and res.phases["ticket"] >= 0, calls  # no parse: the transfer's own
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+    with dk.expect(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "ticket"):
+        hp.p.c.send(rid, b"not a ticket")
+    assert calls == [b"not a ticket"]
+    hp.p.free(rid)
+    hp.d.free(rid)
+    hp.check()
