@@ -227,6 +227,10 @@ class Row:
             # the daemon's own clock per step (SendResult.phases), median over the passes
             "plan_here_ms": self.plan_here_s * 1e3,
             "phases_ms": {k: med([p.get(k, 0.0) for p in self.phases]) * 1e3 for k in SEND_PHASES if any(k in p for p in self.phases)},
+            # every other key the replies carried (the backend's parts of issue/write, the handler's share) and this
+            # side's clock (client:reply, client:ready), summed per pass, median over the passes
+            "detail_ms": {k: med([p.get(k, 0.0) for p in self.phases]) * 1e3
+                          for k in sorted({k for p in self.phases for k in p} - set(SEND_PHASES))},
         }
 
 
@@ -378,16 +382,20 @@ class Pair:
         from kvd.client import TransferState
 
         got: list = []
-        waiter = threading.Thread(target=lambda: got.append(self.dc[r.worker].wait_ready(r.rid, 120)), name=f"wait-{r.rid}")
+        pc = time.perf_counter
+        waiter = threading.Thread(target=lambda: got.append((self.dc[r.worker].wait_ready(r.rid, 120), pc())), name=f"wait-{r.rid}")
         waiter.start()
         time.sleep(WAITER_HEAD_START_S)  # the WaitReady call reaches the decode daemon before Send starts
-        a = time.perf_counter()
+        a = pc()
         res = self.pc[r.worker].send(r.rid, ticket)
+        replied = pc()
         waiter.join()
-        wall = time.perf_counter() - a
+        wall = pc() - a
         if not got:
             raise RuntimeError(f"{r.rid}: WaitReady raised (see the thread's traceback)")
-        st = got[0]
+        st, ready = got[0]
+        # This side's clock: the Send's reply and the WaitReady answer, from the Send issued.
+        res.phases["client:reply"], res.phases["client:ready"] = replied - a, ready - a
         if st.state is not TransferState.READY:
             raise RuntimeError(f"{r.rid}: transfer ended {st.state.value}: {st.reason}")
         if r.nbytes and (res.nbytes != r.nbytes or st.nbytes != r.nbytes):
@@ -868,6 +876,17 @@ def report(env: dict, pairs: list[dict]) -> None:
     ph_rows = [[r["backend"], r["devices"], r["workload"], r["requests"], *(f"{r['phases_ms'].get(k, 0.0):.2f}" for k in SEND_PHASES),
                 "-" if r["concurrent"] else f"{r['server_ms']:.2f}", f"{r['plan_here_ms']:.2f}"] for r in rows if r.get("phases_ms")]
     log(_table(["backend", "GPUs P,D", "workload", "reqs", *SEND_PHASES, "Send.seconds ms", "plan in this process ms"], ph_rows))
+    wall_rows = [_wall_row(r) for r in rows if r.get("detail_ms", {}).get("client:reply") and not r["concurrent"]]
+    if wall_rows:
+        log("\n## Where the wall goes, per request (ms; Sends one after another; each pass summed, median over passes, / requests): "
+            "fixed = Send.seconds - write (everything but the wait for the copies); issue:* / write:* = the backend's parts of "
+            "those steps (peer = mapping + liveness, prep = strategy + offsets, copy = the copy call, event = the CUDA event; "
+            "wait = the event's wait, after = the liveness check after); handler = the Send handler outside Send.seconds "
+            "(ticket = the ticket read); wire = Send reply on this side - handler (the engine socket both ways); ready lag = the "
+            "WaitReady answer - the Send reply (negative: it came first)\n")
+        log(_table(["GPUs P,D", "workload", "reqs", "wall", "Send.seconds", "write", "fixed", "prep", "lease", "plan", "issue",
+                    "issue:peer", "issue:prep", "issue:copy", "issue:event", "write:wait", "write:after", "commit", "release",
+                    "handler", "ticket", "wire", "ready lag"], wall_rows))
     for p in pairs:
         if p.get("control"):
             c = p["control"]
@@ -879,6 +898,22 @@ def report(env: dict, pairs: list[dict]) -> None:
         for r in p["rows"]:
             if not r["ok"]:
                 log(f"[{r['devices']}] {r['workload']}: check failed: {r['why']}")
+
+
+def _wall_row(r: dict) -> list[str]:
+    """A row of the per-request wall table: ``r``'s steps and details over its requests."""
+    n, ph, dt = r["requests"], r["phases_ms"], r["detail_ms"]
+    srv = sum(ph.values())
+    call = dt.get("call", 0.0)
+
+    def f(x: float) -> str:
+        return f"{x / n:.3f}"
+
+    return [r["devices"], r["workload"], str(n), f(r["wall_ms"]), f(srv), f(ph.get("write", 0.0)), f(srv - ph.get("write", 0.0)),
+            *(f(ph.get(k, 0.0)) for k in ("prep", "lease", "plan", "issue")),
+            *(f(dt.get(k, 0.0)) for k in ("issue:peer", "issue:prep", "issue:copy", "issue:event", "write:wait", "write:after")),
+            f(ph.get("commit", 0.0)), f(ph.get("release", 0.0)), f(call - srv), f(dt.get("ticket", 0.0)),
+            f(dt["client:reply"] - call), f(dt.get("client:ready", 0.0) - dt["client:reply"])]
 
 
 def main() -> int:

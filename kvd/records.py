@@ -232,7 +232,7 @@ class TicketInfo:
 
 
 #: The steps of a Send, in the order they run (SendResult.phases keeps this order).
-SEND_PHASES = ("lease", "plan", "check", "issue", "write", "commit")
+SEND_PHASES = ("prep", "lease", "plan", "check", "issue", "write", "commit", "release")
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +241,16 @@ class SendResult:
     blocks: int
     seconds: float
     pages: dict[str, int] = field(default_factory=dict)
-    #: seconds per step of the Send, in order: lease, plan, check (first chunk only: the wait for the
-    #: CheckTicket answer left after lease and plan, which run while the receiver checks), issue
-    #: (the writes handed to the backend: on a GPU, the copies queued), write (from then until
-    #: they all landed: in a send_many, the next item's lease, plan and check and the previous
-    #: item's commit run meanwhile), commit
+    #: seconds per step of the Send, in order: prep (the ticket's own checks, ownership, the
+    #: transfer entered, the receiver's check sent), lease, plan, check (first chunk only: the
+    #: wait for the CheckTicket answer left after lease and plan, which run while the receiver
+    #: checks), issue (the writes handed to the backend: on a GPU, the copies queued), write
+    #: (from then until they all landed: in a send_many, the next item's lease, plan and check
+    #: and the previous item's commit run meanwhile), commit (the receiver's answer), release
+    #: (the SEND lease). They add up to ``seconds``. Then, where a backend says, parts of issue
+    #: and write (``"issue:<part>"``, ``"write:<part>"``: the CUDA local backend's peer check,
+    #: copy call, event, wait), and what the daemon's handler adds outside ``seconds``
+    #: (``"ticket"``: reading the ticket, ``"free"``, ``"call"``: the whole handler).
     phases: dict[str, float] = field(default_factory=dict)
 
 

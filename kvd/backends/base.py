@@ -217,6 +217,8 @@ class Backend(abc.ABC):
             finally:
                 self._landed()
 
+        if (ph := getattr(wait, "phases", None)) is not None:
+            landed.phases = ph  # type: ignore[attr-defined]  # a backend's own timings (kvd.handoff.flight.Flight.note)
         return landed
 
     def _landed(self) -> None:

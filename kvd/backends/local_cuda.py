@@ -349,7 +349,13 @@ class CudaLocalBackend(Backend):
 
     def _issue(self, peer: PeerRegion, srcs: list[int], dsts: list[int], lens: list[int]) -> Landed:
         """Check the peer, queue the copies on the backend's stream of this GPU and record an
-        event after them; the waiter waits for that event, then checks the peer again."""
+        event after them; the waiter waits for that event, then checks the peer again. The
+        waiter's ``phases`` say where the time went (seconds: ``issue:peer`` the mapping and
+        liveness check, ``issue:prep`` the strategy and offsets, ``issue:copy`` the copy call,
+        ``issue:event`` the event; ``write:wait`` the wait for it, ``write:after`` the checks
+        after), for the Send's reply (:meth:`kvd.handoff.flight.Flight.note`)."""
+        pc = time.perf_counter
+        t0 = pc()
         src = self._src
         if src is None:  # Backend.write_async checked that an arena is registered
             raise InternalError("local cuda backend: write reached the copy with no registered source view")
@@ -357,17 +363,20 @@ class CudaLocalBackend(Backend):
         if m is None or m.region_id != peer.region_id or m.size < peer.backed_bytes or not self._poll(m):
             # No mapping that a quiet watch vouches for: ask the peer (a round trip) and map.
             m = self._checked_mapping(peer)
+        t1 = pc()
         lo = self.registered[0]
         strategy = copy_strategy(m.home, lens, batch=batch_usable())
         done = None
         stream = self._stream
         try:
             s_off, d_off = [a - lo for a in srcs], [a - peer.base for a in dsts]
+            t2 = pc()
             if strategy == COPY_ENGINE:
                 copy_engine_blocks(src, m.view, s_off, d_off, lens, m.home, stream)
             else:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     copy_blocks(src, m.view, s_off, d_off, lens)
+            t3 = pc()
             if stream is not None:
                 # Both strategies issue on the backend's stream of the source's device (this
                 # daemon's GPU; the mapping is a tensor of it too, even when the memory lives on
@@ -381,16 +390,22 @@ class CudaLocalBackend(Backend):
                 with contextlib.suppress(RuntimeError):
                     stream.synchronize()
             raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
+        t4 = pc()
+        phases = {"issue:peer": t1 - t0, "issue:prep": t2 - t1, "issue:copy": t3 - t2, "issue:event": t4 - t3}
 
         def landed() -> None:
+            w0 = pc()
             if done is not None:
                 # The receiver is told READY once the waiter returns: every byte must have landed.
                 try:
                     done.synchronize()
                 except RuntimeError as exc:  # a CUDA error raised by the copies
                     raise Aborted(f"copy into peer arena {peer.region_id!r} failed: {exc}; its bytes in these blocks are undefined") from exc
+            w1 = pc()
             self._after(peer, m, strategy, lens)
+            phases["write:wait"], phases["write:after"] = w1 - w0, pc() - w1
 
+        landed.phases = phases  # type: ignore[attr-defined]  # read by Flight.note
         return landed
 
     def _after(self, peer: PeerRegion, m: _Import, strategy: str, lens: list[int]) -> None:

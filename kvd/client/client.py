@@ -95,13 +95,15 @@ class LeaseInfo(NamedTuple):
 
 class SendSpec(NamedTuple):
     """One item of :meth:`_Surface.send_many`: what :meth:`_Surface.send` takes (``end`` None:
-    up to the request's length; ``last`` moves the state and makes the request ready there)."""
+    up to the request's length; ``last`` moves the state and makes the request ready there;
+    ``free``, with ``last``: freed here once sent, its result's ``phases`` then has ``"free"``)."""
 
     rid: str
     ticket: bytes
     start: int = 0
     end: int | None = None
     last: bool = True
+    free: bool = False
 
 
 class SendOutcomes(list):
@@ -113,7 +115,7 @@ class SendOutcomes(list):
 
 
 def _send_request(s: SendSpec) -> pb.SendRequest:
-    return pb.SendRequest(rid=s.rid, ticket=s.ticket, token_start=s.start, token_end=s.end or 0, last=s.last)
+    return pb.SendRequest(rid=s.rid, ticket=s.ticket, token_start=s.start, token_end=s.end or 0, last=s.last, free=s.free)
 
 
 def _outcomes(r: pb.SendManyResponse) -> SendOutcomes:
@@ -322,7 +324,7 @@ class _Surface:
     def send_many(self, items: Sequence[SendSpec | tuple]) -> SendOutcomes:
         """Prefill side: many independent :meth:`send` calls in one, e.g. every request one
         forward pass finished. ``items``: :class:`SendSpec` or tuples ``(rid, ticket[, start[,
-        end[, last]]])``, at most 1024, each request once. The daemon pipelines them (one
+        end[, last[, free]]]])``, at most 1024, each request once. The daemon pipelines them (one
         request's copies run while it commits the one before and prepares the one after).
 
         Returns, per item in order, its :class:`SendResult` or the kvd error its own ``send``

@@ -104,6 +104,7 @@ class Flight:
     waits: list[Landed] = field(default_factory=list)  # writes issued and not yet waited for
     issued: int = 0  # bytes of the writes issued
     finished: bool = False
+    detail: list[dict[str, float]] = field(default_factory=list)  # the backend's own timings per write (note)
 
     def __post_init__(self) -> None:
         self.mark = self.t_start
@@ -112,6 +113,21 @@ class Flight:
         """Where a Send's time goes, reported with the result."""
         now = time.perf_counter()
         self.phases[name], self.mark = now - self.mark, now
+
+    def note(self, landed: Landed) -> None:
+        """Keep the timings a backend attached to a write's waiter (``landed.phases``: seconds
+        by ``"issue:<part>"`` / ``"write:<part>"``, filled as the write is issued and waited
+        for), for :meth:`add_detail`. Backends without them attach nothing."""
+        ph = getattr(landed, "phases", None)
+        if isinstance(ph, dict):
+            self.detail.append(ph)
+
+    def add_detail(self) -> None:
+        """Add the backend's timings (:meth:`note`), summed over the item's writes, to
+        :attr:`phases` after its steps: where the ``issue`` and ``write`` steps' time went."""
+        for ph in self.detail:
+            for k, v in ph.items():
+                self.phases[k] = self.phases.get(k, 0.0) + v
 
     def drain(self) -> BaseException | None:
         """Wait for every write of this item issued and not yet waited for (each waiter once);

@@ -11,6 +11,7 @@ the same words whichever way it came.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from kvd.errors import FailedPrecondition, PermissionDenied
 from kvd.handoff.outbox import Outbox
@@ -58,6 +59,13 @@ class PeerCalls:
         sender that began it (:meth:`kvd.handoff.inbox.Inbox.commit`)."""
         inbox_of(self.node).commit(ref_from_pb(request.ref), request.last, request.bytes, request.sender)
         return pb.CommitResponse()
+
+    def commit_then(self, request: pb.CommitRequest) -> tuple[pb.CommitResponse, Callable[[], None]]:
+        """:meth:`commit`, and what wakes the decode engine's WaitReady: the transport calls it
+        once the Commit reply is on its way (the peer socket: the sender's reply first, then the
+        engine's, each without the other's thread in its way)."""
+        wake = inbox_of(self.node).commit(ref_from_pb(request.ref), request.last, request.bytes, request.sender, defer_wake=True)
+        return pb.CommitResponse(), wake
 
     def abort_receive(self, request: pb.PeerAbortRequest) -> pb.PeerAbortResponse:
         """The sender gave up on a transfer into this daemon (only the one that began it may:

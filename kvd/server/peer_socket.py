@@ -79,6 +79,10 @@ MAX_HELLO = 4096
 MAX_CONNECTIONS = 64
 
 
+#: What a handler may return: the response, or the response and what to run once it was sent.
+Answer = Message | tuple[Message, Callable[[], None]]
+
+
 class Method(NamedTuple):
     """One Peer rpc the socket serves: its frame kind, name, message types and handler."""
 
@@ -86,7 +90,11 @@ class Method(NamedTuple):
     name: str
     request: type[Message]
     response: type[Message]
-    handler: Callable[[PeerCalls, Message], Message]
+    handler: Callable[[PeerCalls, Message], Answer]
+
+
+def _nothing() -> None:
+    pass
 
 
 def _method(mid: int, name: str, handler: Callable) -> Method:
@@ -99,7 +107,8 @@ METHODS: dict[int, Method] = {
     m.id: m
     for m in (
         _method(1, "CheckTicket", lambda calls, request: calls.check_ticket(request)),
-        _method(2, "Commit", lambda calls, request: calls.commit(request)),
+        # The decode engine's WaitReady is woken once the sender's reply is sent (PeerCalls.commit_then).
+        _method(2, "Commit", lambda calls, request: calls.commit_then(request)),
         _method(3, "Heartbeat", lambda calls, request: calls.heartbeat(request)),
         _method(4, "AbortReceive", lambda calls, request: calls.abort_receive(request)),
     )
@@ -162,21 +171,30 @@ class PeerSocketServer(FramedServer[None]):
         conn.sendall(me)
 
     def _frame(self, conn: socket.socket, n: int, kind: int, state: None) -> None:
-        conn.sendall(self._answer(conn, n, kind))
+        reply, then = self._answer(conn, n, kind)
+        try:
+            conn.sendall(reply)
+        finally:
+            then()  # a commit's wake runs even when the caller went away
 
-    def _answer(self, conn: socket.socket, n: int, kind: int) -> bytes:
-        """The reply frame to one call frame whose head was read (its body is read here)."""
+    def _answer(self, conn: socket.socket, n: int, kind: int) -> tuple[bytes, Callable[[], None]]:
+        """The reply frame to one call frame whose head was read (its body is read here), and
+        what to run once it is sent."""
         if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
             raise Close(refusal(InvalidArgument(f"peer socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
         body = recv_exact(conn, n)
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
+        then = _nothing
         try:
             if m is None:
                 served = ", ".join(f"{x.id} ({x.name})" for x in METHODS.values())
                 raise InvalidArgument(f"peer socket: unknown method id {kind}; this daemon serves {served} (and {HELLO}: hello)")
             request = parse_request(m.name, m.request, body)  # the words gRPC refuses it in
-            reply, code = frame(OK, m.handler(self.calls, request)), "OK"
+            out = m.handler(self.calls, request)
+            if isinstance(out, tuple):
+                out, then = out
+            reply, code = frame(OK, out), "OK"
         except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place
             st = status_to_pb(exc)
             reply, status = frame(REFUSED, st), code_from_int(st.code)
@@ -184,4 +202,4 @@ class PeerSocketServer(FramedServer[None]):
             if status == grpc.StatusCode.INTERNAL:
                 log.exception("peer socket: internal error in %s", name)
         self._count(name, code)
-        return reply
+        return reply, then

@@ -29,7 +29,7 @@ from kvd.pool.layout import Layout
 from kvd.records import AllocSpec, LeaseKind
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import to_status
-from kvd.handoff.ticket import Issuer, Tickets, read as read_ticket
+from kvd.handoff.ticket import Issuer, Tickets
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.rpc.convert import (
@@ -352,7 +352,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         def go():
             session, outbox = self._sender(context)
             opened = outbox.begin(
-                session, request.rid, read_ticket(request.ticket), request.ticket, chunk_tokens=request.chunk_tokens
+                session, request.rid, outbox.read_ticket(request.ticket), request.ticket, chunk_tokens=request.chunk_tokens
             )
             return pb.BeginSendResponse(opened=opened)
 
@@ -360,23 +360,33 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
     def Send(self, request: pb.SendRequest, context):
         def go():
+            t0 = time.perf_counter()
             if request.free and not request.last:
                 raise InvalidArgument(f"Send of {quote(request.rid)}: free=true needs last=true (a request is freed after its last chunk)")
             session, outbox = self._sender(context)
-            r = outbox.send(
-                session, request.rid, read_ticket(request.ticket), request.ticket, request.token_start, request.token_end or None, request.last
-            )
+            t1 = time.perf_counter()
+            ticket = outbox.read_ticket(request.ticket)
+            t2 = time.perf_counter()
+            r = outbox.send(session, request.rid, ticket, request.ticket, request.token_start, request.token_end or None, request.last)
             reply = send_result_to_pb(r)
+            reply.phase_seconds["ticket"] = t2 - t1
             if request.free:
-                t0 = time.perf_counter()
-                try:
-                    self.node.free(session, [request.rid])
-                    reply.phase_seconds["free"] = time.perf_counter() - t0
-                except KvdError as exc:  # the Send succeeded: say so; the engine frees it later
-                    log.info("Send of %s: sent, but not freed: %s", quote(request.rid), exc)
+                self._free_sent(session, request.rid, reply)
+            reply.phase_seconds["call"] = time.perf_counter() - t0
             return reply
 
         return self._run(context, go)
+
+    def _free_sent(self, session: str, rid: str, reply: pb.SendResponse) -> None:
+        """Free ``rid``, sent (Send or a SendMany item with ``free``): ``"free"`` in the reply's
+        phases when freed; when it cannot be (another lease pins it), the Send still succeeded
+        and the engine frees it later."""
+        t0 = time.perf_counter()
+        try:
+            self.node.free(session, [rid])
+            reply.phase_seconds["free"] = time.perf_counter() - t0
+        except KvdError as exc:  # the Send succeeded: say so; the engine frees it later
+            log.info("Send of %s: sent, but not freed: %s", quote(rid), exc)
 
     def SendMany(self, request: pb.SendManyRequest, context: grpc.ServicerContext) -> pb.SendManyResponse:
         def go() -> pb.SendManyResponse:
@@ -386,15 +396,22 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             items: list[SendItem | KvdError] = []
             for it in request.items:
                 try:  # a ticket that does not parse is that item's failure alone
-                    info = read_ticket(it.ticket)
+                    if it.free and not it.last:
+                        raise InvalidArgument(f"SendMany item {quote(it.rid)}: free=true needs last=true (a request is freed after its last chunk)")
+                    info = outbox.read_ticket(it.ticket)
                 except KvdError as exc:
                     items.append(exc)
                     continue
                 items.append(SendItem(it.rid, info, it.ticket, it.token_start, it.token_end or None, it.last))
-            outcomes = [
-                pb.SendOutcome(error=status_to_pb(r)) if isinstance(r, KvdError) else pb.SendOutcome(result=send_result_to_pb(r))
-                for r in outbox.send_many(session, items)
-            ]
+            outcomes = []
+            for it, r in zip(request.items, outbox.send_many(session, items)):
+                if isinstance(r, KvdError):
+                    outcomes.append(pb.SendOutcome(error=status_to_pb(r)))
+                    continue
+                reply = send_result_to_pb(r)
+                if it.free:  # each item once all were sent: a free never delays another item's writes
+                    self._free_sent(session, it.rid, reply)
+                outcomes.append(pb.SendOutcome(result=reply))
             return pb.SendManyResponse(outcomes=outcomes, seconds=time.perf_counter() - t0)
 
         return self._run(context, go)

@@ -156,8 +156,9 @@ def test_a_batch_lands_the_bytes_the_same_sends_land_one_by_one(b):
     batched = b.dst.clone()
     assert torch.equal(batched, exp)
     for r, n in zip(out, LENGTHS):
-        assert r.nbytes > 0 and list(r.phases) == list(SEND_PHASES)
-        assert sum(r.phases.values()) == pytest.approx(r.seconds, rel=1e-6, abs=1e-9)
+        steps = {k: v for k, v in r.phases.items() if k in SEND_PHASES}
+        assert r.nbytes > 0 and list(steps) == list(SEND_PHASES)
+        assert sum(steps.values()) == pytest.approx(r.seconds, rel=1e-6, abs=1e-9)
     assert all(b.state(rid) is READY for rid in b.rids)
     assert len(b.d.leases) == 0  # READY dropped every RECV lease
     assert b.outbox.sent_total == len(b.rids) and b.outbox.items_total == len(b.rids) and b.outbox.calls_total == 1

@@ -9,7 +9,7 @@ import grpc
 import handoff_kit as hk
 
 from kvd import errors as E
-from kvd.client import TransferState
+from kvd.client import SendSpec, TransferState
 from kvd.records import LeaseKind
 
 
@@ -59,4 +59,35 @@ def test_allocate_recv_of_a_taken_id_changes_nothing(hp):
     after = hp.d.c.stats()
     assert after.leases_live == before.leases_live and after.pool.requests_live == before.pool.requests_live
     hp.d.free(rid)
+    hp.check()
+
+
+def test_send_many_items_with_free_are_freed_once_sent_and_the_others_stay(hp):
+    a, src_a, dst_a, lease_a = hp.setup_request(40, prefix="fused-many-a")
+    b, src_b, dst_b, lease_b = hp.setup_request(24, scatter=False, prefix="fused-many-b")
+    out = hp.p.c.send_many([SendSpec(a, lease_a.ticket, free=True), SendSpec(b, lease_b.ticket)])
+    assert "free" in out[0].phases and "free" not in out[1].phases, (out[0].phases, out[1].phases)
+    hp.p.live.discard(a)
+    with dk.expect(E.NotFound, grpc.StatusCode.NOT_FOUND, "not allocated"):
+        hp.p.c.vectors(a)
+    assert hp.p.c.vectors(b).tokens == 24  # not asked to: still allocated
+    for rid in (a, b):
+        assert hp.d.c.wait_ready(rid, 5).state is TransferState.READY
+    assert hp.p.free(b) == 1 and hp.d.free(a) == 1 and hp.d.free(b) == 1
+    hp.check()
+
+
+def test_a_send_many_item_with_free_but_not_last_fails_alone(hp):
+    a, _, _, lease_a = hp.setup_request(40, prefix="fused-many-nolast")
+    b, _, _, lease_b = hp.setup_request(24, scatter=False, prefix="fused-many-ok")
+    out = hp.p.c.send_many([SendSpec(a, lease_a.ticket, end=16, last=False, free=True), SendSpec(b, lease_b.ticket)])
+    assert isinstance(out[0], E.InvalidArgument) and "free=true needs last=true" in str(out[0]), out[0]
+    assert hp.d.c.wait_ready(a, 0).state is TransferState.WAITING  # its receiver never heard
+    assert hp.p.c.vectors(a).tokens == 40
+    assert hp.d.c.wait_ready(b, 5).state is TransferState.READY
+    hp.p.c.send(a, lease_a.ticket)  # the whole request, now: it lands as any other
+    assert hp.d.c.wait_ready(a, 5).state is TransferState.READY
+    for rid in (a, b):
+        hp.p.free(rid)
+        hp.d.free(rid)
     hp.check()

@@ -32,7 +32,7 @@ def test_send_many_moves_the_bytes_the_same_sends_move(hp):
     exp = before_d
     for (rid, src, dst, _), r in zip(reqs, out):
         assert isinstance(r, SendResult), r
-        assert list(r.phases) == list(SEND_PHASES) and r.nbytes > 0, r
+        assert [k for k in r.phases if k in SEND_PHASES] == list(SEND_PHASES) and r.nbytes > 0, r
         st = hp.d.c.wait_ready(rid, 5)
         assert st.state is READY and st.nbytes == r.nbytes, st
         exp = hk.expected_arena(exp, before_p, hk.moved(src, dst, dst.tokens, state=True))
