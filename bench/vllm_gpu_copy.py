@@ -5,10 +5,14 @@ tests/kits/vllm_alloc_kit.py), in one run, timed with CUDA events (wall clock on
     python bench/vllm_gpu_copy.py                      # cuda if present: 32 layers, 8 kv heads x 128, bf16
     python bench/vllm_gpu_copy.py --device cpu --layers 2 --tokens 512   # a quick check without a GPU
 
-save = vLLM blocks -> kvd pages of every layer (one request, tokens [0, T)); load = kvd pages ->
-vLLM blocks. The request's vLLM blocks and kvd pages are shuffled (what a busy engine holds).
-plain = ``dst.copy_(src)`` of the same byte count, contiguous, same device. ratio = plain / copy
-time. Each copy is checked (the loaded blocks equal the source) before it is timed.
+save = vLLM blocks -> kvd pages of every layer, layer by layer as save_kv_layer does (one request,
+tokens [0, T)); load = kvd pages -> vLLM blocks of every layer in one call, as start_load_kv does.
+The request's vLLM blocks and kvd pages are shuffled (what a busy engine holds). plain =
+``dst.copy_(src)`` of the same byte count, contiguous, same device. ratio = plain / copy time.
+path: the copy that ran (``triton``: kvd.connectors.vllm_kernels; ``torch``: index ops, with the
+reason the kernel did not apply); launches: what one request's save and load issued (kernel
+launches, or torch index ops). Each copy is checked (the loaded blocks equal the source) before
+it is timed. ``--path torch`` times the torch path on a GPU too.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ def timed(fn, device: torch.device, reps: int) -> float:
     return sorted(out)[len(out) // 2]
 
 
-def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens: int, layout: str, reps: int) -> dict:
+def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens: int, layout: str, reps: int,
+        path: str | None = None) -> dict:
     rnd = random.Random(tokens)
     nblocks = tokens // bs + 1
     pool = 2 * nblocks + 8
@@ -74,7 +79,7 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
         with cs.after_current():
             at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), srcb[0])
             for lb, v in zip(srcb, views):
-                vb.save_layer(lb, at, v)
+                vb.save_layer(lb, at, v, path=path)
         ev = cs.record()
         if ev is not None:
             torch.cuda.current_stream(device).wait_event(ev)
@@ -82,14 +87,19 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
     def load() -> None:  # start_load_kv for one request
         with cs.after_current():
             at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), dstb[0])
-            for lb, v in zip(dstb, views):
-                vb.load_layer(lb, at, v)
+            vb.load_layers(dstb, at, views, path=path)
         ev = cs.record()
         if ev is not None:
             torch.cuda.current_stream(device).wait_event(ev)
 
-    save()
-    load()
+    counts = []
+    for fn in (save, load):
+        before = vb.LAUNCHES.copy()
+        fn()
+        ran = vb.LAUNCHES - before
+        counts.append(ran["triton"] or ran["torch"])
+    why = vb.kernel_refusal(srcb[0], views[0]) if path != "torch" else "asked for"
+    ran_path = "triton" if why is None else f"torch ({why})"
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     for a, b in zip(srcb, dstb):  # checked before timing
@@ -102,7 +112,8 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
     flat_b = torch.empty_like(flat_a)
     plain = timed(lambda: flat_b.copy_(flat_a), device, reps)
     ts, tl = timed(save, device, reps), timed(load, device, reps)
-    return {"layout": layout, "tokens": tokens, "bytes": nbytes, "save_s": ts, "load_s": tl, "plain_s": plain}
+    return {"layout": layout, "tokens": tokens, "bytes": nbytes, "save_s": ts, "load_s": tl, "plain_s": plain,
+            "path": ran_path, "launches": tuple(counts)}
 
 
 def main() -> int:
@@ -116,20 +127,27 @@ def main() -> int:
     ap.add_argument("--layouts", nargs="+", default=["LBNHC", "LBHNC", "BLNHC", "LHBNC",
                                                        "FLASH_ATTN_LEGACY", "FLASHINFER_NHD_LEGACY", "FLASHINFER_HND_LEGACY"])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--path", choices=["auto", "triton", "torch"], default="auto",
+                    help="the copy path (auto: the Triton kernel where it applies)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"vLLM connector copies on {name}: {a.layers} layers x {a.heads} kv heads x {a.dim}, bf16, "
           f"{a.block_size}-token blocks; median of {a.reps}")
     print(f"{'layout':<22} {'tokens':>6} {'MiB':>7} {'save ms':>8} {'load ms':>8} {'plain ms':>8} "
-          f"{'save GB/s':>9} {'load GB/s':>9} {'ratio s/l':>10}")
+          f"{'save GB/s':>9} {'load GB/s':>9} {'ratio s/l':>10} {'launches s/l':>12}  path")
+    paths = set()
     for lay in a.layouts:
         for t in a.tokens:
-            r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps)
+            r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps, None if a.path == "auto" else a.path)
             gb = r["bytes"] / 1e9
             print(f"{lay:<22} {t:>6} {r['bytes'] / 2**20:>7.1f} {r['save_s'] * 1e3:>8.3f} {r['load_s'] * 1e3:>8.3f} "
                   f"{r['plain_s'] * 1e3:>8.3f} {gb / r['save_s']:>9.1f} {gb / r['load_s']:>9.1f} "
-                  f"{r['plain_s'] / r['save_s']:>5.2f}/{r['plain_s'] / r['load_s']:.2f}")
+                  f"{r['plain_s'] / r['save_s']:>5.2f}/{r['plain_s'] / r['load_s']:.2f} "
+                  f"{'%d/%d' % r['launches']:>12}  {r['path'].split(' ')[0]}")
+            paths.add(r["path"])
+    for p in sorted(paths):
+        print(f"path: {p}")
     return 0
 
 

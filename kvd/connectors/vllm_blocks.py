@@ -322,7 +322,8 @@ class CopyStream:
         if self.stream is not None:
             packed = packed.pin_memory().to(self.device, non_blocking=True)
         t = int(tokens.shape[1])
-        return DeviceSlots(*packed[: 4 * t].view(4, t).unbind(0), rows=packed[4 * t:].view(-1, vk.ROW_COLS))
+        blk, boff, page, poff = packed[: 4 * t].view(4, t).unbind(0)
+        return DeviceSlots(blk, boff, page, poff, packed[4 * t:].view(-1, vk.ROW_COLS))
 
     def record(self) -> torch.cuda.Event | None:
         if self.stream is None:

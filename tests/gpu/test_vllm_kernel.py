@@ -139,10 +139,3 @@ def test_a_row_one_token_too_long_writes_outside_the_request():
         vb.save_layers(sb, at_, views, path="triton")
         assert _untouched_outside(views, s) is clean
 
-
-def test_rows_cut_at_block_page_and_kernel_block_edges():
-    s = vb.token_slots([4, 9], 3, 13, BS, [2, 2], 0)  # both blocks on page 2: still two rows
-    assert vb.token_rows(s.block, s.offset, s.page, s.offset).tolist() == [[4, 3, 2, 3, 5], [9, 0, 2, 0, 5]]
-    src, _, _, _ = _case("LBNHC", BS // 2)
-    at = vb.CopyStream("cpu").slots(s, _blocks(src)[0])  # kernel blocks of 4 tokens: block b, token o -> 2b + o // 4, o % 4
-    assert at.rows is not None and at.rows.tolist() == [[8, 3, 2, 3, 1], [9, 0, 2, 4, 4], [18, 0, 2, 0, 4], [19, 0, 2, 4, 1]]
