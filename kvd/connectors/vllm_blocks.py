@@ -374,8 +374,9 @@ def layer_stride(ts: Sequence[torch.Tensor]) -> int | None:
 
 
 def _row_bytes(view: LayerKV) -> int:
+    """Bytes of one token of one layer (K and V rows): from the shapes, no indexing."""
     assert view.v is not None
-    return int(view.k[0, 0].nbytes + view.v[0, 0].nbytes)
+    return (view.k.shape[2] * view.k.shape[3] + view.v.shape[2] * view.v.shape[3]) * view.k.element_size()
 
 
 def _torch_copy(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV, to_kvd: bool) -> None:
