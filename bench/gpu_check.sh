@@ -77,7 +77,7 @@ for what in "${STEPS[@]}"; do
       step transfer-mooncake 180 python3 bench/gpu_transfer.py --backend mooncake --both --json "$OUT/transfer-mooncake.json" ;;
     mooncake-probe) step mooncake-probe 180 python3 bench/mooncake_cuda_probe.py ;;
     vllm)  # the vLLM connector's GPU layouts (issue 15): round trip through two cuda daemons, then the copy bench
-      step vllm-tests 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs tests/gpu/test_vllm_gpu_blocks.py tests/core/test_vllm_blocks.py
+      step vllm-tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs tests/gpu/test_vllm_gpu_blocks.py tests/gpu/test_vllm_kernel.py tests/core/test_vllm_blocks.py
       step vllm-copy 180 python3 bench/vllm_gpu_copy.py ;;
     *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, transfer01, nvlink, wake, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe, vllm)"; rc=2 ;;
   esac

@@ -5,10 +5,16 @@ tests/kits/vllm_alloc_kit.py), in one run, timed with CUDA events (wall clock on
     python bench/vllm_gpu_copy.py                      # cuda if present: 32 layers, 8 kv heads x 128, bf16
     python bench/vllm_gpu_copy.py --device cpu --layers 2 --tokens 512   # a quick check without a GPU
 
-save = vLLM blocks -> kvd pages of every layer (one request, tokens [0, T)); load = kvd pages ->
-vLLM blocks. The request's vLLM blocks and kvd pages are shuffled (what a busy engine holds).
-plain = ``dst.copy_(src)`` of the same byte count, contiguous, same device. ratio = plain / copy
-time. Each copy is checked (the loaded blocks equal the source) before it is timed.
+save = vLLM blocks -> kvd pages of every layer, layer by layer as save_kv_layer does (one request,
+tokens [0, T)); load = kvd pages -> vLLM blocks of every layer in one call, as start_load_kv does.
+The request's vLLM blocks and kvd pages are shuffled (what a busy engine holds). plain =
+``dst.copy_(src)`` of the same byte count, contiguous, same device. save/load ms: the copies' time
+on the device (CUDA events, the host's issue hidden behind a queued sleep); ratio = plain / that;
+issue = the host's time to queue one request's copies (slot tables and launches: in vLLM this runs
+beside the forward, which hides it as long as the host stays ahead). path: the copy that ran (``triton``: kvd.connectors.vllm_kernels; ``torch``: index ops, with the
+reason the kernel did not apply); launches: what one request's save and load issued (kernel
+launches, or torch index ops). Each copy is checked (the loaded blocks equal the source) before
+it is timed. ``--path torch`` times the torch path on a GPU too.
 """
 
 from __future__ import annotations
@@ -32,27 +38,36 @@ from kvd.connectors import vllm_blocks as vb  # noqa: E402
 from kvd.pool.layout import GroupKind, GroupSpec, Layout  # noqa: E402
 
 
-def timed(fn, device: torch.device, reps: int) -> float:
-    """Median seconds of ``fn`` (CUDA events on a GPU: device time of the work it queues)."""
+def timed(fn, device: torch.device, reps: int) -> tuple[float, float]:
+    """(median device seconds of ``fn``, median host seconds to issue it). On a GPU the device
+    time is taken between CUDA events behind a ``torch.cuda._sleep`` longer than the issue, so
+    the host's Python (slot tables, launches) is hidden and only the queued work is timed; on
+    the CPU both are the wall clock."""
     fn()
-    out = []
+    dev, issue = [], []
     for _ in range(reps):
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
+            # ~2 GHz clock: cover twice the last issue time and 1 ms
+            torch.cuda._sleep(int(2e9 * (2 * (issue[-1] if issue else 0.01) + 1e-3)))
             a.record()
+            t0 = time.perf_counter()
             fn()
+            issue.append(time.perf_counter() - t0)
             b.record()
             b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
+            dev.append(a.elapsed_time(b) / 1e3)
         else:
             t0 = time.perf_counter()
             fn()
-            out.append(time.perf_counter() - t0)
-    return sorted(out)[len(out) // 2]
+            issue.append(time.perf_counter() - t0)
+            dev.append(issue[-1])
+    return sorted(dev)[len(dev) // 2], sorted(issue)[len(issue) // 2]
 
 
-def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens: int, layout: str, reps: int) -> dict:
+def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens: int, layout: str, reps: int,
+        path: str | None = None) -> dict:
     rnd = random.Random(tokens)
     nblocks = tokens // bs + 1
     pool = 2 * nblocks + 8
@@ -74,7 +89,7 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
         with cs.after_current():
             at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), srcb[0])
             for lb, v in zip(srcb, views):
-                vb.save_layer(lb, at, v)
+                vb.save_layer(lb, at, v, path=path)
         ev = cs.record()
         if ev is not None:
             torch.cuda.current_stream(device).wait_event(ev)
@@ -82,14 +97,19 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
     def load() -> None:  # start_load_kv for one request
         with cs.after_current():
             at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), dstb[0])
-            for lb, v in zip(dstb, views):
-                vb.load_layer(lb, at, v)
+            vb.load_layers(dstb, at, views, path=path)
         ev = cs.record()
         if ev is not None:
             torch.cuda.current_stream(device).wait_event(ev)
 
-    save()
-    load()
+    counts = []
+    for fn in (save, load):
+        before = vb.LAUNCHES.copy()
+        fn()
+        ran = vb.LAUNCHES - before
+        counts.append(ran["triton"] or ran["torch"])
+    why = vb.kernel_refusal(srcb[0], views[0]) if path != "torch" else "asked for"
+    ran_path = "triton" if why is None else f"torch ({why})"
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     for a, b in zip(srcb, dstb):  # checked before timing
@@ -100,9 +120,11 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
     nbytes = layers * tokens * heads * 2 * dim * 2
     flat_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat_b = torch.empty_like(flat_a)
-    plain = timed(lambda: flat_b.copy_(flat_a), device, reps)
-    ts, tl = timed(save, device, reps), timed(load, device, reps)
-    return {"layout": layout, "tokens": tokens, "bytes": nbytes, "save_s": ts, "load_s": tl, "plain_s": plain}
+    plain, _ = timed(lambda: flat_b.copy_(flat_a), device, reps)
+    (ts, issue_s), (tl, issue_l) = timed(save, device, reps), timed(load, device, reps)
+    return {"layout": layout, "tokens": tokens, "bytes": nbytes, "save_s": ts, "load_s": tl, "plain_s": plain,
+            "issue_save_s": issue_s, "issue_load_s": issue_l,
+            "path": ran_path, "launches": tuple(counts)}
 
 
 def main() -> int:
@@ -116,20 +138,28 @@ def main() -> int:
     ap.add_argument("--layouts", nargs="+", default=["LBNHC", "LBHNC", "BLNHC", "LHBNC",
                                                        "FLASH_ATTN_LEGACY", "FLASHINFER_NHD_LEGACY", "FLASHINFER_HND_LEGACY"])
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--path", choices=["auto", "triton", "torch"], default="auto",
+                    help="the copy path (auto: the Triton kernel where it applies)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"vLLM connector copies on {name}: {a.layers} layers x {a.heads} kv heads x {a.dim}, bf16, "
           f"{a.block_size}-token blocks; median of {a.reps}")
     print(f"{'layout':<22} {'tokens':>6} {'MiB':>7} {'save ms':>8} {'load ms':>8} {'plain ms':>8} "
-          f"{'save GB/s':>9} {'load GB/s':>9} {'ratio s/l':>10}")
+          f"{'save GB/s':>9} {'load GB/s':>9} {'ratio s/l':>10} {'issue ms s/l':>13} {'launches s/l':>12}  path")
+    paths = set()
     for lay in a.layouts:
         for t in a.tokens:
-            r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps)
+            r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps, None if a.path == "auto" else a.path)
             gb = r["bytes"] / 1e9
             print(f"{lay:<22} {t:>6} {r['bytes'] / 2**20:>7.1f} {r['save_s'] * 1e3:>8.3f} {r['load_s'] * 1e3:>8.3f} "
                   f"{r['plain_s'] * 1e3:>8.3f} {gb / r['save_s']:>9.1f} {gb / r['load_s']:>9.1f} "
-                  f"{r['plain_s'] / r['save_s']:>5.2f}/{r['plain_s'] / r['load_s']:.2f}")
+                  f"{r['plain_s'] / r['save_s']:>5.2f}/{r['plain_s'] / r['load_s']:.2f} "
+                  f"{'%.3f/%.3f' % (r['issue_save_s'] * 1e3, r['issue_load_s'] * 1e3):>13} "
+                  f"{'%d/%d' % r['launches']:>12}  {r['path'].split(' ')[0]}")
+            paths.add(r["path"])
+    for p in sorted(paths):
+        print(f"path: {p}")
     return 0
 
 

@@ -461,6 +461,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._vecs: dict[str, Any] = {}
         self._loading: dict[str, torch.cuda.Event | None] = {}  # consumer: loads issued, until their event completes
         self._blocks: dict[str, vb.LayerBlocks] = {}
+        self._layer_sets: dict[tuple[str, int], list[str]] = {}  # (kvd group, vLLM group) -> its attention layers
         self._att: Any = None
         self._copy = vb.CopyStream("cpu")
         self._slots_meta: object = None
@@ -598,6 +599,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         log.info("KvdConnector: vLLM KV on %s in layout %s; kvd arena on %s", arena_dev, ", ".join(names), arena_dev)
         self._caches = kv_caches
         self._blocks = blocks
+        self._layer_sets = {}
+        for ln, slot in self._slots.items():  # kvd layer order: one vLLM group's layers are consecutive in its kvd group
+            if slot.group != "state":
+                self._layer_sets.setdefault((slot.group, slot.vllm_group), []).append(ln)
         self._att = att
         self._views = att.views
         self._copy = vb.CopyStream(arena_dev)
@@ -622,22 +627,22 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 self.copy_stats.loads += 1
 
     def _load(self, ld: _Load) -> None:
-        """Issue the copies of ``ld``'s kvd pages into vLLM's blocks (on the copy stream)."""
-        at: dict[int, vb.DeviceSlots] = {}
+        """Issue the copies of ``ld``'s kvd pages into vLLM's blocks (on the copy stream): the
+        attention layers of one vLLM group share the request's slots and go in one call (one
+        kernel launch where their tensors lie a uniform stride apart, as vLLM 0.32 allocates them)."""
         for ln, slot in self._slots.items():
-            view = self._views[slot.group][slot.layer_index]
-            ids = ld.block_ids[slot.vllm_group]
             if slot.group == "state":
+                view = self._views[slot.group][slot.layer_index]
                 if ld.state is None:
                     raise RuntimeError(f"layer {ln}: the kvd request has no state slot")
-                vb.state_bytes(self._caches[ln], _last_real(ids, ln)).copy_(view.k[ld.state], non_blocking=True)
+                vb.state_bytes(self._caches[ln], _last_real(ld.block_ids[slot.vllm_group], ln)).copy_(view.k[ld.state], non_blocking=True)
                 self.copy_stats.load_bytes += view.k[ld.state].numel()
-                continue
-            lb = self._blocks[ln]
-            if slot.vllm_group not in at:  # the layers of one vLLM group share the request's slots
-                pages, first = (ld.full, 0) if slot.group == "full" else (ld.swa, ld.swa_first)
-                at[slot.vllm_group] = self._copy.slots(vb.token_slots(ids, ld.start, ld.end, self._bs, pages, first, what=f"layer {ln}"), lb)
-            self.copy_stats.load_bytes += vb.load_layer(lb, at[slot.vllm_group], view)
+        for (group, vg), names in self._layer_sets.items():
+            lbs = [self._blocks[ln] for ln in names]
+            pages, first = (ld.full, 0) if group == "full" else (ld.swa, ld.swa_first)
+            at = self._copy.slots(vb.token_slots(ld.block_ids[vg], ld.start, ld.end, self._bs, pages, first, what=f"layer {names[0]}"), lbs[0])
+            views = [self._views[group][self._slots[ln].layer_index] for ln in names]
+            self.copy_stats.load_bytes += vb.load_layers(lbs, at, views)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and finish before the request is scheduled

@@ -24,11 +24,23 @@ Every layout is reduced to two strided views ``k``, ``v`` of ``[blocks, block_si
 run on a stream the caller owns (:class:`CopyStream`), after it waited for the current stream, with
 the index tensors built on the CPU from Python lists and moved in one non-blocking copy from pinned
 memory: nothing in a copy waits for the device.
+
+**Two paths, the same bytes.** On CUDA with Triton a copy is one launch of
+:func:`kvd.connectors.vllm_kernels.copy_rows` over the request's *rows* (runs of tokens that stay
+in one vLLM (kernel) block and one kvd page: ``(block, offset, page, offset, tokens)``, built on the
+CPU with the token slots and shipped in the same pinned copy), all heads and K and V of a layer;
+:func:`load_layers` / :func:`save_layers` take every layer of a kvd group in that one launch when
+the layers' tensors lie a uniform stride apart on both sides (vLLM 0.32 allocates a group's layers
+as ``view_5d[l]`` of one buffer: they do; the legacy layouts' one buffer per layer mostly do not,
+then one launch per layer). Elsewhere (the CPU, no Triton, mixed dtypes, a non-unit inner stride)
+the torch path: two gathers and two ``index_put`` per layer through per-token index tensors.
+:func:`kernel_refusal` says which applies and why; :data:`LAUNCHES` counts what was issued.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,6 +48,7 @@ from typing import NamedTuple
 import torch
 
 from kvd.client.views import LayerKV
+from kvd.connectors import vllm_kernels as vk
 from kvd.errors import InvalidArgument
 
 __all__ = [
@@ -51,8 +64,18 @@ __all__ = [
     "token_slots",
     "save_layer",
     "load_layer",
+    "save_layers",
+    "load_layers",
+    "kernel_refusal",
+    "layer_stride",
+    "token_rows",
+    "LAUNCHES",
     "state_bytes",
 ]
+
+#: What the copies issued, for benches and tests: ``"triton"`` kernel launches, ``"torch"`` index
+#: ops (four per layer), ``"layers"`` layers copied. Diagnostics only; reset it at will.
+LAUNCHES: Counter[str] = Counter()
 
 
 class KVLayout(NamedTuple):
@@ -234,13 +257,30 @@ def token_slots(block_ids: Sequence[int], start: int, end: int, block_size: int,
     return Slots(blk, t % block_size, torch.tensor(list(pages), dtype=torch.long)[k])
 
 
+def token_rows(block: torch.Tensor, boff: torch.Tensor, page: torch.Tensor, poff: torch.Tensor) -> torch.Tensor:
+    """The rows of per-token slots (CPU int64 ``[R, 5]``: vLLM block, its first token, kvd page,
+    its first token, tokens): a row is a run of consecutive tokens that stay in one block and one
+    page with consecutive offsets on both sides. CPU work only."""
+    n = int(page.shape[0])
+    if n == 0:
+        return torch.empty(0, vk.ROW_COLS, dtype=torch.long)
+    cut = torch.ones(n, dtype=torch.bool)
+    cut[1:] = (block[1:] != block[:-1]) | (page[1:] != page[:-1]) | (boff[1:] != boff[:-1] + 1) | (poff[1:] != poff[:-1] + 1)
+    first = cut.nonzero().squeeze(1)
+    count = torch.diff(first, append=torch.tensor([n]))
+    return torch.stack([block[first], boff[first], page[first], poff[first], count], 1)
+
+
 class DeviceSlots(NamedTuple):
-    """:class:`Slots` where the copy runs: vLLM (kernel) block and offset, kvd page and offset."""
+    """:class:`Slots` where the copy runs: vLLM (kernel) block and offset, kvd page and offset of
+    each token (the torch path), and ``rows`` (:func:`token_rows`: the kernel's table; None when
+    built without it)."""
 
     block: torch.Tensor
     boff: torch.Tensor
     page: torch.Tensor
     poff: torch.Tensor
+    rows: torch.Tensor | None = None
 
     def __len__(self) -> int:  # type: ignore[override]
         return int(self.page.shape[0])
@@ -268,17 +308,22 @@ class CopyStream:
     def slots(self, s: Slots, blocks: LayerBlocks | None = None) -> DeviceSlots:
         """``s`` on this device for the layers shaped like ``blocks``: where it splits each vLLM
         block into ``ratio`` kernel blocks of ``N = block_size / ratio`` tokens, token ``o`` of block
-        ``b`` is kernel block ``b * ratio + o // N``, offset ``o % N``. Call inside
-        :meth:`after_current`: the one copy from pinned memory is ordered on this stream and waits
-        for nothing."""
+        ``b`` is kernel block ``b * ratio + o // N``, offset ``o % N``. The per-token columns and
+        the rows (:func:`token_rows`) travel in one buffer: call inside :meth:`after_current`: the
+        one copy from pinned memory is ordered on this stream and waits for nothing."""
         if blocks is None or blocks.ratio == 1:
-            packed = torch.stack([s.block, s.offset, s.page, s.offset])
+            cols = [s.block, s.offset, s.page, s.offset]
         else:
             n = blocks.block_size // blocks.ratio
-            packed = torch.stack([s.block * blocks.ratio + s.offset // n, s.offset % n, s.page, s.offset])
+            cols = [s.block * blocks.ratio + s.offset // n, s.offset % n, s.page, s.offset]
+        tokens = torch.stack(cols)
+        rows = token_rows(*cols)
+        packed = torch.cat([tokens.reshape(-1), rows.reshape(-1)])
         if self.stream is not None:
             packed = packed.pin_memory().to(self.device, non_blocking=True)
-        return DeviceSlots(*packed.unbind(0))
+        t = int(tokens.shape[1])
+        blk, boff, page, poff = packed[: 4 * t].view(4, t).unbind(0)
+        return DeviceSlots(blk, boff, page, poff, packed[4 * t:].view(-1, vk.ROW_COLS))
 
     def record(self) -> torch.cuda.Event | None:
         if self.stream is None:
@@ -288,17 +333,120 @@ class CopyStream:
         return ev
 
 
-def save_layer(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV) -> int:
-    """vLLM's blocks -> kvd's pages of one layer at ``at``; the bytes copied."""
+def kernel_refusal(blocks: LayerBlocks, view: LayerKV) -> str | None:
+    """None when the Triton kernel copies this layer, else why the torch path does."""
+    if view.v is None:
+        return "kvd's view is a state slot, not K/V pages"
+    dev = blocks.device
+    if not vk.available(dev):
+        return f"no Triton kernel on {dev} (Triton {'missing' if vk.triton is None else 'needs CUDA'})"
+    if view.k.device != dev:
+        return f"vLLM's blocks on {dev}, kvd's pages on {view.k.device}"
+    for what, x, y in (("K", blocks.k, view.k), ("V", blocks.v, view.v)):
+        if x.dtype != y.dtype:
+            return f"{what}: vLLM {x.dtype}, kvd {y.dtype}"
+        if x.shape[2:] != y.shape[2:]:
+            return f"{what}: vLLM [heads, D] {tuple(x.shape[2:])}, kvd {tuple(y.shape[2:])}"
+        if x.stride(-1) != 1 or y.stride(-1) != 1:
+            return f"{what}: D is not unit-strided (vLLM {x.stride(-1)}, kvd {y.stride(-1)})"
+    if blocks.k.shape[2] != blocks.v.shape[2]:
+        return "K and V differ in heads"
+    return None
+
+
+def layer_stride(ts: Sequence[torch.Tensor]) -> int | None:
+    """The element distance from each tensor of ``ts`` to the next when they are one view moved by
+    a uniform stride (same shape, strides and dtype, data pointers evenly spaced; 0 for one tensor),
+    else None. Host metadata only: no device work."""
+    t0 = ts[0]
+    if len(ts) == 1:
+        return 0
+    step = ts[1].data_ptr() - t0.data_ptr()
+    size = t0.element_size()
+    if step % size:
+        return None
+    for i, t in enumerate(ts):
+        if t.shape != t0.shape or t.stride() != t0.stride() or t.dtype != t0.dtype or t.device != t0.device:
+            return None
+        if t.data_ptr() - t0.data_ptr() != i * step:
+            return None
+    return step // size
+
+
+def _row_bytes(view: LayerKV) -> int:
+    """Bytes of one token of one layer (K and V rows): from the shapes, no indexing."""
     assert view.v is not None
-    view.k[at.page, at.poff] = blocks.k[at.block, at.boff]
-    view.v[at.page, at.poff] = blocks.v[at.block, at.boff]
-    return len(at) * (view.k[0, 0].nbytes + view.v[0, 0].nbytes)
+    return (view.k.shape[2] * view.k.shape[3] + view.v.shape[2] * view.v.shape[3]) * view.k.element_size()
 
 
-def load_layer(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV) -> int:
+def _torch_copy(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV, to_kvd: bool) -> None:
+    assert view.v is not None
+    if to_kvd:
+        view.k[at.page, at.poff] = blocks.k[at.block, at.boff]
+        view.v[at.page, at.poff] = blocks.v[at.block, at.boff]
+    else:
+        blocks.k[at.block, at.boff] = view.k[at.page, at.poff]
+        blocks.v[at.block, at.boff] = view.v[at.page, at.poff]
+    LAUNCHES["torch"] += 4
+
+
+def _copy(blocks: Sequence[LayerBlocks], at: DeviceSlots, views: Sequence[LayerKV], to_kvd: bool, path: str | None) -> int:
+    """Copy the layers ``blocks[i]`` <-> ``views[i]`` at ``at``: ``path`` None (the kernel where
+    :func:`kernel_refusal` allows it, else torch), ``"triton"`` (InvalidArgument where it does not
+    apply) or ``"torch"``."""
+    if len(blocks) != len(views):
+        raise InvalidArgument(f"{len(blocks)} vLLM layers for {len(views)} kvd layer views; pass one view per layer")
+    if path not in (None, "triton", "torch"):
+        raise InvalidArgument(f"copy path {path!r}: use 'triton', 'torch' or None (the kernel where it applies)")
+    nbytes = sum(len(at) * _row_bytes(v) for v in views)
+    LAUNCHES["layers"] += len(blocks)
+    kernel = path != "torch" and at.rows is not None
+    if kernel:
+        why = next((w for w in (kernel_refusal(b, v) for b, v in zip(blocks, views)) if w), None)
+        if why is not None and path == "triton":
+            raise InvalidArgument(f"the Triton copy does not apply here: {why}")
+        kernel = why is None
+    elif path == "triton":
+        raise InvalidArgument("the Triton copy needs the rows: build the slots with CopyStream.slots")
+    if not kernel:
+        for b, v in zip(blocks, views):
+            _torch_copy(b, at, v, to_kvd)
+        return nbytes
+    assert at.rows is not None
+    # one launch for all layers where both sides step by one stride per layer, else one per layer
+    strides = [layer_stride(ts) for ts in ([b.k for b in blocks], [b.v for b in blocks],
+                                            [v.k for v in views], [v.v for v in views if v.v is not None])]
+    if None not in strides:
+        sk, sv, pk, pv = (int(x) for x in strides if x is not None)
+        a, c = vk.Side(blocks[0].k, blocks[0].v, sk, sv), vk.Side(views[0].k, views[0].v, pk, pv)  # type: ignore[arg-type]
+        LAUNCHES["triton"] += vk.copy_rows(at.rows, a, c, layers=len(blocks), to_b=to_kvd)
+        return nbytes
+    for b, v in zip(blocks, views):
+        LAUNCHES["triton"] += vk.copy_rows(at.rows, vk.Side(b.k, b.v), vk.Side(v.k, v.v), to_b=to_kvd)  # type: ignore[arg-type]
+    return nbytes
+
+
+def save_layer(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV, *, path: str | None = None) -> int:
+    """vLLM's blocks -> kvd's pages of one layer at ``at`` (one launch on the kernel path); the
+    bytes copied. ``path``: see :func:`save_layers`."""
+    return _copy([blocks], at, [view], True, path)
+
+
+def load_layer(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV, *, path: str | None = None) -> int:
     """kvd's pages -> vLLM's blocks of one layer at ``at``; the bytes copied."""
-    assert view.v is not None
-    blocks.k[at.block, at.boff] = view.k[at.page, at.poff]
-    blocks.v[at.block, at.boff] = view.v[at.page, at.poff]
-    return len(at) * (view.k[0, 0].nbytes + view.v[0, 0].nbytes)
+    return _copy([blocks], at, [view], False, path)
+
+
+def save_layers(blocks: Sequence[LayerBlocks], at: DeviceSlots, views: Sequence[LayerKV], *, path: str | None = None) -> int:
+    """vLLM's blocks -> kvd's pages of layers ``blocks[i]`` -> ``views[i]`` that share the slots
+    ``at`` (one vLLM group's layers of one kvd group); the bytes copied. On the kernel path one
+    launch for all of them when both sides' layers lie a uniform stride apart
+    (:func:`layer_stride`), else one per layer. ``path``: None (the kernel where
+    :func:`kernel_refusal` allows it), ``"triton"`` (InvalidArgument where it does not) or
+    ``"torch"``."""
+    return _copy(blocks, at, views, True, path)
+
+
+def load_layers(blocks: Sequence[LayerBlocks], at: DeviceSlots, views: Sequence[LayerKV], *, path: str | None = None) -> int:
+    """kvd's pages -> vLLM's blocks of layers ``views[i]`` -> ``blocks[i]``, as :func:`save_layers`."""
+    return _copy(blocks, at, views, False, path)

@@ -171,3 +171,37 @@ def test_state_bytes_is_a_whole_slot():
     assert vb.state_bytes(t, 2).tolist() == list(range(24, 36))
     with pytest.raises(InvalidArgument, match="not contiguous"):
         vb.state_bytes(torch.zeros(4, 12, 2, dtype=torch.int8).transpose(1, 2), 0)
+
+
+def test_rows_cut_at_block_page_and_kernel_block_edges():
+    """The Triton copy's rows (vLLM block, offset, kvd page, offset, tokens): a run ends where the
+    block, the page or a kernel block ends."""
+    s = vb.token_slots([4, 9], 3, 13, BS * 2, [2, 2], 0)  # both blocks on page 2: still two rows
+    assert vb.token_rows(s.block, s.offset, s.page, s.offset).tolist() == [[4, 3, 2, 3, 5], [9, 0, 2, 0, 5]]
+    _, t = va.allocate([FULL], NB, BS, "LBNHC")  # 8-token vLLM blocks split into kernel blocks of 4
+    lb = vb.detect_layout(t["l0"], num_kv_heads=H, block_size=BS * 2, head_size=D)
+    at = vb.CopyStream("cpu").slots(s, lb)  # block b, token o -> kernel block 2b + o // 4, offset o % 4
+    assert at.rows is not None and at.rows.tolist() == [[8, 3, 2, 3, 1], [9, 0, 2, 4, 4], [18, 0, 2, 0, 4], [19, 0, 2, 4, 1]]
+    assert [len(vb.token_rows(*(torch.empty(0, dtype=torch.long),) * 4))] == [0]
+
+
+@pytest.mark.skipif(vb.vk.available(torch.device("cpu")), reason="Triton's interpreter runs the kernel on the CPU")
+def test_the_torch_path_is_the_cpu_path_and_counts_its_ops():
+    """Without Triton (or on the CPU) the copies take the torch path, say why, and refuse a forced kernel."""
+    _, src = _alloc("LBNHC", fill=3)
+    arena = torch.zeros(LAYOUT.page_bytes(LAYOUT.group("swa")) * 24, dtype=torch.uint8)
+    views = all_views(LAYOUT, arena)["full"]
+    lbs = [vb.detect_layout(src[ln], num_kv_heads=H, block_size=BS, head_size=D) for ln in FULL.layers]
+    assert "no Triton kernel on cpu" in (vb.kernel_refusal(lbs[0], views[0]) or "")
+    at = vb.CopyStream("cpu").slots(_slots("full"), lbs[0])
+    before = vb.LAUNCHES.copy()
+    vb.save_layers(lbs, at, views)
+    assert vb.LAUNCHES - before == {"torch": 12, "layers": 3}
+    with pytest.raises(InvalidArgument, match="Triton copy does not apply here: no Triton kernel on cpu"):
+        vb.save_layer(lbs[0], at, views[0], path="triton")
+    with pytest.raises(InvalidArgument, match="one view per layer"):
+        vb.load_layers(lbs, at, views[:2])
+    # layers one stride apart on both sides (vLLM 0.32's view_5d[l]; kvd's page-major layers)
+    assert vb.layer_stride([lb.k for lb in lbs]) == NB * H * BS * 2 * D
+    assert vb.layer_stride([v.k for v in views]) == BS * H * 2 * D
+    assert vb.layer_stride([lbs[0].k, lbs[2].k, lbs[1].k]) is None

@@ -6,10 +6,17 @@ NHD / HND layouts). Prefill saves its vLLM blocks of a full + sliding-window req
 CUDA pages (kvd.connectors.vllm_blocks, on its own stream, under
 ``torch.cuda.set_sync_debug_mode("error")``: a host sync inside a copy fails the test); the
 prefill daemon sends; decode loads into zeroed vLLM tensors: every token either side keeps is
-byte-identical, and nothing else was written."""
+byte-identical, and nothing else was written.
+
+The copies take the Triton path (kvd.connectors.vllm_kernels, ``path="triton"``: refused, and the
+test fails, where the kernel does not apply) when Triton is installed, the torch path otherwise;
+the path that ran and its launches are checked from ``vb.LAUNCHES`` and named in the test's
+report line (``-rP`` or a failure). Saves go layer by layer (save_kv_layer), loads all layers of
+a group at once (start_load_kv: one launch where vLLM's layers lie one stride apart)."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 
 import pytest
@@ -22,6 +29,7 @@ import vllm_alloc_kit as va
 pytestmark = [*GPU, NEEDS_VMM]
 
 TOKENS = 103  # not a multiple of the block size
+PATH = "triton" if importlib.util.find_spec("triton") is not None else "torch"
 LAYOUTS = ["LBNHC", "LBHNC", "BLNHC", "FLASH_ATTN_LEGACY", "FLASHINFER_NHD_LEGACY", "FLASHINFER_HND_LEGACY"]
 
 
@@ -72,8 +80,11 @@ def test_vllm_layout_round_trip_through_two_cuda_daemons(pair, layout):
                 ids[side, g.name] = _vllm_ids(rnd, n_blocks, first, pool, set())
         torch.cuda.synchronize(dev)
 
-        def copy(side: str, vec, views, tensors, fn) -> None:
+        launched = {}
+
+        def copy(side: str, vec, views, tensors, whole: bool) -> None:
             cs = vb.CopyStream(dev)
+            before = vb.LAUNCHES.copy()
             torch.cuda.set_sync_debug_mode("error")
             try:
                 with cs.after_current():
@@ -84,19 +95,32 @@ def test_vllm_layout_round_trip_through_two_cuda_daemons(pair, layout):
                                for t in tensors[g.name].values()]
                         assert {lb.layout.name for lb in lbs} == {layout}
                         at = cs.slots(vb.token_slots(ids[side, g.name], 0, TOKENS, bs, pages, first, what=g.name), lbs[0])
-                        for lb, view in zip(lbs, views[g.name]):
-                            fn(lb, at, view)
+                        if whole:  # start_load_kv: every layer of the group in one call
+                            vb.load_layers(lbs, at, views[g.name], path=PATH)
+                        else:  # save_kv_layer: layer by layer
+                            for lb, view in zip(lbs, views[g.name]):
+                                vb.save_layer(lb, at, view, path=PATH)
                 ev = cs.record()
+                launched[side] = dict(vb.LAUNCHES - before)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert cs.stream is not None and cs.stream != torch.cuda.current_stream(dev)
             ev.synchronize()
 
-        copy("p", pvec, patt.views, src, vb.save_layer)
+        copy("p", pvec, patt.views, src, False)
         p.c.send(rid, lease.ticket, last=True)
         assert d.c.wait_ready(rid, 10).state.name == "READY"
-        copy("d", dvec, datt.views, dst, vb.load_layer)
+        copy("d", dvec, datt.views, dst, True)
         torch.cuda.synchronize(dev)
+        layers = sum(g.num_layers for g in groups)
+        print(f"{layout}: path {PATH}; launches save {launched['p']}, load {launched['d']}")
+        if PATH == "triton":
+            assert launched["p"] == {"triton": layers, "layers": layers}, launched
+            assert not launched["d"].get("torch") and launched["d"]["triton"] <= layers, launched
+            if not layout.endswith("_LEGACY"):  # vLLM 0.32: a group's layers are view_5d[l] of one buffer
+                assert launched["d"]["triton"] == len(groups), launched
+        else:
+            assert launched["p"] == {"torch": 4 * layers, "layers": layers}, launched
 
         for g in groups:
             for ln, s in src[g.name].items():
