@@ -123,12 +123,29 @@ class GroupAllocator:
         self.p2v = torch.full((table_pages,), -1, dtype=IDX)
         self.v2p = torch.full((id_space,), -1, dtype=IDX)
         self._holes = torch.empty(table_pages, dtype=IDX)
-        # numpy views of the same memory: the per-request paths below index through these
-        self._p2v, self._v2p, self._holes_np = self.p2v.numpy(), self.v2p.numpy(), self._holes.numpy()
+        self._holes_np = self._holes.numpy()
         self.n_holes = 0
         self.used = 0
         self.p_max = self.p_min  # exclusive; set by set_capacity
         self.lo = self.hi = self.p_min
+
+    # The tables, and numpy views of the same memory that the per-request paths index through
+    # (kept in step when a table is replaced).
+    @property
+    def p2v(self) -> torch.Tensor:
+        return self._p2v_t
+
+    @p2v.setter
+    def p2v(self, t: torch.Tensor) -> None:
+        self._p2v_t, self._p2v = t, t.numpy()
+
+    @property
+    def v2p(self) -> torch.Tensor:
+        return self._v2p_t
+
+    @v2p.setter
+    def v2p(self, t: torch.Tensor) -> None:
+        self._v2p_t, self._v2p = t, t.numpy()
 
     # ---- capacity ---------------------------------------------------------------------------
     def set_capacity(self, backed_bytes: int) -> None:
