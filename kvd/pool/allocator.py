@@ -185,16 +185,19 @@ class GroupAllocator:
         return torch.from_numpy(self._v2p[vids])
 
     # ---- bind / unbind ----------------------------------------------------------------------
-    def bind(self, vids: torch.Tensor | np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
-             lo_parts: np.ndarray | None = None) -> torch.Tensor:
+    def bind(self, vids: torch.Tensor | np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None) -> torch.Tensor:
         """Bind ``vids`` to pages: holes first, then ``grow_lo`` pages below the region and
         ``grow_hi`` above it. ``new_lo`` re-anchors an empty float first. Returns the pages,
-        in the order of ``vids``.
+        in the order of ``vids``."""
+        return torch.from_numpy(self.bind_np(as_np(vids), grow_lo, grow_hi, new_lo))
+
+    def bind_np(self, v: np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
+                lo_parts: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`bind` of int32 ids ``v``, the pages as an array.
 
         ``lo_parts``: the growth below split among several requests bound in one call (their
         shares, in order, summing to ``grow_lo``): each share gets the pages that many one-by-one
         binds would have given it, ascending within the share, the first share highest."""
-        v = as_np(vids)
         n = len(v)
         from_holes = n - grow_lo - grow_hi
         if new_lo is not None:
@@ -205,7 +208,7 @@ class GroupAllocator:
             raise InternalError(f"{self.name}: plan takes {from_holes} holes of {self.n_holes}")
         if self.lo - grow_lo < self.p_min or self.hi + grow_hi > self.p_max:
             raise InternalError(f"{self.name}: region [{self.lo - grow_lo}, {self.hi + grow_hi}) left [{self.p_min}, {self.p_max})")
-        if n and bool((self._v2p[v] != -1).any()):
+        if n and int(self._v2p[v].max()) >= 0:  # unbound is -1
             raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
         if from_holes:
@@ -223,11 +226,12 @@ class GroupAllocator:
         if grow_hi:
             parts.append(np.arange(self.hi, self.hi + grow_hi, dtype=IDX_NP))
             self.hi += grow_hi
-        pages = np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
+        # one part: fresh from arange, or a view of the hole stack (copied: the stack is reused)
+        pages = np.concatenate(parts) if len(parts) != 1 else parts[0] if from_holes == 0 else parts[0].copy()
         self._p2v[pages] = v
         self._v2p[v] = pages
         self.used += n
-        return torch.from_numpy(pages)
+        return pages
 
     def unbind(self, vids: torch.Tensor | np.ndarray, parts: np.ndarray | None = None) -> torch.Tensor:
         """Unbind ``vids``; their pages become holes. Returns the pages.
@@ -238,7 +242,7 @@ class GroupAllocator:
         if len(v) == 0:
             return torch.from_numpy(v[:0].copy())
         pages = self._v2p[v]
-        if bool((pages < 0).any()):
+        if int(pages.min()) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
         self._p2v[pages] = -1
         self._v2p[v] = -1

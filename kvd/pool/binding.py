@@ -61,42 +61,46 @@ class Bindings:
         before anything is bound."""
         for r in reqs:
             r.version = next(self.versions)  # every step changes the request's vectors (tokens at least)
-        handles = np.fromiter((r.handle for r in reqs), dtype=np.int32, count=len(reqs))
+        one = len(reqs) == 1
         for kind in (FULL, SWA, STATE, DRAFT):
             if kind not in self.groups:
                 continue
-            counts = np.fromiter((s.need.get(kind, 0) for s in steps), dtype=np.int64, count=len(steps))
-            total = int(counts.sum())
+            counts = [s.need.get(kind, 0) for s in steps]
+            total = sum(counts)
             if not total:
                 continue
             if kind is SWA:  # the window tail of each request's (already extended) full ids
-                tails = [r.full.numpy()[r.full.numel() - int(c) :] for r, c in zip(reqs, counts) if c]
+                tails = [r.full.numpy()[r.full.numel() - c :] for r, c in zip(reqs, counts) if c]
                 self._bind(SWA, tails[0] if len(tails) == 1 else np.concatenate(tails), counts, plan)
                 continue
             vids = self.rings[kind].take_np(total)
             self._bind(kind, vids, counts, plan)
-            self._vid_req[kind][vids] = handles[0] if len(reqs) == 1 else np.repeat(handles, counts)
+            if one:
+                self._vid_req[kind][vids] = reqs[0].handle
+            else:
+                self._vid_req[kind][vids] = np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts)
             at = 0
-            for r, c in zip(reqs, counts.tolist()):
+            for r, c in zip(reqs, counts):
                 if not c:
                     continue
-                mine = torch.from_numpy(vids[at : at + c])
-                at += c
                 if kind is STATE:
-                    r.state = int(mine[0])
-                elif kind is FULL:
-                    r.full = torch.cat([r.full, mine]) if r.full.numel() else mine
+                    r.state = int(vids[at])
                 else:
-                    r.draft = torch.cat([r.draft, mine]) if r.draft.numel() else mine
+                    mine = torch.from_numpy(vids if one else vids[at : at + c])
+                    if kind is FULL:
+                        r.full = torch.cat([r.full, mine]) if r.full.numel() else mine
+                    else:
+                        r.draft = torch.cat([r.draft, mine]) if r.draft.numel() else mine
+                at += c
 
-    def _bind(self, kind: GroupKind, vids: np.ndarray, counts: np.ndarray, plan: Placement) -> None:
+    def _bind(self, kind: GroupKind, vids: np.ndarray, counts: list[int], plan: Placement) -> None:
         """Bind ``vids`` (requests' ids, ``counts`` each, in order) as one-by-one binds would:
         each takes holes first, then the plan's growth below, then above."""
         a = self.groups[kind]
         g_lo, g_hi, new_lo = plan.get(kind, (0, 0, None))
         holes, left_lo, left_hi = a.n_holes, g_lo, g_hi
         lo_parts = []
-        for n in counts.tolist():
+        for n in counts:
             if not n:
                 continue
             from_holes = min(n, holes)
@@ -107,8 +111,8 @@ class Bindings:
             holes, left_lo, left_hi = holes - from_holes, left_lo - take_lo, left_hi - take_hi
             if take_lo:
                 lo_parts.append(take_lo)
-        a.bind(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.empty else None,
-               lo_parts=np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
+        a.bind_np(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.empty else None,
+                  lo_parts=np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
         plan[kind] = (left_lo, left_hi, None)
 
     def release(self, r: Request) -> int:
