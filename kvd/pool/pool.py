@@ -74,11 +74,6 @@ FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupK
 _EMPTY = torch.empty(0, dtype=IDX)
 
 
-def _take(table: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
-    """``table[ids]`` as a new tensor (a copy), gathered in numpy."""
-    return torch.from_numpy(table.numpy()[ids])
-
-
 class Pool:
     """The unified KV pool over one :class:`~kvd.memory.arena.Arena`.
 
