@@ -23,6 +23,11 @@ Calls, each timed one by one on the client (wall time of the blocking call, pars
 * ``allocate x256``: ``allocate_many`` of ``--batch`` requests in one call; ``free x256`` frees
   them in one call.
 
+Concurrency sweep (issue 16): ``--clients 1,2,4,8`` by default; after the table, per transport,
+aggregate calls/s of all clients for ``echo`` and for the engine calls (allocate, vectors, lease,
+release, free pooled: calls over their summed step windows), each against 1 client, and where it
+saturates (the first client count past which doubling the clients adds under 10%).
+
 Single calls run in cycles: every client does ``--cycle`` echos, then ``--cycle`` allocates,
 then vectors, leases, releases and frees of the same requests, so echo is measured interleaved
 with the rest. Before each step the clients meet at a barrier; ops/s is calls of all clients
@@ -258,6 +263,35 @@ def table(all_results: list[dict[str, Result]], batch: int) -> str:
     return "\n".join(lines)
 
 
+ENGINE_CALLS = SINGLE[1:]
+
+
+def aggregate(res: dict[str, Result], names: tuple[str, ...]) -> float:
+    """Calls/s of all clients over the rows ``names`` (their calls over their summed windows)."""
+    calls = sum(len(res[n].lat_ns) for n in names)
+    return calls / (sum(res[n].window_ns for n in names) / 1e9)
+
+
+def sweep(all_results: list[dict[str, Result]]) -> str:
+    """Aggregate calls/s against client count, per transport, and where it saturates."""
+    lines = [f"| {'transport':<9} | {'clients':>7} | {'echo calls/s':>12} | {'x 1 client':>10} | {'engine calls/s':>14} | {'x 1 client':>10} |",
+             "|-----------|---------|--------------|------------|----------------|------------|"]
+    notes = []
+    for tr in dict.fromkeys(next(iter(r.values())).transport for r in all_results):
+        rows = sorted(((next(iter(r.values())).clients, r) for r in all_results if next(iter(r.values())).transport == tr), key=lambda x: x[0])
+        base_e, base_c = aggregate(rows[0][1], ("echo",)), aggregate(rows[0][1], ENGINE_CALLS)
+        agg = []
+        for n, r in rows:
+            e, c = aggregate(r, ("echo",)), aggregate(r, ENGINE_CALLS)
+            agg.append((n, c))
+            lines.append(f"| {tr:<9} | {n:>7} | {e:>12,.0f} | {e / base_e:>9.2f}x | {c:>14,.0f} | {c / base_c:>9.2f}x |")
+        sat = next((n for (n, c), (_, c2) in zip(agg, agg[1:]) if c2 < 1.10 * c), None)
+        peak = max(agg, key=lambda x: x[1])
+        notes.append(f"{tr}: engine calls peak at {peak[1]:,.0f}/s with {peak[0]} client(s) ({peak[1] / agg[0][1]:.2f}x 1 client); "
+                     + (f"saturates at {sat} client(s) (more add under 10%)" if sat is not None else "still scaling at the largest count"))
+    return "\n".join(lines + [""] + notes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: fewer calls, Unix socket only (under 20 s)")
@@ -265,7 +299,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per request (default: %(default)s)")
     ap.add_argument("--receive", action="store_true", help="allocate received requests (decode side) instead of computed ones")
     ap.add_argument("--batch", type=int, default=256, help="requests per allocate_many call (default: %(default)s)")
-    ap.add_argument("--clients", default="1,8", help="client process counts, comma-separated (default: %(default)s)")
+    ap.add_argument("--clients", default="1,2,4,8", help="client process counts, comma-separated (default: %(default)s)")
     ap.add_argument("--calls", type=int, default=None, help="calls per single-call row over all clients (default 3072; --quick 512)")
     ap.add_argument("--no-tcp", action="store_true", help="Unix socket only")
     args = ap.parse_args()
@@ -321,6 +355,9 @@ def main() -> None:
               f"allocate x{args.batch}: {b.ops * args.batch:,.0f} requests/s, "
               f"{b.pct(0.5) / args.batch:,.1f} µs per request; other processes {other_share[(r.transport, r.clients)]:.0%} of the CPU")
     n_single = len(results[0]["echo"].lat_ns)
+    if len(client_counts) > 1:
+        print(f"\naggregate calls/s against client count ({os.cpu_count()} CPUs; daemon and clients share them):")
+        print(sweep(results))
     print(f"\nsamples per row: single calls {n_single:,d}, rounds {len(results[0]['round'].lat_ns):,d}, "
           f"batches {len(results[0][f'allocate x{args.batch}'].lat_ns):,d} (pooled over clients); "
           f"total {time.perf_counter() - t_all:.0f} s")

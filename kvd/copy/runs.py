@@ -37,6 +37,8 @@ def coalesce_np(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
     if n == 0:
         e = np.empty(0, dtype=np.int64)
         return e, e, e
+    if n <= _SMALL:
+        return _coalesce_small(src.reshape(-1).tolist(), dst.reshape(-1).tolist())
     s, d = src.reshape(-1).astype(np.int64, copy=False), dst.reshape(-1).astype(np.int64, copy=False)
     brk = np.empty(n, dtype=bool)
     brk[0] = True
@@ -47,6 +49,23 @@ def coalesce_np(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
     length[:-1] = starts[1:] - starts[:-1]
     length[-1] = n - starts[-1]
     return s[starts], d[starts], length
+
+
+#: Up to this many pairs a Python loop beats the dozen numpy calls (a short request's Send, a
+#: state slot: ~2 us against ~10).
+_SMALL = 32
+
+
+def _coalesce_small(s: list[int], d: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rs, rd, rn = [s[0]], [d[0]], [1]
+    for i in range(1, len(s)):
+        if s[i] == s[i - 1] + 1 and d[i] == d[i - 1] + 1:
+            rn[-1] += 1
+        else:
+            rs.append(s[i])
+            rd.append(d[i])
+            rn.append(1)
+    return np.array(rs, dtype=np.int64), np.array(rd, dtype=np.int64), np.array(rn, dtype=np.int64)
 
 
 def coalesce(src: torch.Tensor, dst: torch.Tensor) -> Runs:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvd.errors import InvalidArgument, NotFound
+from kvd.errors import InternalError, InvalidArgument, NotFound
 from kvd.limits import quote
 from kvd.records import LeaseKind
 
@@ -48,6 +48,9 @@ class LeaseTable:
         self.max_ttl = max_ttl
         self.clock = clock
         self._leases: dict[int, Lease] = {}
+        # rid -> its leases (lease id -> lease), the same objects: every free, lease and Send asks
+        # for one request's leases, which must not cost a scan of every live lease
+        self._by_rid: dict[str, dict[int, Lease]] = {}
         self._next_id = 1
         self.expired_total = 0
 
@@ -64,7 +67,15 @@ class LeaseTable:
         lease = Lease(self._next_id, rid, kind, session, boot_id, epoch, t, now + t, now)
         self._next_id += 1
         self._leases[lease.lease_id] = lease
+        self._by_rid.setdefault(rid, {})[lease.lease_id] = lease
         return lease
+
+    def _forget(self, lease: Lease) -> None:
+        del self._leases[lease.lease_id]
+        mine = self._by_rid[lease.rid]
+        del mine[lease.lease_id]
+        if not mine:
+            del self._by_rid[lease.rid]
 
     def get(self, lease_id: int) -> Lease:
         lease = self._leases.get(lease_id)
@@ -80,7 +91,7 @@ class LeaseTable:
 
     def release(self, lease_id: int) -> Lease:
         lease = self.get(lease_id)
-        del self._leases[lease_id]
+        self._forget(lease)
         return lease
 
     def expire(self) -> list[Lease]:
@@ -88,13 +99,15 @@ class LeaseTable:
         now = self.clock()
         gone = [lease for lease in self._leases.values() if lease.expires_at <= now]
         for lease in gone:
-            del self._leases[lease.lease_id]
+            self._forget(lease)
         self.expired_total += len(gone)
         return gone
 
     def drop(self, lease_id: int) -> None:
         """Forget a lease without the liveness check (reclaiming a dead session)."""
-        self._leases.pop(lease_id, None)
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            self._forget(lease)
 
     def live(self, lease_id: int) -> bool:
         """Whether lease ``lease_id`` exists and has not run out."""
@@ -102,8 +115,11 @@ class LeaseTable:
         return lease is not None and lease.expires_at > self.clock()
 
     def for_rid(self, rid: str) -> list[Lease]:
+        mine = self._by_rid.get(rid)
+        if not mine:
+            return []
         now = self.clock()
-        return [lease for lease in self._leases.values() if lease.rid == rid and lease.expires_at > now]
+        return [lease for lease in mine.values() if lease.expires_at > now]
 
     def for_session(self, session: str) -> list[Lease]:
         return [lease for lease in self._leases.values() if lease.session == session]
@@ -116,6 +132,12 @@ class LeaseTable:
             if lease.expires_at > now:
                 out.setdefault(lease.rid, []).append(lease.label())
         return {rid: ", ".join(labels) for rid, labels in out.items()}
+
+    def check(self) -> None:
+        """InternalError unless the per-request index holds exactly the table's leases."""
+        indexed = {lid: lease for mine in self._by_rid.values() for lid, lease in mine.items()}
+        if indexed != self._leases or any(not mine or any(x.rid != rid for x in mine.values()) for rid, mine in self._by_rid.items()):
+            raise InternalError(f"lease table: the per-request index ({sorted(indexed)}) disagrees with the table ({sorted(self._leases)})")
 
     def all(self) -> list[Lease]:
         """Every lease still in the table (including ones past their TTL not yet expired)."""

@@ -511,6 +511,7 @@ class Node:
         pins nothing and may outlive its request until the sweeper counts it as expired.)"""
         with self._lock:
             self.pool.check()
+            self.leases.check()
             rids = set(self.pool.request_ids) | set(self.pool.offloaded_ids)
             if set(self._owner) | self._doomed != rids or set(self._owner) & self._doomed:
                 raise InternalError(f"node invariant broken: owners {sorted(self._owner)} vs requests {sorted(rids)}")

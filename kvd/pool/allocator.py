@@ -18,21 +18,33 @@ Tables (int32 torch tensors, ``-1`` = unbound):
 * ``p2v[p]`` -> virtual id bound to physical page ``p``; sized by this group's own pages.
 
 Both tables are sized once, for the whole reservation, so post-capture sizing never
-reallocates them (their ``data_ptr`` is stable for the pool's lifetime).
+reallocates them (their ``data_ptr`` is stable for the pool's lifetime). The per-request paths
+(bind, unbind, the rings) work on numpy views of the same memory: a request binds a handful of
+ids, where torch's per-op overhead (several microseconds) was most of an allocation's cost.
 """
 
 from __future__ import annotations
 
 import enum
 
+import numpy as np
 import torch
 
 from kvd.errors import InternalError
 
-__all__ = ["Direction", "IdRing", "GroupAllocator", "IDX"]
+__all__ = ["Direction", "IdRing", "GroupAllocator", "IDX", "IDX_NP", "as_np"]
 
 #: dtype of every id tensor (virtual ids, physical page ids). 2^31 pages is far above any arena.
 IDX = torch.int32
+#: the same dtype in numpy (the tables' numpy views)
+IDX_NP = np.int32
+
+
+def as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
+    """``ids`` as a numpy int32 array (a view of a CPU tensor's memory, no copy)."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.numpy()
+    return ids if ids.dtype == IDX_NP else ids.astype(IDX_NP)
 
 
 class Direction(enum.Enum):
@@ -51,24 +63,32 @@ class IdRing:
     def __init__(self, size: int) -> None:
         self.size = size
         self._ring = torch.arange(size, dtype=IDX)
+        self._np = self._ring.numpy()  # the same memory
         self._head = 0
         self.count = size
 
-    def take(self, n: int) -> torch.Tensor:
+    def take_np(self, n: int) -> np.ndarray:
+        """The next ``n`` free ids (a new array), off the front."""
         if n > self.count:
             raise InternalError(f"id ring: asked for {n} ids with {self.count} free; the planner should have refused")
-        idx = (torch.arange(n, dtype=torch.int64) + self._head) % self.size
-        out = self._ring[idx]
-        self._head = (self._head + n) % self.size
+        h, end = self._head, self._head + n
+        out = self._np[h:end].copy() if end <= self.size else np.concatenate((self._np[h:], self._np[: end - self.size]))
+        self._head = end % self.size
         self.count -= n
         return out
 
-    def give(self, ids: torch.Tensor) -> None:
-        n = ids.numel()
+    def take(self, n: int) -> torch.Tensor:
+        return torch.from_numpy(self.take_np(n))
+
+    def give(self, ids: torch.Tensor | np.ndarray) -> None:
+        ids = as_np(ids)
+        n = len(ids)
         if self.count + n > self.size:
             raise InternalError(f"id ring: {n} ids returned to a ring with {self.size - self.count} taken")
-        idx = (torch.arange(n, dtype=torch.int64) + self._head + self.count) % self.size
-        self._ring[idx] = ids.to(IDX)
+        at = (self._head + self.count) % self.size
+        first = min(n, self.size - at)
+        self._np[at : at + first] = ids[:first]
+        self._np[: n - first] = ids[first:]
         self.count += n
 
     def free_ids(self) -> torch.Tensor:
@@ -103,10 +123,29 @@ class GroupAllocator:
         self.p2v = torch.full((table_pages,), -1, dtype=IDX)
         self.v2p = torch.full((id_space,), -1, dtype=IDX)
         self._holes = torch.empty(table_pages, dtype=IDX)
+        self._holes_np = self._holes.numpy()
         self.n_holes = 0
         self.used = 0
         self.p_max = self.p_min  # exclusive; set by set_capacity
         self.lo = self.hi = self.p_min
+
+    # The tables, and numpy views of the same memory that the per-request paths index through
+    # (kept in step when a table is replaced).
+    @property
+    def p2v(self) -> torch.Tensor:
+        return self._p2v_t
+
+    @p2v.setter
+    def p2v(self, t: torch.Tensor) -> None:
+        self._p2v_t, self._p2v = t, t.numpy()
+
+    @property
+    def v2p(self) -> torch.Tensor:
+        return self._v2p_t
+
+    @v2p.setter
+    def v2p(self, t: torch.Tensor) -> None:
+        self._v2p_t, self._v2p = t, t.numpy()
 
     # ---- capacity ---------------------------------------------------------------------------
     def set_capacity(self, backed_bytes: int) -> None:
@@ -141,12 +180,25 @@ class GroupAllocator:
     def empty(self) -> bool:
         return self.hi == self.lo
 
+    def physical(self, vids: np.ndarray) -> torch.Tensor:
+        """``v2p[vids]`` as a new tensor (gathered through numpy: the per-request path)."""
+        return torch.from_numpy(self._v2p[vids])
+
     # ---- bind / unbind ----------------------------------------------------------------------
-    def bind(self, vids: torch.Tensor, grow_lo: int, grow_hi: int, new_lo: int | None = None) -> torch.Tensor:
+    def bind(self, vids: torch.Tensor | np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None) -> torch.Tensor:
         """Bind ``vids`` to pages: holes first, then ``grow_lo`` pages below the region and
         ``grow_hi`` above it. ``new_lo`` re-anchors an empty float first. Returns the pages,
         in the order of ``vids``."""
-        n = vids.numel()
+        return torch.from_numpy(self.bind_np(as_np(vids), grow_lo, grow_hi, new_lo))
+
+    def bind_np(self, v: np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
+                lo_parts: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`bind` of int32 ids ``v``, the pages as an array.
+
+        ``lo_parts``: the growth below split among several requests bound in one call (their
+        shares, in order, summing to ``grow_lo``): each share gets the pages that many one-by-one
+        binds would have given it, ascending within the share, the first share highest."""
+        n = len(v)
         from_holes = n - grow_lo - grow_hi
         if new_lo is not None:
             if not self.empty:
@@ -154,45 +206,62 @@ class GroupAllocator:
             self.lo = self.hi = new_lo
         if from_holes < 0 or from_holes > self.n_holes:
             raise InternalError(f"{self.name}: plan takes {from_holes} holes of {self.n_holes}")
+        if self.lo - grow_lo < self.p_min or self.hi + grow_hi > self.p_max:
+            raise InternalError(f"{self.name}: region [{self.lo - grow_lo}, {self.hi + grow_hi}) left [{self.p_min}, {self.p_max})")
+        if n and int(self._v2p[v].max()) >= 0:  # unbound is -1
+            raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
         if from_holes:
-            parts.append(self._holes[self.n_holes - from_holes : self.n_holes].flip(0))
+            parts.append(self._holes_np[self.n_holes - from_holes : self.n_holes][::-1])
             self.n_holes -= from_holes
         if grow_lo:
             # Ascending, so a request's pages form +1 runs on both sides of a transfer.
-            parts.append(torch.arange(self.lo - grow_lo, self.lo, dtype=IDX))
+            if lo_parts is None or len(lo_parts) <= 1:
+                parts.append(np.arange(self.lo - grow_lo, self.lo, dtype=IDX_NP))
+            else:
+                ends = np.cumsum(lo_parts)
+                seg = np.repeat(np.arange(len(lo_parts)), lo_parts)
+                parts.append((self.lo - ends[seg] + (np.arange(grow_lo) - (ends - lo_parts)[seg])).astype(IDX_NP))
             self.lo -= grow_lo
         if grow_hi:
-            parts.append(torch.arange(self.hi, self.hi + grow_hi, dtype=IDX))
+            parts.append(np.arange(self.hi, self.hi + grow_hi, dtype=IDX_NP))
             self.hi += grow_hi
-        if self.lo < self.p_min or self.hi > self.p_max:
-            raise InternalError(f"{self.name}: region [{self.lo}, {self.hi}) left [{self.p_min}, {self.p_max})")
-        pages = torch.cat(parts) if len(parts) != 1 else parts[0]
-        if n and bool((self.v2p[vids] != -1).any()):
-            raise InternalError(f"{self.name}: binding virtual ids that are already bound")
-        self.p2v[pages] = vids.to(IDX)
-        self.v2p[vids] = pages
+        # one part: fresh from arange, or a view of the hole stack (copied: the stack is reused)
+        pages = np.concatenate(parts) if len(parts) != 1 else parts[0] if from_holes == 0 else parts[0].copy()
+        self._p2v[pages] = v
+        self._v2p[v] = pages
         self.used += n
         return pages
 
-    def unbind(self, vids: torch.Tensor) -> torch.Tensor:
-        """Unbind ``vids``; their pages become holes. Returns the pages."""
-        if vids.numel() == 0:
-            return vids
-        pages = self.v2p[vids]
-        if bool((pages < 0).any()):
+    def unbind(self, vids: torch.Tensor | np.ndarray, parts: np.ndarray | None = None) -> torch.Tensor:
+        """Unbind ``vids``; their pages become holes. Returns the pages.
+
+        ``parts``: ``vids`` is several requests' ids (their counts, in order): the hole stack
+        ends as one-by-one unbinds in that order would leave it."""
+        v = as_np(vids)
+        if len(v) == 0:
+            return torch.from_numpy(v[:0].copy())
+        pages = self._v2p[v]
+        if int(pages.min()) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
-        self.p2v[pages] = -1
-        self.v2p[vids] = -1
-        self.used -= vids.numel()
+        self._p2v[pages] = -1
+        self._v2p[v] = -1
+        self.used -= len(v)
         if self.used == 0:
             self.collapse()
         else:
             # Pushed in reverse so bind() pops them back ascending: a request reusing freed pages
-            # gets the same runs (few transfer blocks) it had, not one block per page.
-            self._holes[self.n_holes : self.n_holes + pages.numel()] = pages.flip(0)
-            self.n_holes += pages.numel()
-        return pages
+            # gets the same runs (few transfer blocks) it had, not one block per page. Several
+            # requests: each one's pages reversed, the first request's pushed first.
+            if parts is None or len(parts) <= 1:
+                pushed = pages[::-1]
+            else:
+                ends = np.cumsum(parts)
+                seg = np.repeat(np.arange(len(parts)), parts)
+                pushed = pages[(ends - 1)[seg] - (np.arange(len(v)) - (ends - parts)[seg])]
+            self._holes_np[self.n_holes : self.n_holes + len(v)] = pushed
+            self.n_holes += len(v)
+        return torch.from_numpy(pages)
 
     # ---- edges ------------------------------------------------------------------------------
     def trimmed_bounds(self) -> tuple[int, int]:

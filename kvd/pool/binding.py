@@ -9,8 +9,9 @@ pool's allocators as planned by :class:`~kvd.pool.planner.Planner`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from kvd.errors import InternalError
@@ -26,7 +27,11 @@ FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupK
 
 class Bindings:
     """Id rings, id -> request tables, request handles and versions over ``groups`` (the pool's
-    allocators, shared, not copied)."""
+    allocators, shared, not copied).
+
+    Several requests' steps bind (:meth:`bind_steps`) and release (:meth:`release_many`) in one
+    allocator call per group, with exactly the pages, ids, hole stacks and versions that binding
+    or releasing them one by one, in order, gives."""
 
     def __init__(self, groups: Mapping[GroupKind, GroupAllocator]) -> None:
         self.groups = groups
@@ -35,6 +40,7 @@ class Bindings:
         self.vid_req: dict[GroupKind, torch.Tensor] = {
             k: torch.full((r.size,), -1, dtype=IDX) for k, r in self.rings.items()
         }
+        self._vid_req = {k: t.numpy() for k, t in self.vid_req.items()}  # the same memory
         self.by_handle: dict[int, Request] = {}
         self._next_handle = 0
         self.versions = itertools.count(1)  # request mapping versions: never reused within a boot
@@ -47,56 +53,102 @@ class Bindings:
     def bind_step(self, r: Request, step: Step, plan: Placement) -> None:
         """Bind the pages of one planned step. Each group's plan is consumed by the first
         bindings that need new pages; holes are used before growth."""
-        r.version = next(self.versions)  # every step changes the request's vectors (tokens at least)
-        n_full = step.need.get(FULL, 0)
-        if n_full:
-            vids = self.rings[FULL].take(n_full)
-            self._bind(FULL, vids, plan)
-            self.vid_req[FULL][vids] = r.handle
-            r.full = torch.cat([r.full, vids])
-        if step.need.get(SWA, 0):
-            self._bind(SWA, r.full[r.full.numel() - step.need[SWA] :], plan)
-        if step.need.get(STATE, 0):
-            vid = self.rings[STATE].take(1)
-            self._bind(STATE, vid, plan)
-            self.vid_req[STATE][vid] = r.handle
-            r.state = int(vid)
-        if step.need.get(DRAFT, 0):
-            vids = self.rings[DRAFT].take(step.need[DRAFT])
-            self._bind(DRAFT, vids, plan)
-            self.vid_req[DRAFT][vids] = r.handle
-            r.draft = torch.cat([r.draft, vids])
+        self.bind_steps([r], [step], plan)
 
-    def _bind(self, kind: GroupKind, vids: torch.Tensor, plan: Placement) -> None:
+    def bind_steps(self, reqs: Sequence[Request], steps: Sequence[Step], plan: Placement) -> None:
+        """Bind the planned steps of ``reqs`` (``steps[i]`` is ``reqs[i]``'s) as :meth:`bind_step`
+        of each in order would, one allocator call per group. Every split of the plan is checked
+        before anything is bound."""
+        for r in reqs:
+            r.version = next(self.versions)  # every step changes the request's vectors (tokens at least)
+        one = len(reqs) == 1
+        for kind in (FULL, SWA, STATE, DRAFT):
+            if kind not in self.groups:
+                continue
+            counts = [s.need.get(kind, 0) for s in steps]
+            total = sum(counts)
+            if not total:
+                continue
+            if kind is SWA:  # the window tail of each request's (already extended) full ids
+                tails = [r.full.numpy()[r.full.numel() - c :] for r, c in zip(reqs, counts) if c]
+                self._bind(SWA, tails[0] if len(tails) == 1 else np.concatenate(tails), counts, plan)
+                continue
+            vids = self.rings[kind].take_np(total)
+            self._bind(kind, vids, counts, plan)
+            if one:
+                self._vid_req[kind][vids] = reqs[0].handle
+            else:
+                self._vid_req[kind][vids] = np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts)
+            at = 0
+            for r, c in zip(reqs, counts):
+                if not c:
+                    continue
+                if kind is STATE:
+                    r.state = int(vids[at])
+                else:
+                    mine = torch.from_numpy(vids if one else vids[at : at + c])
+                    if kind is FULL:
+                        r.full = torch.cat([r.full, mine]) if r.full.numel() else mine
+                    else:
+                        r.draft = torch.cat([r.draft, mine]) if r.draft.numel() else mine
+                at += c
+
+    def _bind(self, kind: GroupKind, vids: np.ndarray, counts: list[int], plan: Placement) -> None:
+        """Bind ``vids`` (requests' ids, ``counts`` each, in order) as one-by-one binds would:
+        each takes holes first, then the plan's growth below, then above."""
         a = self.groups[kind]
         g_lo, g_hi, new_lo = plan.get(kind, (0, 0, None))
-        n = vids.numel()
-        from_holes = min(n, a.n_holes)
-        take_lo = min(g_lo, n - from_holes)
-        take_hi = min(g_hi, n - from_holes - take_lo)
-        if from_holes + take_lo + take_hi != n:
-            raise InternalError(f"{kind.value}: plan covers {from_holes + take_lo + take_hi} of {n} pages")
-        a.bind(vids, take_lo, take_hi, new_lo if a.empty else None)
-        plan[kind] = (g_lo - take_lo, g_hi - take_hi, None)
+        holes, left_lo, left_hi = a.n_holes, g_lo, g_hi
+        lo_parts = []
+        for n in counts:
+            if not n:
+                continue
+            from_holes = min(n, holes)
+            take_lo = min(left_lo, n - from_holes)
+            take_hi = min(left_hi, n - from_holes - take_lo)
+            if from_holes + take_lo + take_hi != n:
+                raise InternalError(f"{kind.value}: plan covers {from_holes + take_lo + take_hi} of {n} pages")
+            holes, left_lo, left_hi = holes - from_holes, left_lo - take_lo, left_hi - take_hi
+            if take_lo:
+                lo_parts.append(take_lo)
+        a.bind_np(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.empty else None,
+                  lo_parts=np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
+        plan[kind] = (left_lo, left_hi, None)
 
     def release(self, r: Request) -> int:
         """Unbind every page and id of ``r`` (dropped from the tables); returns its tokens."""
+        return self.release_many([r])
+
+    def release_many(self, reqs: Sequence[Request]) -> int:
+        """:meth:`release` of each of ``reqs`` in order, one allocator call per group; returns
+        their tokens."""
+        if not reqs:
+            return 0
+
+        def joined(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+            counts = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts)) if len(parts) > 1 else None
+            return (parts[0] if len(parts) == 1 else np.concatenate(parts)), counts
+
+        full, full_n = joined([r.full.numpy() for r in reqs])
         if SWA in self.groups:
-            self.groups[SWA].unbind(r.full[r.swa_first :])
-        self.groups[FULL].unbind(r.full)
-        self.vid_req[FULL][r.full] = -1
-        self.rings[FULL].give(r.full)
-        if r.state >= 0:
-            vid = torch.tensor([r.state], dtype=IDX)
-            self.groups[STATE].unbind(vid)
-            self.vid_req[STATE][vid] = -1
-            self.rings[STATE].give(vid)
-        if r.draft.numel():
-            self.groups[DRAFT].unbind(r.draft)
-            self.vid_req[DRAFT][r.draft] = -1
-            self.rings[DRAFT].give(r.draft)
-        del self.by_handle[r.handle]
-        return r.tokens
+            swa, swa_n = joined([r.full.numpy()[r.swa_first :] for r in reqs])
+            self.groups[SWA].unbind(swa, swa_n)
+        self._release(FULL, full, full_n)
+        states = [r.state for r in reqs if r.state >= 0]
+        if states:
+            # one slot each: several are pushed as several one-page requests
+            self._release(STATE, np.array(states, dtype=np.int32), np.ones(len(states), dtype=np.int64) if len(states) > 1 else None)
+        drafts = [r.draft.numpy() for r in reqs if r.draft.numel()]
+        if drafts:
+            self._release(DRAFT, *joined(drafts))
+        for r in reqs:
+            del self.by_handle[r.handle]
+        return sum(r.tokens for r in reqs)
+
+    def _release(self, kind: GroupKind, vids: np.ndarray, counts: np.ndarray | None) -> None:
+        self.groups[kind].unbind(vids, counts)
+        self._vid_req[kind][vids] = -1
+        self.rings[kind].give(vids)
 
     def owner_handles(self, kind: GroupKind, vids: torch.Tensor) -> set[int]:
         """Handles of the requests that own ``vids`` of group ``kind`` (SWA ids are the full group's)."""

@@ -210,6 +210,9 @@ class Planner:
         """The first plan of ``steps`` that fits, trying balanced growth before lower-gap-first
         and both before trimming edges: ``(plan, 0, trimmed)``; else ``(plan, shortfall, True)``
         with the smallest shortfall seen. Changes nothing."""
+        quick = self._in_holes(steps)
+        if quick is not None:
+            return quick, 0, False
         short = None
         plan: Placement = {}
         for trimmed in (False, True):
@@ -220,6 +223,27 @@ class Planner:
                 if short is None or s < short:
                     plan, short = p, s
         return plan, int(short or 0), True
+
+    def _in_holes(self, steps: Sequence[Step]) -> Placement | None:
+        """The plan of ``steps`` when every group's holes (and SWA pages the steps release) and
+        id ring cover them: no group grows, which is what :meth:`plan` would say at greater
+        cost (churn in a busy pool, the common case). None when some group must grow."""
+        total: dict[GroupKind, int] = {}
+        credit = 0
+        for s in steps:
+            for k, n in s.need.items():
+                total[k] = total.get(k, 0) + n
+            credit += s.swa_release
+        plan: Placement = {}
+        for k, need in total.items():
+            if not need:
+                continue
+            a = self.groups[k]
+            ring = self._rings.get(k)
+            if need > (a.hi - a.lo) - a.used + (credit if k is SWA else 0) or (ring is not None and need > ring.count):
+                return None
+            plan[k] = (0, 0, None)
+        return plan
 
     def fit(self, steps: Sequence[Step], what: str, live: Live) -> Placement:
         """Plan ``steps`` (:meth:`attempt`); raise CapacityError when nothing fits. Mutates

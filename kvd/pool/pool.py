@@ -70,9 +70,8 @@ __all__ = ["Pool"]
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
 
 
-def _take(table: torch.Tensor, ids: np.ndarray) -> torch.Tensor:
-    """``table[ids]`` as a new tensor (a copy), gathered in numpy."""
-    return torch.from_numpy(table.numpy()[ids])
+#: the ids of a request that holds none in a group (never written: steps concatenate)
+_EMPTY = torch.empty(0, dtype=IDX)
 
 
 class Pool:
@@ -232,25 +231,19 @@ class Pool:
         self._validate_new(specs)
         steps = [self._planner.alloc_step(s.tokens, s.receive) for s in specs]
         plan = self._fit(steps, f"allocation of {len(specs)} request(s)")
-        out = []
-        for s, step in zip(specs, steps):
-            r = Request(
-                rid=s.rid,
-                handle=self._bindings.new_handle(),
-                tokens=s.tokens,
-                base_tokens=s.tokens if s.receive else 0,
-                full=torch.empty(0, dtype=IDX),
-                swa_first=self._planner.swa_first(s.tokens if s.receive else 0),
-                state=-1,
-                draft=torch.empty(0, dtype=IDX),
-                moved_epoch=self.epoch,
-            )
-            self._bindings.bind_step(r, step, plan)
-            self._requests[s.rid] = r
+        epoch, swa_first = self.epoch, self._planner.swa_first
+        reqs = [
+            Request(s.rid, self._bindings.new_handle(), s.tokens, s.tokens if s.receive else 0, _EMPTY,
+                    swa_first(s.tokens if s.receive else 0), -1, _EMPTY, epoch)
+            for s in specs
+        ]
+        # One allocator call per group for the whole batch (the pages one-by-one binds would give).
+        self._bindings.bind_steps(reqs, steps, plan)
+        for r in reqs:
+            self._requests[r.rid] = r
             self._live_tokens += r.tokens
             self._bindings.by_handle[r.handle] = r
-            out.append(self._vectors(r))
-        return out
+        return [self._vectors(r) for r in reqs]
 
     def extend(self, rid: str, tokens: int) -> IndexVectors:
         """Grow request ``rid`` by ``tokens`` tokens; releases SWA pages that left the window."""
@@ -276,15 +269,13 @@ class Pool:
                 old = r.full[r.swa_first : r.swa_first + step.swa_release]
                 self.groups[SWA].unbind(old)
                 r.swa_first += step.swa_release
-        out = []
-        for (rid, add), step in zip(items, steps):
-            r = self._requests[rid]
+        reqs = [self._requests[rid] for rid, _ in items]
+        for r, (_, add) in zip(reqs, items):
             r.base_tokens = r.tokens
             r.tokens += add
             self._live_tokens += add
-            self._bindings.bind_step(r, step, plan)
-            out.append(self._vectors(r))
-        return out
+        self._bindings.bind_steps(reqs, steps, plan)
+        return [self._vectors(r) for r in reqs]
 
     def free(self, rid: str) -> None:
         """Free request ``rid``: every page and id it holds goes back. Its ids are invalid after."""
@@ -299,9 +290,8 @@ class Pool:
             if rid in self._offloaded:
                 continue
             self._live(rid)
-        for rid in rids:
-            if self._offloaded.pop(rid, None) is None:
-                self._live_tokens -= self._bindings.release(self._requests.pop(rid))
+        live = [self._requests.pop(rid) for rid in rids if self._offloaded.pop(rid, None) is None]
+        self._live_tokens -= self._bindings.release_many(live)  # one allocator call per group
         # Freed pages may be bound to another request (possibly under the same id) next: vectors
         # quoted before this point must not pass require_fresh for whatever comes next.
         self.epoch += 1
@@ -340,11 +330,11 @@ class Pool:
         # Send's critical path, and a small torch index op costs several times a numpy one.
         g = self.groups
         full = r.full.numpy()
-        swa = _take(g[SWA].v2p, full[r.swa_first :]) if SWA in g else torch.empty(0, dtype=IDX)
-        draft = _take(g[DRAFT].v2p, r.draft.numpy()) if DRAFT in g else torch.empty(0, dtype=IDX)
-        state = int(g[STATE].v2p[r.state]) if r.state >= 0 else None
+        swa = g[SWA].physical(full[r.swa_first :]) if SWA in g else torch.empty(0, dtype=IDX)
+        draft = g[DRAFT].physical(r.draft.numpy()) if DRAFT in g else torch.empty(0, dtype=IDX)
+        state = int(g[STATE].physical(np.array([r.state]))[0]) if r.state >= 0 else None
         return IndexVectors(
-            r.rid, self.boot_id, self.epoch, r.tokens, _take(g[FULL].v2p, full), r.swa_first, swa, state, draft, r.version
+            r.rid, self.boot_id, self.epoch, r.tokens, g[FULL].physical(full), r.swa_first, swa, state, draft, r.version
         )
 
     def footprint(self, rid: str) -> tuple[int, int, int]:
