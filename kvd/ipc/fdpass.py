@@ -33,7 +33,6 @@ sees the same class, message and extras (shortfall, holders) as over gRPC.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -163,6 +162,8 @@ class HandleServer(UnixServer):
         self._workers: set[threading.Thread] = set()
         self._watched: set[socket.socket] = set()  # open watches: no thread, no slot (see the module docstring)
         self._lock = threading.Lock()
+        # held by notify() and by a watch's header + joining the set (never inside self._lock)
+        self._notify_lock = threading.Lock()
         #: exchanges answered with a header (``served``: ok; ``refused``: an error header) and
         #: connections dropped without an answer (client gone or too slow).
         self.served = self.refused = self.dropped = 0
@@ -202,13 +203,14 @@ class HandleServer(UnixServer):
     def notify(self) -> None:
         """Tell every watcher that the arena's backing changed (one byte each): a watcher that
         sees it asks again before trusting its mapping. Call after ``generation`` changed."""
-        with self._lock:
-            watched = list(self._watched)
-        for c in watched:
-            try:
-                c.send(b"!", socket.MSG_DONTWAIT)
-            except OSError:
-                self._unwatch(c)  # gone, or a full buffer: closing says the same (EOF)
+        with self._notify_lock:
+            with self._lock:
+                watched = list(self._watched)
+            for c in watched:
+                try:
+                    c.send(b"!", socket.MSG_DONTWAIT)
+                except OSError:
+                    self._unwatch(c)  # gone, or a full buffer: closing says the same (EOF)
 
     def _unwatch(self, c: socket.socket) -> None:
         with self._lock:
@@ -259,17 +261,20 @@ class HandleServer(UnixServer):
                     raise InternalError(f"handle export produced {len(fds)} fds for {len(header.sizes)} chunks (a bug in kvd)")
                 if req.op == "watch" and self.watching >= MAX_WATCHES:
                     raise Unavailable(f"handle server {self.path} keeps {MAX_WATCHES} watches already; ping instead")
-                self._send(conn, {"ok": True, **header.to_json()}, fds if req.op == "export" else [])
+                if req.op == "watch":
+                    # The header and the watch joining the set are one step for notify(): a
+                    # watcher that has its header is told of every change after it (a change
+                    # before it is in the header, read again here). Sent first and joined after,
+                    # a notify in between missed a watcher that was already trusting its mapping.
+                    with self._notify_lock:
+                        header, _ = self._export(False)
+                        self._send(conn, {"ok": True, **header.to_json()}, [])
+                        conn.settimeout(None)
+                        kept = self._keep_watch(conn)
+                else:
+                    self._send(conn, {"ok": True, **header.to_json()}, fds)
                 with self._lock:
                     self.served += 1
-                if req.op == "watch":
-                    conn.settimeout(None)
-                    kept = self._keep_watch(conn)
-                    # A notify between the header and the watch joining the set missed this
-                    # watcher: if the backing changed meanwhile, tell it now (it asks again).
-                    if kept and self._export(False)[0] != header:
-                        with contextlib.suppress(OSError):
-                            conn.send(b"!", socket.MSG_DONTWAIT)
             except KvdError as exc:
                 self._answer_error(conn, exc)
             except OSError as exc:

@@ -18,7 +18,8 @@ import grpc
 from google.protobuf.message import Message
 
 from kvd.records import PeerLinkStats, SocketRoute, TransferRef
-from kvd.limits import MAX_REASON_BYTES, clip
+from kvd.errors import InvalidArgument
+from kvd.limits import MAX_REASON_BYTES, clip, quote
 from kvd.server.peer_conns import PeerConnections
 from kvd.rpc.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
@@ -92,6 +93,13 @@ class DaemonPeerLink:
             try:
                 return future.result()
             except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.UNKNOWN and "target uri is not valid" in (exc.details() or ""):
+                    # gRPC could not make a channel of the address (a ticket's peer_address): the
+                    # caller's input, not a fault of the peer
+                    raise InvalidArgument(
+                        f"{method}: peer address {quote(address)} is not a valid gRPC target "
+                        "(host:port, [v6]:port, unix:/path or /path); check the ticket's peer_address"
+                    ) from exc
                 raise from_rpc_error(exc) from exc
 
         return wait

@@ -444,9 +444,16 @@ def test_a_backing_change_while_a_watch_is_answered_still_reaches_it(tmp_path):
     srv = HandleServer(str(tmp_path / "h.sock"), exp, timeout=0.5).start()
     keep = srv._keep_watch
 
-    def late_keep(conn):  # the daemon's finalize/resize runs between the reply and the keep
-        exp.generation += 1
-        srv.notify()
+    changer: list[threading.Thread] = []
+
+    def late_keep(conn):  # the daemon's finalize/resize (another thread) runs between the reply and the keep
+        def change():
+            exp.generation += 1
+            srv.notify()
+
+        changer.append(threading.Thread(target=change))
+        changer[0].start()
+        changer[0].join(0.2)  # notify waits for the header and the keep to be one step
         return keep(conn)
 
     srv._keep_watch = late_keep
@@ -461,6 +468,8 @@ def test_a_backing_change_while_a_watch_is_answered_still_reaches_it(tmp_path):
             assert not w.quiet(), "the watcher was not told of the change it missed"
             w.close()
     finally:
+        for t in changer:
+            t.join(2.0)
         srv.stop()
         exp.close()
 

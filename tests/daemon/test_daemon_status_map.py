@@ -159,6 +159,9 @@ class _Refusing:
     def commit(self, request):
         raise self.exc
 
+    def commit_then(self, request):  # the peer socket's Commit (the wake after the reply)
+        raise self.exc
+
     def export(self, want_fds: bool):
         raise self.exc
 

@@ -219,6 +219,20 @@ def test_single_bit_flips_and_truncations_are_refused(scene):
     s.genuine_lands()
 
 
+def test_a_peer_address_grpc_cannot_parse_is_invalid_argument(scene):
+    """A ticket whose peer_address is no gRPC target (one flipped bit made '127.0.0.1:5288?' in a
+    CI run: gRPC answered UNKNOWN, a bare KvdError) is the caller's bad input: INVALID_ARGUMENT
+    naming the address over gRPC; over the peer socket the route is the ticket's socket and the
+    decode daemon refuses the seal. Nothing lands either way."""
+    s = scene
+    body = hk.ticket_body(s.ticket)
+    bad = body.peer_address + "?"
+    err = s.check_refused(hk.tampered(s.ticket, _set("peer_address", bad)), (InvalidArgument, PermissionDenied), "peer_address")
+    if s.path != "socket":
+        assert type(err) is InvalidArgument and "not a valid gRPC target" in str(err) and bad in str(err), err
+    s.genuine_lands()
+
+
 def test_another_daemons_ticket_is_refused(scene):
     """The prefill daemon mints a ticket for a request of its own: as the decode daemon's it is
     another boot's (StaleEpoch); with the boot rewritten to the decode daemon's, its seal is not
