@@ -29,7 +29,8 @@ from google.protobuf.message import DecodeError, Message
 
 from kvd.errors import DeadlineExceeded, KvdError, PermissionDenied, Unavailable
 from kvd.records import SocketRoute
-from kvd.ipc.frames import HEAD
+from kvd.ipc import frames
+from kvd.ipc.frames import HEAD, spin_recv
 from kvd.server.peer_socket import HELLO, MAX_FRAME, METHOD_IDS, METHODS, OK, REFUSED, frame, read_head
 from kvd.ipc.unix_socket import recv_exact, stirred
 from kvd.v1 import kvd_pb2 as pb
@@ -72,7 +73,7 @@ class _Conn:
     def reply(self, deadline: float) -> tuple[int, bytes]:
         """Read one reply frame by ``deadline`` (monotonic): ``(status, body)``."""
         s = self.sock
-        first = _spin_recv(s, HEAD.size, SPIN_S)
+        first = spin_recv(s, HEAD.size, frames.SPIN_S)  # the daemon's spin_us, process-wide
         s.settimeout(max(deadline - time.monotonic(), 1e-4))
         if first is None:
             head = read_head(s)
@@ -90,30 +91,6 @@ class _Conn:
 
     def close(self) -> None:
         self.sock.close()
-
-
-#: Seconds a caller polls its connection for a reply before it sleeps in the kernel (0: never).
-#: A peer's answer (CheckTicket, Commit) comes within ~0.05-0.3 ms, and a thread woken from sleep
-#: by it may pay an idle core's wake-up on top. Off: on a 2-core VM polling slowed the Commit
-#: round trip (0.13-0.25 ms -> 0.22-0.40 at 3e-4: the poller takes the core the receiver needs);
-#: worth measuring on a many-core host only.
-SPIN_S = 0.0
-
-
-def _spin_recv(s: socket.socket, n: int, spin_s: float) -> bytes | None:
-    """Up to ``n`` bytes read without sleeping, polled for ``spin_s`` seconds; b"" when the
-    daemon closed the connection, None when nothing came (the caller then waits as before).
-    Leaves the socket non-blocking: the caller sets its timeout again."""
-    if spin_s <= 0:
-        return None
-    s.settimeout(0.0)
-    end = time.perf_counter() + spin_s
-    while True:
-        try:
-            return s.recv(n)
-        except BlockingIOError:
-            if time.perf_counter() >= end:
-                return None
 
 
 def _refusal(body: bytes) -> KvdError:
