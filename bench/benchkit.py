@@ -1,8 +1,13 @@
-"""What the CPU benchmarks share: a kvd daemon in its own process, and CPU accounting so a
-report can say how busy the machine was while it measured (these VMs are noisy)."""
+"""What the CPU benchmarks share: a kvd daemon in its own process, a decode engine's waiting in
+its own process (:class:`ApartWaiter`), and CPU accounting so a report can say how busy the
+machine was while it measured (these VMs are noisy).
+
+    python bench/benchkit.py waiter ADDRESS NAME    # the ApartWaiter's process (started by it)
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -15,7 +20,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,6 +80,150 @@ class BenchDaemon:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class ApartWaiter:
+    """The decode engine as another process, as in a deployment: its own interpreter (so its
+    replies are not decoded under the sender's GIL) and its own session on the decode daemon
+    (``Client.connect(address)``), driven over a pipe, off the timed path: :meth:`receive`
+    allocates requests ``receive=True`` with their RECV leases and gives their tickets,
+    :meth:`arm` starts a WaitReady per request and returns once each is about to be issued,
+    :meth:`collect` gives each answer with the moment it arrived there (``time.perf_counter()``,
+    CLOCK_MONOTONIC on Linux: comparable with this process's clock), :meth:`free` frees.
+    Commands are JSON lines on the child's stdin; every answer is one JSON line on its stdout
+    (``{"error": ...}`` for a refusal, raised here as RuntimeError)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+
+    @classmethod
+    def spawn(cls, address: str, name: str) -> ApartWaiter:
+        """Start the process; call :meth:`wait_started` before use (spawn several, then wait)."""
+        clock = time.get_clock_info("perf_counter").implementation
+        if "CLOCK_MONOTONIC" not in clock:  # another process's stamps would be on another clock
+            raise RuntimeError(f"perf_counter is {clock}, not CLOCK_MONOTONIC: stamps of two processes do not compare")
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        cmd = [sys.executable, os.path.abspath(__file__), "waiter", address, name]
+        return cls(subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                    env={**os.environ, "PYTHONPATH": path}))
+
+    def _ask(self, **cmd: Any) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")  # type: ignore[union-attr]
+        return self._answer()
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"waiter process {' '.join(self.proc.args[-2:])} exited with {self.proc.wait()}")
+        got = json.loads(line)
+        if "error" in got:
+            raise RuntimeError(f"waiter process: {got['error']}")
+        return got
+
+    def wait_started(self) -> ApartWaiter:
+        """Block until the child holds its session (and a few warm connections)."""
+        self._answer()
+        return self
+
+    def receive(self, reqs: list[tuple[str, int]], *, one_call: bool = False) -> tuple[dict[str, bytes], float]:
+        """Allocate each ``(rid, tokens)`` receive=True and take its RECV lease (``one_call``:
+        ``allocate_recv``; else allocate + acquire_lease, compacting once on CapacityError);
+        returns the tickets and the seconds the calls took in the child."""
+        got = self._ask(op="receive", reqs=reqs, one_call=one_call)
+        return {rid: bytes.fromhex(t) for rid, t in got["tickets"].items()}, got["s"]
+
+    def arm(self, rids: list[str], timeout: float = 120.0) -> None:
+        """Start WaitReady for each of ``rids`` (a thread each, in the child); returns when every
+        thread is about to issue its call (give it a head start before the Send)."""
+        self._ask(op="wait", rids=rids, timeout=timeout)
+
+    def collect(self) -> dict[str, tuple[Any, float]]:
+        """The armed WaitReady answers: per rid, its TransferStatus and the child's perf_counter()
+        when it arrived."""
+        from kvd.client import TransferStatus
+        from kvd.records import TransferState
+
+        got = self._answer()
+        return {rid: (TransferStatus(rid, TransferState(x["state"]), x["reason"], x["nbytes"]), x["at"]) for rid, x in got["ready"].items()}
+
+    def free(self, rids: list[str]) -> float:
+        """Free ``rids``; the seconds the call took in the child."""
+        return self._ask(op="free", rids=rids)["s"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # type: ignore[union-attr]  -- EOF: the child closes its session and exits
+                self.proc.wait(15)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _waiter_main(address: str, name: str) -> None:
+    """The :class:`ApartWaiter` child: one session on ``address``, commands from stdin."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout = sys.stderr  # nothing else may write to the answer pipe
+    from kvd.client import Client
+    from kvd.errors import CapacityError
+
+    pc = time.perf_counter
+    c = Client.connect(address, name=name, timeout=300)
+    # Warm a few connections (a WaitReady holds one until its answer): echoes at once.
+    echoes = [threading.Thread(target=c.echo) for _ in range(8)]
+    for t in echoes:
+        t.start()
+    for t in echoes:
+        t.join()
+    out.write(json.dumps({"started": c.session_id}) + "\n")
+    waiters: list[threading.Thread] = []
+    ready: dict[str, dict] = {}
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            if cmd["op"] == "receive":
+                a, tickets = pc(), {}
+                for rid, tokens in cmd["reqs"]:
+                    if cmd["one_call"]:
+                        tickets[rid] = c.allocate_recv(rid, tokens)[1].ticket.hex()
+                        continue
+                    try:
+                        c.allocate(rid, tokens, receive=True)
+                    except CapacityError:
+                        c.compact()
+                        c.allocate(rid, tokens, receive=True)
+                    tickets[rid] = c.acquire_lease(rid, "recv").ticket.hex()
+                answer: dict = {"tickets": tickets, "s": pc() - a}
+            elif cmd["op"] == "wait":
+                ready = {}
+                going = [threading.Event() for _ in cmd["rids"]]
+
+                def wait(rid: str, going: threading.Event, timeout: float = cmd["timeout"]) -> None:
+                    going.set()
+                    st = c.wait_ready(rid, timeout)
+                    at = pc()  # the answer is in: the decode engine may go on
+                    ready[rid] = {"state": st.state.value, "reason": st.reason, "nbytes": st.nbytes, "at": at}
+
+                waiters = [threading.Thread(target=wait, args=(rid, g)) for rid, g in zip(cmd["rids"], going)]
+                for t in waiters:
+                    t.start()
+                for g in going:
+                    g.wait()
+                out.write(json.dumps({"armed": len(waiters)}) + "\n")
+                for t in waiters:
+                    t.join()
+                missing = [rid for rid in cmd["rids"] if rid not in ready]
+                answer = {"error": f"WaitReady raised for {missing} (see the traceback above)"} if missing else {"ready": ready}
+            elif cmd["op"] == "free":
+                a = pc()
+                c.free(*cmd["rids"])
+                answer = {"s": pc() - a}
+            else:
+                answer = {"error": f"unknown op {cmd['op']!r}"}
+        except Exception as exc:  # noqa: BLE001 -- the parent raises it
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(answer) + "\n")
+    c.close()
+
+
 def cpu_set(spec: str) -> set[int]:
     """``"2-5,8"`` -> {2, 3, 4, 5, 8} (the taskset list syntax)."""
     out: set[int] = set()
@@ -127,3 +278,9 @@ def log_uniform(n: int, lo: int, hi: int, seed: int) -> list[int]:
     """``n`` token counts, log-uniform in [``lo``, ``hi``], fixed by ``seed`` (a mixed workload)."""
     rnd = random.Random(seed)
     return [int(round(math.exp(rnd.uniform(math.log(lo), math.log(hi))))) for _ in range(n)]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["waiter"] or len(sys.argv) != 4:
+        sys.exit("usage: benchkit.py waiter ADDRESS NAME")
+    _waiter_main(sys.argv[2], sys.argv[3])

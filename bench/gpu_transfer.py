@@ -16,7 +16,9 @@ same torch copy for both.
 
 Per device pair ``A,B``: a prefill daemon (``kvd serve --arena cuda --cuda-device A --backend
 local --layout gemma-4-31b-it-tp2``; ``--backend mooncake`` likewise) and a decode daemon (``--cuda-device B``) run as
-subprocesses; this process is every engine, through one Client per sender and daemon. The
+subprocesses; this process is every prefill engine, through one Client per sender and daemon, and
+the decode engines two ways (both measured, passes taking turns): in this process (threads, as
+before) and apart (below). The
 prefill daemon maps the decode arena's chunks for GPU A (peer access over NVLink for A != B) and
 its Triton kernel writes the planned blocks through the mapping.
 
@@ -43,9 +45,17 @@ its SWA pages near the window; decode requests allocated ``receive=True`` before
   with the others.
 
 Measured: the Send replies' ``seconds`` (server side: ticket check, lease, plan, writes, commit)
-and the client-observed wall time: the decode side is already waiting in WaitReady (a thread,
-as a decode engine waits for its KV) when Send is issued, and wall runs until both the Send reply
-and the WaitReady answer are back; for ``mixed x8`` the wall time of the whole pass (which
+and the client-observed wall time: the decode side is already waiting in WaitReady (as a decode
+engine waits for its KV) when Send is issued, and wall runs until both the Send reply and the
+WaitReady answer are back. Two walls: ``engines in one process`` -- the WaitReady is a thread of
+this process, on the decode client of the checks (both replies arrive at about the same moment
+and are decoded under this one interpreter's GIL, one after the other); ``decode engine apart``
+-- as in a deployment, each sender's decode engine is a process of its own
+(``benchkit.ApartWaiter``: its own session on the decode daemon, which allocates the decode
+requests receive=True, waits and frees them), told over a pipe which requests to wait for (not
+timed: it answers once its WaitReady threads are about to call, then gets the same head start),
+and wall = from Send issued here until the Send reply here and the WaitReady answer there are
+both in (its ``time.perf_counter()`` stamp: CLOCK_MONOTONIC, one clock for both processes); for ``mixed x8`` the wall time of the whole pass (which
 also holds each Send's head start for its WaitReady: conservative). ``mixed
 batched``: server = the SendMany replies' own ``seconds`` (the whole call in the daemon; its
 items overlap in time, so their ``seconds`` do not add up), summed over the calls; wall = per
@@ -82,6 +92,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,7 +105,7 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 import torch  # noqa: E402
-from benchkit import BenchDaemon, cpu_set, log_uniform, med  # noqa: E402
+from benchkit import ApartWaiter, BenchDaemon, cpu_set, log_uniform, med  # noqa: E402
 from gpu import _table  # noqa: E402
 
 from kvd.records import SEND_PHASES
@@ -207,6 +218,10 @@ class Row:
     server_s: list[float] = field(default_factory=list)  # per pass: sum of Send.seconds
     wall_s: list[float] = field(default_factory=list)  # per pass: sum of Send-issued-to-ready times (x8: the pass)
     phases: list[dict[str, float]] = field(default_factory=list)  # per pass: the daemon's step times, summed
+    # The same for the passes with the decode engines apart (ApartWaiter processes).
+    server_apart_s: list[float] = field(default_factory=list)
+    wall_apart_s: list[float] = field(default_factory=list)
+    phases_apart: list[dict[str, float]] = field(default_factory=list)
     ok: bool = False
     why: str = ""
     first_pass_s: float = float("nan")
@@ -215,7 +230,7 @@ class Row:
     plan_here_s: float = 0.0  # plan_chunk of the workload's requests in the bench process (sum of medians)
 
     def as_dict(self) -> dict:
-        srv, wall = med(self.server_s), med(self.wall_s)
+        srv, wall, wall_apart = med(self.server_s), med(self.wall_s), med(self.wall_apart_s)
         return {
             "backend": self.backend, "devices": self.devices, "workload": self.workload, "requests": self.requests, "bytes": self.nbytes,
             "raw_ms": self.raw_s * 1e3, "raw_GBps": self.nbytes / self.raw_s / 1e9,
@@ -229,9 +244,20 @@ class Row:
             "phases_ms": {k: med([p.get(k, 0.0) for p in self.phases]) * 1e3 for k in SEND_PHASES if any(k in p for p in self.phases)},
             # every other key the replies carried (the backend's parts of issue/write, the handler's share) and this
             # side's clock (client:reply, client:ready), summed per pass, median over the passes
-            "detail_ms": {k: med([p.get(k, 0.0) for p in self.phases]) * 1e3
-                          for k in sorted({k for p in self.phases for k in p} - set(SEND_PHASES))},
+            "detail_ms": _details(self.phases),
+            # decode engines apart: wall and server of those passes, their steps and this side's / the waiter's clock
+            "wall_apart_ms": wall_apart * 1e3, "wall_apart_GBps": self.nbytes / wall_apart / 1e9, "ratio_wall_apart": self.raw_s / wall_apart,
+            "server_apart_ms": med(self.server_apart_s) * 1e3, "wall_apart_ms_passes": [x * 1e3 for x in self.wall_apart_s],
+            "server_apart_ms_passes": [x * 1e3 for x in self.server_apart_s],
+            "phases_apart_ms": {k: med([p.get(k, 0.0) for p in self.phases_apart]) * 1e3 for k in SEND_PHASES
+                                if any(k in p for p in self.phases_apart)},
+            "detail_apart_ms": _details(self.phases_apart),
         }
+
+
+def _details(phases: list[dict[str, float]]) -> dict[str, float]:
+    """Every key but the daemon's steps, median over the passes, ms."""
+    return {k: med([p.get(k, 0.0) for p in phases]) * 1e3 for k in sorted({k for p in phases for k in p} - set(SEND_PHASES))}
 
 
 class Pair:
@@ -253,6 +279,7 @@ class Pair:
         self.P = self.D = None
         self.pc: list = []
         self.dc: list = []
+        self.waiters: list[ApartWaiter] = []  # decode engine w, apart: a process each
         self.p_att = self.d_att = None
         self.dmap_owner = self.dmap = None
 
@@ -272,6 +299,9 @@ class Pair:
         for i in range(SENDERS):
             self.pc.append(Client.connect(self.P.unix, name=f"prefill-{i}", timeout=300))
             self.dc.append(Client.connect(self.D.unix, name=f"decode-{i}", timeout=300))
+        self.waiters = [ApartWaiter.spawn(self.D.unix, f"decode-apart-{i}") for i in range(SENDERS)]
+        for w in self.waiters:
+            w.wait_started()
         self.p_att, self.d_att = self.pc[0].attach(), self.dc[0].attach()
         if self.p_att.tensor.device != torch.device("cuda", self.a) or self.d_att.tensor.device != torch.device("cuda", self.b):
             raise RuntimeError(f"arenas attached on {self.p_att.tensor.device} / {self.d_att.tensor.device}, not cuda:{self.a} / cuda:{self.b}")
@@ -307,6 +337,8 @@ class Pair:
                 except Exception:  # noqa: BLE001
                     traceback.print_exc()
         self.p_att = self.d_att = self.dmap_owner = None
+        for w in self.waiters:
+            w.close()
         for c in self.pc + self.dc:
             try:
                 c.close()
@@ -347,15 +379,21 @@ class Pair:
         log(f"[{self.label}] prefill requests built ({1 + len(self.mixed) + len(self.batched)}, chunks of {chunk} tokens) and filled "
             f"in {time.perf_counter() - t0:.1f} s")
 
-    def receive(self, reqs: list[Req], begin: bool = True, chunk: int = 0) -> dict[str, bytes]:
-        """Allocate every request on the decode daemon (receive=True) and take its RECV lease;
-        ``begin``: then the prefill side opens each transfer (BeginSend, with ``chunk`` as its
-        chunk_tokens), as a prefill engine does when the ticket arrives, before the prompt is
-        computed (not timed)."""
+    def receive(self, reqs: list[Req], begin: bool = True, chunk: int = 0, apart: bool = False) -> dict[str, bytes]:
+        """Allocate every request on the decode daemon (receive=True) and take its RECV lease
+        (``apart``: by its sender's decode engine process); ``begin``: then the prefill side
+        opens each transfer (BeginSend, with ``chunk`` as its chunk_tokens), as a prefill engine
+        does when the ticket arrives, before the prompt is computed (not timed)."""
         from kvd.errors import CapacityError
 
         tickets = {}
-        for r in reqs:
+        if apart:
+            by: dict[int, list[tuple[str, int]]] = defaultdict(list)
+            for r in reqs:
+                by[r.worker].append((r.rid, r.tokens))
+            for w, items in by.items():
+                tickets.update(self.waiters[w].receive(items)[0])
+        for r in [] if apart else reqs:
             kv = self.dc[r.worker]
             try:
                 kv.allocate(r.rid, r.tokens, receive=True)
@@ -368,32 +406,62 @@ class Pair:
                 self.pc[r.worker].begin_send(r.rid, tickets[r.rid], chunk_tokens=chunk)
         return tickets
 
-    def release(self, reqs: list[Req]) -> None:
+    def release(self, reqs: list[Req], apart: bool = False) -> None:
         by: dict[int, list[str]] = defaultdict(list)
         for r in reqs:
             by[r.worker].append(r.rid)
         for w, rids in by.items():
-            self.dc[w].free(*rids)
+            if apart:
+                self.waiters[w].free(rids)
+            else:
+                self.dc[w].free(*rids)
 
-    def send_one(self, r: Req, ticket: bytes) -> tuple[object, float]:
+    def arm(self, w: int, rids: list[str], apart: bool) -> Callable[[], dict[str, tuple[object, float]]]:
+        """Start sender ``w``'s decode side waiting in WaitReady for ``rids`` and give the calls
+        WAITER_HEAD_START_S to reach the decode daemon (not timed); returns what collects the
+        answers: per rid, its TransferStatus and the perf_counter() when it arrived. ``apart``:
+        in that decode engine's own process (its stamps); else threads of this process on
+        ``self.dc[w]``."""
+        if apart:
+            self.waiters[w].arm(rids)
+            time.sleep(WAITER_HEAD_START_S)
+            return self.waiters[w].collect
+        got: dict[str, tuple[object, float]] = {}
+        pc = time.perf_counter
+
+        def wait(rid: str) -> None:
+            st = self.dc[w].wait_ready(rid, 120)
+            got[rid] = (st, pc())
+
+        threads = [threading.Thread(target=wait, args=(rid,), name=f"wait-{rid}") for rid in rids]
+        for t in threads:
+            t.start()
+        time.sleep(WAITER_HEAD_START_S)  # the WaitReady calls reach the decode daemon before Send starts
+
+        def collect() -> dict[str, tuple[object, float]]:
+            for t in threads:
+                t.join()
+            missing = [rid for rid in rids if rid not in got]
+            if missing:
+                raise RuntimeError(f"{missing}: WaitReady raised (see the thread's traceback)")
+            return got
+
+        return collect
+
+    def send_one(self, r: Req, ticket: bytes, apart: bool = False) -> tuple[object, float]:
         """Send ``r`` while the decode side already waits in WaitReady (how a decode engine waits
-        for its KV); returns the Send reply and the wall time from issuing Send until both the
-        Send reply and the decode's WaitReady answer arrived."""
+        for its KV; ``apart``: in its own process); returns the Send reply and the wall time from
+        issuing Send until both the Send reply and the decode's WaitReady answer arrived."""
         from kvd.client import TransferState
 
-        got: list = []
         pc = time.perf_counter
-        waiter = threading.Thread(target=lambda: got.append((self.dc[r.worker].wait_ready(r.rid, 120), pc())), name=f"wait-{r.rid}")
-        waiter.start()
-        time.sleep(WAITER_HEAD_START_S)  # the WaitReady call reaches the decode daemon before Send starts
+        collect = self.arm(r.worker, [r.rid], apart)
         a = pc()
         res = self.pc[r.worker].send(r.rid, ticket)
         replied = pc()
-        waiter.join()
-        wall = pc() - a
-        if not got:
-            raise RuntimeError(f"{r.rid}: WaitReady raised (see the thread's traceback)")
-        st, ready = got[0]
+        st, ready = collect()[r.rid]
+        # In one process: until this thread has both (as before); apart: the later of the two stamps.
+        wall = (max(replied, ready) if apart else pc()) - a
         # This side's clock: the Send's reply and the WaitReady answer, from the Send issued.
         res.phases["client:reply"], res.phases["client:ready"] = replied - a, ready - a
         if st.state is not TransferState.READY:
@@ -402,7 +470,7 @@ class Pair:
             raise RuntimeError(f"{r.rid}: Send moved {res.nbytes:,d} bytes, WaitReady saw {st.nbytes:,d}, the plan has {r.nbytes:,d}")
         return res, wall
 
-    def send_chunks(self, r: Req, ticket: bytes) -> tuple[object, float]:
+    def send_chunks(self, r: Req, ticket: bytes, apart: bool = False) -> tuple[object, float]:
         """:meth:`send_one` as a chunked prefill sends: one Send per ``--chunk-send`` tokens, one
         after another (the last with ``last``); returns the Sends summed as one result (bytes,
         blocks, seconds, phases) and the wall time from the first Send until the last reply and
@@ -410,27 +478,26 @@ class Pair:
         from kvd.client import SendResult, TransferState
 
         step = self.args.chunk_send
-        got: list = []
-        waiter = threading.Thread(target=lambda: got.append(self.dc[r.worker].wait_ready(r.rid, 120)), name=f"wait-{r.rid}")
-        waiter.start()
-        time.sleep(WAITER_HEAD_START_S)
-        a = time.perf_counter()
+        pc = time.perf_counter
+        collect = self.arm(r.worker, [r.rid], apart)
+        a = pc()
         parts = [self.pc[r.worker].send(r.rid, ticket, start=t0, end=min(r.tokens, t0 + step), last=t0 + step >= r.tokens)
                  for t0 in range(0, r.tokens, step)]
-        waiter.join()
-        wall = time.perf_counter() - a
-        if not got or got[0].state is not TransferState.READY:
-            raise RuntimeError(f"{r.rid}: chunked transfer did not end READY: {got}")
-        phases: dict[str, float] = {}
+        replied = pc()
+        st, ready = collect()[r.rid]
+        wall = (max(replied, ready) if apart else pc()) - a
+        if st.state is not TransferState.READY:
+            raise RuntimeError(f"{r.rid}: chunked transfer did not end READY: {st}")
+        phases: dict[str, float] = {"client:reply": replied - a, "client:ready": ready - a}
         for x in parts:
             for k, v in x.phases.items():
                 phases[k] = phases.get(k, 0.0) + v
         res = SendResult(sum(x.nbytes for x in parts), sum(x.blocks for x in parts), sum(x.seconds for x in parts), {}, phases)
-        if r.nbytes and (res.nbytes != r.nbytes or got[0].nbytes != r.nbytes):
-            raise RuntimeError(f"{r.rid}: chunked Sends moved {res.nbytes:,d} bytes, WaitReady saw {got[0].nbytes:,d}, the plan has {r.nbytes:,d}")
+        if r.nbytes and (res.nbytes != r.nbytes or st.nbytes != r.nbytes):
+            raise RuntimeError(f"{r.rid}: chunked Sends moved {res.nbytes:,d} bytes, WaitReady saw {st.nbytes:,d}, the plan has {r.nbytes:,d}")
         return res, wall
 
-    def send_batch(self, reqs: list[Req], tickets: dict[str, bytes]) -> tuple[dict[str, tuple[object, float]], float, float]:
+    def send_batch(self, reqs: list[Req], tickets: dict[str, bytes], apart: bool = False) -> tuple[dict[str, tuple[object, float]], float, float]:
         """One SendMany of ``reqs`` (all of one sender) while the decode side already waits in
         WaitReady for each; returns per request (its result, the call's wall), the call's own
         seconds in the daemon, and the wall from issuing SendMany until its reply and every
@@ -440,50 +507,47 @@ class Pair:
         w = reqs[0].worker
         if any(r.worker != w for r in reqs):
             raise RuntimeError("a SendMany call takes requests of its own session only")
-        got: dict[str, object] = {}
-        waiters = [threading.Thread(target=lambda r=r: got.__setitem__(r.rid, self.dc[w].wait_ready(r.rid, 120)), name=f"wait-{r.rid}")
-                   for r in reqs]
-        for t in waiters:
-            t.start()
-        time.sleep(WAITER_HEAD_START_S)  # the WaitReady calls reach the decode daemon before SendMany starts
-        a = time.perf_counter()
+        pc = time.perf_counter
+        collect = self.arm(w, [r.rid for r in reqs], apart)
+        a = pc()
         out = self.pc[w].send_many([(r.rid, tickets[r.rid]) for r in reqs])
-        for t in waiters:
-            t.join()
-        wall = time.perf_counter() - a
+        replied = pc()
+        answers = collect()
+        wall = (max(replied, *(at for _, at in answers.values())) if apart else pc()) - a
         for r, res in zip(reqs, out):
             if not isinstance(res, SendResult):
                 raise RuntimeError(f"{r.rid}: SendMany item failed: {type(res).__name__}: {res}")
-            st = got.get(r.rid)
-            if st is None:
-                raise RuntimeError(f"{r.rid}: WaitReady raised (see the thread's traceback)")
+            st = answers[r.rid][0]
             if st.state is not TransferState.READY:
                 raise RuntimeError(f"{r.rid}: transfer ended {st.state.value}: {st.reason}")
             if r.nbytes and (res.nbytes != r.nbytes or st.nbytes != r.nbytes):
                 raise RuntimeError(f"{r.rid}: Send moved {res.nbytes:,d} bytes, WaitReady saw {st.nbytes:,d}, the plan has {r.nbytes:,d}")
         return {r.rid: (res, wall) for r, res in zip(reqs, out)}, out.seconds, wall
 
-    def send_pass(self, reqs: list[Req], tickets: dict[str, bytes], how: str) -> tuple[dict[str, tuple[object, float]], float, float]:
+    def send_pass(self, reqs: list[Req], tickets: dict[str, bytes], how: str,
+                  apart: bool = False) -> tuple[dict[str, tuple[object, float]], float, float]:
         """Send every request once, ``how``: SEQ (one Send after another), X8 (the senders at
-        once), BATCHED (SendMany calls of ``--batch`` requests, one after another). Returns per
-        request (Send result, wall), the pass's wall (SEQ, BATCHED: the sum of the calls' walls;
-        X8: its span) and server seconds (the sum of Send.seconds; BATCHED: of the calls' seconds)."""
+        once), BATCHED (SendMany calls of ``--batch`` requests, one after another); ``apart``:
+        the decode side waits in the decode engines' own processes (``tickets`` from theirs).
+        Returns per request (Send result, wall), the pass's wall (SEQ, BATCHED: the sum of the
+        calls' walls; X8: its span) and server seconds (the sum of Send.seconds; BATCHED: of the
+        calls' seconds)."""
         if how == X8:
-            res = self.concurrent(reqs, tickets)
+            res = self.concurrent(reqs, tickets, apart)
             return res, self.span, sum(x.seconds for x, _ in res.values())
         if how == CHUNKS:
-            res = {r.rid: self.send_chunks(r, tickets[r.rid]) for r in reqs}
+            res = {r.rid: self.send_chunks(r, tickets[r.rid], apart) for r in reqs}
             return res, sum(w for _, w in res.values()), sum(x.seconds for x, _ in res.values())
         if how == BATCHED:
             res, wall, server = {}, 0.0, 0.0
             k = self.args.batch
             for i in range(0, len(reqs), k):
-                part, s, w = self.send_batch(reqs[i : i + k], tickets)
+                part, s, w = self.send_batch(reqs[i : i + k], tickets, apart)
                 res.update(part)
                 server += s
                 wall += w
             return res, wall, server
-        res = {r.rid: self.send_one(r, tickets[r.rid]) for r in reqs}
+        res = {r.rid: self.send_one(r, tickets[r.rid], apart) for r in reqs}
         return res, sum(w for _, w in res.values()), sum(x.seconds for x, _ in res.values())
 
     # -- the checked pass --------------------------------------------------------------------------
@@ -594,7 +658,7 @@ class Pair:
 
     # -- timed passes ------------------------------------------------------------------------------
 
-    def concurrent(self, reqs: list[Req], tickets: dict[str, bytes]) -> dict[str, tuple[object, float]]:
+    def concurrent(self, reqs: list[Req], tickets: dict[str, bytes], apart: bool = False) -> dict[str, tuple[object, float]]:
         """Every sender sends its requests in order, all senders at once; returns per-request
         (Send reply, Send issued until ready seconds) and stores the pass's span in ``self.span``."""
         mine: dict[int, list[Req]] = defaultdict(list)
@@ -611,7 +675,7 @@ class Pair:
                 go.wait()
                 a = time.perf_counter()
                 for r in mine[w]:
-                    res = self.send_one(r, tickets[r.rid])
+                    res = self.send_one(r, tickets[r.rid], apart)
                     with lock:
                         out[r.rid] = res
                 with lock:
@@ -631,21 +695,24 @@ class Pair:
         return out
 
     def timed_passes(self, row: Row, reqs: list[Req], passes: int, how: str, begin: bool = True) -> None:
+        """``passes`` passes with the decode engines in this process and as many with them apart,
+        taking turns (drift on the host hits both alike)."""
         for _ in range(passes):
-            tickets = self.receive(reqs, begin, chunk=self.args.chunk_send if how == CHUNKS else 0)
-            gc.disable()
-            try:
-                res, wall, server = self.send_pass(reqs, tickets, how)
-            finally:
-                gc.enable()
-            row.wall_s.append(wall)
-            row.server_s.append(server)
-            steps: dict[str, float] = {}
-            for x, _ in res.values():
-                for k, v in x.phases.items():
-                    steps[k] = steps.get(k, 0.0) + v
-            row.phases.append(steps)
-            self.release(reqs)
+            for apart in (False, True):
+                tickets = self.receive(reqs, begin, chunk=self.args.chunk_send if how == CHUNKS else 0, apart=apart)
+                gc.disable()
+                try:
+                    res, wall, server = self.send_pass(reqs, tickets, how, apart)
+                finally:
+                    gc.enable()
+                (row.wall_apart_s if apart else row.wall_s).append(wall)
+                (row.server_apart_s if apart else row.server_s).append(server)
+                steps: dict[str, float] = {}
+                for x, _ in res.values():
+                    for k, v in x.phases.items():
+                        steps[k] = steps.get(k, 0.0) + v
+                (row.phases_apart if apart else row.phases).append(steps)
+                self.release(reqs, apart)
 
     # -- baselines ---------------------------------------------------------------------------------
 
@@ -727,11 +794,11 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
         for r in warm:
             pair.pc[0].allocate(r.rid, r.tokens)
         t1 = time.perf_counter()
-        for _ in range(2):
-            tickets = pair.receive(warm)
+        for apart in (False, True, False, True):
+            tickets = pair.receive(warm, apart=apart)
             for r in warm:
-                pair.send_one(r, tickets[r.rid])
-            pair.release(warm)
+                pair.send_one(r, tickets[r.rid], apart)
+            pair.release(warm, apart)
         pair.pc[0].free(*(r.rid for r in warm))
         log(f"[{pair.label}] warm-up sends took {time.perf_counter() - t1:.1f} s (first use: Triton JIT or Mooncake's handshake)")
 
@@ -788,7 +855,7 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
 
         # Where the time goes, per request: medians of the timed 32k passes; mixed: per-request
         # sums over the 32 requests (Send.seconds from the median sequential pass).
-        def breakdown(bd: list[dict], send_s: float, wall_s: float) -> dict:
+        def breakdown(bd: list[dict], row: Row) -> dict:
             if not bd:
                 return {}
             batches = sum(x["batches"] for x in bd)
@@ -798,18 +865,19 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
             # Liveness: two checks per write batch, polls of the watch (pings where none opened).
             liveness = 2 * batches * (floor["poll_ms"] if floor["watched"] else floor["ping_ms"])
             rpcs = 2 * len(bd) * floor["echo_ms"]
-            send = send_s * 1e3
+            send = med(row.server_s) * 1e3
             strategy = "+".join(sorted({st for x in bd for st in x["strategies"]}))
             return {"requests": len(bd), "send_ms": send, "copy_ms": copy, "kernel_ms": kern, "one_copy_arenas_ms": one,
                     "liveness_ms": liveness,
                     "strategy": strategy,
-                    "peer_rpcs_ms": rpcs, "rest_ms": send - copy - liveness - rpcs, "client_extra_ms": wall_s * 1e3 - send,
+                    "peer_rpcs_ms": rpcs, "rest_ms": send - copy - liveness - rpcs, "client_extra_ms": med(row.wall_s) * 1e3 - send,
+                    "client_extra_apart_ms": (med(row.wall_apart_s) - med(row.server_apart_s)) * 1e3,
                     "kernel_GBps": sum(x["bytes"] for x in bd) / kern / 1e6, "per_request": bd}
 
-        out["breakdown"] = {"32k": breakdown(bd_big, med(rows[0].server_s), med(rows[0].wall_s))}
+        out["breakdown"] = {"32k": breakdown(bd_big, rows[0])}
         if pair.mixed:
             seq_row = next(r for r in rows if r.workload == "mixed seq")
-            out["breakdown"]["mixed seq"] = breakdown(bd_mixed, med(seq_row.server_s), med(seq_row.wall_s))
+            out["breakdown"]["mixed seq"] = breakdown(bd_mixed, seq_row)
         if pair.backend != "local":
             out["breakdown_note"] = f"{pair.backend} backend: no copy breakdown (it times the local backend's copy)"
         elif pair.dmap is None:
@@ -840,18 +908,21 @@ def report(env: dict, pairs: list[dict]) -> None:
     backends = ", ".join(sorted({r["backend"] for p in pairs for r in p["rows"]})) or "-"
     log(f"\n## GPU transfer: kvd ({backends} backend) vs a raw copy of the same bytes (bytes counted once: moved, not "
         "read + written; ratio = kvd GB/s / raw GB/s; raw = dst.copy_(src) inside one GPU, or dst_on_B.copy_(src_on_A) "
-        "across GPUs; server = Send.seconds, wall = client: Send issued until its reply and the decode side's already waiting WaitReady both returned, x8 = the pass's span; "
+        "across GPUs; server = Send.seconds, wall = client: Send issued until its reply and the decode side's already waiting WaitReady both returned "
+        "(engines in one process: the WaitReady a thread of the sender's process, both replies decoded under its GIL; decode engine apart: "
+        "the WaitReady in a process of its own, its answer's arrival stamped there), x8 = the pass's span; "
         "batched = SendMany calls of --batch requests: server = the calls' own seconds, wall = per call until its reply and all its "
         "WaitReady answers returned, summed)\n")
     rows = [r for p in pairs for r in p["rows"]]
     log(_table(
         ["backend", "GPUs P,D", "workload", "reqs", "GB", "raw ms", "raw GB/s", "kvd server ms", "GB/s", "ratio",
-         "kvd wall ms", "GB/s", "ratio wall", "ok"],
+         "wall (engines in one process) ms", "GB/s", "ratio", "wall (decode engine apart) ms", "GB/s", "ratio", "ok"],
         [[r["backend"], r["devices"], r["workload"], r["requests"], f"{r['bytes'] / 1e9:.2f}", f"{r['raw_ms']:.2f}", f"{r['raw_GBps']:,.0f}",
           "-" if r["concurrent"] else f"{r['server_ms']:.2f}",
           "-" if r["concurrent"] else _num(r["server_GBps"]),
           "-" if r["concurrent"] else _num(r["ratio_server"]),
-          f"{r['wall_ms']:.2f}", _num(r["wall_GBps"]), _num(r["ratio_wall"]), "ok" if r["ok"] else "NO"] for r in rows],
+          f"{r['wall_ms']:.2f}", _num(r["wall_GBps"]), _num(r["ratio_wall"]),
+          f"{r['wall_apart_ms']:.2f}", _num(r["wall_apart_GBps"]), _num(r["ratio_wall_apart"]), "ok" if r["ok"] else "NO"] for r in rows],
     ))
     bd_rows = []
     for p in pairs:
@@ -859,16 +930,17 @@ def report(env: dict, pairs: list[dict]) -> None:
             if b:
                 bd_rows.append([f"{p['devices'][0]},{p['devices'][1]}", name, b["requests"], b["strategy"], f"{b['send_ms']:.2f}", f"{b['copy_ms']:.2f}",
                                 f"{b['kernel_ms']:.2f}", f"{b['one_copy_arenas_ms']:.2f}", f"{b['kernel_GBps']:,.0f}", f"{b['liveness_ms']:.2f}",
-                                f"{b['peer_rpcs_ms']:.2f}", f"{b['rest_ms']:.2f}", f"{b['client_extra_ms']:.2f}"])
+                                f"{b['peer_rpcs_ms']:.2f}", f"{b['rest_ms']:.2f}", f"{b['client_extra_ms']:.2f}", f"{b['client_extra_apart_ms']:.2f}"])
     if bd_rows:  # the local backend's copy only (Mooncake's cannot be replayed here)
         log("\n## Where the kvd time goes (server side, per workload pass; copy = copy_blocks of the same blocks timed in "
             "this process on the decode arena mapped for the prefill GPU, with the stream sync, as the daemon's write; "
             "liveness = 2 checks per write batch (watch polls, or pings where no watch opened); strategy = the daemon's copy "
             "(kernel: Triton move_pages; copy-engine: the blocks as one cuMemcpyBatchAsync per write batch); one copy = the same byte "
             "count as one copy between the same two arenas, GPU time; peer RPCs = CheckTicket + Commit ~ 2 Echo RPCs; "
-            "rest = Send.seconds minus those: lease, plan, Python; client extra = wall - Send.seconds: the Send and WaitReady RPCs)\n")
+            "rest = Send.seconds minus those: lease, plan, Python; client extra = wall - Send.seconds: the Send and WaitReady RPCs, "
+            "engines in one process; apart = the same of the passes with the decode engine apart)\n")
         log(_table(["GPUs P,D", "workload", "reqs", "copy strategy", "Send.seconds ms", "copy ms", "copy GPU ms", "one copy GPU ms", "copy GB/s", "liveness ms",
-                    "peer RPCs ms", "rest ms", "client extra ms"], bd_rows))
+                    "peer RPCs ms", "rest ms", "client extra ms", "client extra apart ms"], bd_rows))
     log("\n## The daemon's own clock: each Send's steps (SendResult.phases), summed per pass, median over passes, ms "
         "(lease = SEND lease; plan = blocks planned; check = CheckTicket round trip; write = copies + liveness; "
         "commit = Commit round trip; x8 rows overlap in time; batched rows too: a request's write runs from its copies issued "
@@ -876,15 +948,17 @@ def report(env: dict, pairs: list[dict]) -> None:
     ph_rows = [[r["backend"], r["devices"], r["workload"], r["requests"], *(f"{r['phases_ms'].get(k, 0.0):.2f}" for k in SEND_PHASES),
                 "-" if r["concurrent"] else f"{r['server_ms']:.2f}", f"{r['plan_here_ms']:.2f}"] for r in rows if r.get("phases_ms")]
     log(_table(["backend", "GPUs P,D", "workload", "reqs", *SEND_PHASES, "Send.seconds ms", "plan in this process ms"], ph_rows))
-    wall_rows = [_wall_row(r) for r in rows if r.get("detail_ms", {}).get("client:reply") and not r["concurrent"]]
+    wall_rows = [_wall_row(r, apart) for r in rows for apart in (False, True)
+                 if r.get("detail_apart_ms" if apart else "detail_ms", {}).get("client:reply") and not r["concurrent"]]
     if wall_rows:
         log("\n## Where the wall goes, per request (ms; Sends one after another; each pass summed, median over passes, / requests): "
             "fixed = Send.seconds - write (everything but the wait for the copies); issue:* / write:* = the backend's parts of "
             "those steps (peer = mapping + liveness, prep = strategy + offsets, copy = the copy call, event = the CUDA event; "
             "wait = the event's wait, after = the liveness check after); handler = the Send handler outside Send.seconds "
             "(ticket = the ticket read); wire = Send reply on this side - handler (the engine socket both ways); ready lag = the "
-            "WaitReady answer - the Send reply (negative: it came first)\n")
-        log(_table(["GPUs P,D", "workload", "reqs", "wall", "Send.seconds", "write", "fixed", "prep", "lease", "plan", "issue",
+            "WaitReady answer - the Send reply (negative: it came first); decode = where the decode engine waited: one process "
+            "(a thread of the sender's) or apart (its own process, its stamp of the answer)\n")
+        log(_table(["GPUs P,D", "workload", "decode", "reqs", "wall", "Send.seconds", "write", "fixed", "prep", "lease", "plan", "issue",
                     "issue:peer", "issue:prep", "issue:copy", "issue:event", "write:wait", "write:after", "commit", "release",
                     "handler", "ticket", "wire", "ready lag"], wall_rows))
     for p in pairs:
@@ -900,16 +974,18 @@ def report(env: dict, pairs: list[dict]) -> None:
                 log(f"[{r['devices']}] {r['workload']}: check failed: {r['why']}")
 
 
-def _wall_row(r: dict) -> list[str]:
-    """A row of the per-request wall table: ``r``'s steps and details over its requests."""
-    n, ph, dt = r["requests"], r["phases_ms"], r["detail_ms"]
+def _wall_row(r: dict, apart: bool) -> list[str]:
+    """A row of the per-request wall table: ``r``'s steps and details over its requests, of the
+    passes with the decode engine apart or in one process."""
+    sfx = "_apart" if apart else ""
+    n, ph, dt = r["requests"], r[f"phases{sfx}_ms"], r[f"detail{sfx}_ms"]
     srv = sum(ph.values())
     call = dt.get("call", 0.0)
 
     def f(x: float) -> str:
         return f"{x / n:.3f}"
 
-    return [r["devices"], r["workload"], str(n), f(r["wall_ms"]), f(srv), f(ph.get("write", 0.0)), f(srv - ph.get("write", 0.0)),
+    return [r["devices"], r["workload"], "apart" if apart else "one process", str(n), f(r[f"wall{sfx}_ms"]), f(srv), f(ph.get("write", 0.0)), f(srv - ph.get("write", 0.0)),
             *(f(ph.get(k, 0.0)) for k in ("prep", "lease", "plan", "issue")),
             *(f(dt.get(k, 0.0)) for k in ("issue:peer", "issue:prep", "issue:copy", "issue:event", "write:wait", "write:after")),
             f(ph.get("commit", 0.0)), f(ph.get("release", 0.0)), f(call - srv), f(dt.get("ticket", 0.0)),

@@ -4,7 +4,7 @@
     .venv/bin/python bench/handoff_calls.py --quick    # 100 per flow
 
 Two daemons (``python -m kvd.cli serve --backend local``, ``tiny-hybrid`` by default) run as
-separate processes; this process is both engines, one client per daemon per flow. Per handoff of
+separate processes; this process is both engines (but for the ``decode apart`` flow), one client per daemon per flow. Per handoff of
 ``--tokens`` tokens (16 by default), wall time on this side, from the decode side's first call to
 the last free:
 
@@ -16,6 +16,12 @@ the last free:
   overlapped with its lease and plan, and the request is freed there); decode ``wait_ready``
   (answered the moment the transfer is ready: no polling), ``free``.
 * ``new grpc``: the 5 calls over gRPC.
+* ``new fast, decode apart``: the 5 calls over the engine socket with the decode engine in
+  another process (:class:`benchkit.ApartWaiter`, its own session), as in a deployment; its
+  WaitReady is already waiting (issued ~3 ms before, not timed) when the prefill side starts.
+  Wall = the child's ``allocate_recv`` (timed there) + from the prefill ``allocate`` issued here
+  until both the Send reply (here) and the WaitReady answer (the child's stamp, same clock) are
+  in + the child's ``free`` (timed there); the pipe between the two processes is not timed.
 * ``memcpy``: the same bytes (every page the Send moves) copied between two buffers here.
 
 Flows take turns handoff by handoff (so drift on a shared host hits them alike); the garbage
@@ -35,9 +41,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402
+from benchkit import ApartWaiter, BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402
 
-FLOWS = ("old grpc", "old fast", "new fast", "new grpc")
+FLOWS = ("old grpc", "old fast", "new fast", "new grpc", "new fast, decode apart")
+#: How long the apart decode engine's WaitReady is in flight before the prefill side starts (not timed).
+HEAD_START_S = 0.003
 
 
 def main() -> None:
@@ -57,7 +65,9 @@ def main() -> None:
     cpu0, own0 = cpu_snap(), own_cpu()
     dp, dd = BenchDaemon.spawn(*opts), BenchDaemon.spawn(*opts)
     dp.wait_ready(), dd.wait_ready()
+    apart = ApartWaiter.spawn(dd.unix, "decode-apart")
     try:
+        apart.wait_started()
         cl = {}
         for tr in ("grpc", "fast"):
             cl[tr] = (Client.connect(dp.unix, name=f"prefill-{tr}", transport=tr), Client.connect(dd.unix, name=f"decode-{tr}", transport=tr))
@@ -91,7 +101,27 @@ def main() -> None:
             d.free(rid)
             assert st.ready and "free" in r.phases, (st, r.phases)
 
-        fns = {"old grpc": lambda: old("grpc"), "old fast": lambda: old("fast"), "new fast": lambda: new("fast"), "new grpc": lambda: new("grpc")}
+        pf = Client.connect(dp.unix, name="prefill-apart", transport="fast")
+        pc = time.perf_counter
+
+        def new_apart() -> float:
+            """The wall time of one handoff with the decode engine in the waiter process."""
+            seq[0] += 1
+            rid = f"h{seq[0]}"
+            tickets, recv_s = apart.receive([(rid, tok)], one_call=True)
+            apart.arm([rid], 5)
+            time.sleep(HEAD_START_S)
+            a = pc()
+            pf.allocate(rid, tok)
+            r = pf.send(rid, tickets[rid], free=True)
+            replied = pc()
+            st, at = apart.collect()[rid]
+            mid = max(replied, at) - a
+            assert st.ready and "free" in r.phases, (st, r.phases)
+            return recv_s + mid + apart.free([rid])
+
+        fns = {"old grpc": lambda: old("grpc"), "old fast": lambda: old("fast"), "new fast": lambda: new("fast"), "new grpc": lambda: new("grpc"),
+               "new fast, decode apart": new_apart}
         for _ in range(30):  # warm-up: connections, server threads, plans, peer sockets
             for f in fns.values():
                 f()
@@ -103,18 +133,19 @@ def main() -> None:
 
         fns["memcpy"] = memcpy
         lat: dict[str, list[float]] = {k: [] for k in fns}
-        pc = time.perf_counter
         gc.disable()
         for _ in range(n):
             for k, f in fns.items():
                 t0 = pc()
-                f()
-                lat[k].append(pc() - t0)
+                own = f()  # a flow that times itself returns its wall
+                lat[k].append(pc() - t0 if own is None else own)
         gc.enable()
         for p, d in cl.values():
             p.close()
             d.close()
+        pf.close()
     finally:
+        apart.close()
         dp.stop()
         dd.stop()
 
@@ -124,12 +155,13 @@ def main() -> None:
 
     print(f"kvd handoff control path -- {cpu_model()}; {args.layout}, {args.tokens} tokens ({nbytes[0]:,d} B moved), "
           f"backend local, {n} handoffs per flow")
-    print(f"| {'flow':<9} | calls | {'median ms':>9} | {'p99 ms':>7} | median / old grpc |")
-    print("|-----------|-------|-----------|---------|-------------------|")
+    w = max(map(len, lat))
+    print(f"| {'flow':<{w}} | calls | {'median ms':>9} | {'p99 ms':>7} | median / old grpc |")
+    print(f"|{'-' * (w + 2)}|-------|-----------|---------|-------------------|")
     base = statistics.median(lat["old grpc"])
-    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "memcpy": 0}
+    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "memcpy": 0}
     for k, xs in lat.items():
-        print(f"| {k:<9} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
+        print(f"| {k:<{w}} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
     print(others_line(cpu0, own0))
 
 
