@@ -139,3 +139,21 @@ def test_a_row_one_token_too_long_writes_outside_the_request():
         vb.save_layers(sb, at_, views, path="triton")
         assert _untouched_outside(views, s) is clean
 
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the pinned staging buffers are CUDA's")
+def test_a_staging_buffer_is_not_rewritten_while_its_copy_waits():
+    """CopyStream.slots reuses two pinned buffers in turn: five calls queued behind a 0.1 s sleep on
+    the copy stream each arrive with their own slots (without the wait on a buffer's event the third
+    call overwrites the first's bytes before they are copied: the negative control)."""
+    cs = vb.CopyStream(DEV)
+    got = []
+    with cs.after_current():
+        torch.cuda._sleep(int(2e8))  # ~0.1 s at ~2 GHz: the copies below queue behind it
+        for i in range(5):
+            s = vb.token_slots([i + 1, i + 2], 0, 2 * BS, BS, [10 * i, 10 * i + 1])
+            got.append((s, cs.slots(s)))
+    torch.cuda.synchronize()
+    for s, at in got:
+        assert at.block.tolist() == s.block.tolist() and at.page.tolist() == s.page.tolist()
+        assert at.rows is not None and at.rows.tolist() == vb.token_rows(s.block, s.offset, s.page, s.offset).tolist()
