@@ -157,3 +157,35 @@ def test_a_staging_buffer_is_not_rewritten_while_its_copy_waits():
     for s, at in got:
         assert at.block.tolist() == s.block.tolist() and at.page.tolist() == s.page.tolist()
         assert at.rows is not None and at.rows.tolist() == vb.token_rows(s.block, s.offset, s.page, s.offset).tolist()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "FLASH_ATTN_LEGACY"])
+def test_repeated_copies_of_the_same_layers_stay_exact(layout):
+    """A layer set's later copies reuse its plan (and, on CUDA with Triton 3.6, the compiled kernel
+    directly: vllm_kernels.FAST_LAUNCH): three rounds of save then load on the same tensors, each
+    with fresh slots and the kvd side cleared, give the torch path's bytes every time."""
+    src, dst, kl, s = _case(layout)
+    sb, db = _blocks(src), _blocks(dst)
+    arena, views = _arena(kl)
+    ref_arena, ref_views = _arena(kl)
+    for b, v in zip(sb, ref_views):
+        vb.save_layer(b, vb.CopyStream(DEV).slots(s, b), v, path="torch")
+    cs = vb.CopyStream(DEV)
+    for _ in range(3):
+        arena.zero_()
+        for t in db:
+            t.k.zero_()
+            t.v.zero_()
+        with cs.after_current():
+            at = cs.slots(s, sb[0])
+            for b, v in zip(sb, views):
+                vb.save_layer(b, at, v, path="triton")
+            vb.load_layers(db, cs.slots(s, db[0]), views, path="triton")
+        if cs.stream is not None:
+            torch.cuda.current_stream().wait_stream(cs.stream)
+        assert torch.equal(arena.cpu(), ref_arena.cpu()), f"{layout}: a repeated save differs"
+        assert _untouched_outside(views, s)
+        for a, b in zip(sb, db):
+            for x, y in ((a.k, b.k), (a.v, b.v)):
+                got = y[s.block.to(DEV), s.offset.to(DEV)].view(torch.int16)
+                assert torch.equal(got, x[s.block.to(DEV), s.offset.to(DEV)].view(torch.int16)), f"{layout}: a repeated load differs"
