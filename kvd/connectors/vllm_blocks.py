@@ -306,6 +306,10 @@ class DeviceSlots(NamedTuple):
         return int(self.page.shape[0])
 
 
+#: Pinned staging buffers one CopyStream keeps (a step's requests each take one while its copy is queued).
+_STAGE_MAX = 16
+
+
 class CopyStream:
     """Where the copies of one connector run: on the CPU, in line; on a CUDA device, on a stream of
     its own. ``with cs.after_current():`` makes the stream wait for the device's current stream
@@ -315,10 +319,11 @@ class CopyStream:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # Two pinned staging buffers, used in turn, each with the event after its last copy out,
-        # waited for (only if not done yet) before it is written again: reuse saves a pinned
-        # allocation per call; two let one call's copy run while the next call fills the other.
+        # Pinned staging buffers, each with the event after its last copy out (None: never used):
+        # reused once that event is done, which saves the host allocator's work per call.
         self._stage: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._age: list[int] = []  # the call count at each buffer's last use: the oldest is waited for
+        self._calls = 0
         self._turn = 0
 
     @contextlib.contextmanager
@@ -331,16 +336,30 @@ class CopyStream:
             yield
 
     def _staging(self, n: int) -> torch.Tensor:
-        """A pinned int64 buffer of at least ``n`` elements that no queued copy still reads."""
-        self._turn ^= 1
-        while len(self._stage) <= self._turn:
-            self._stage.append((torch.empty(0, dtype=torch.long), None))
-        buf, ev = self._stage[self._turn]
-        if ev is not None and not ev.query():
-            ev.synchronize()  # that buffer's last copy out only, never the device
-        if buf.numel() < n:
-            buf = torch.empty(max(n, 2 * buf.numel()), dtype=torch.long, pin_memory=True)
-        self._stage[self._turn] = (buf, None)
+        """A pinned int64 buffer of at least ``n`` elements that no queued copy still reads: a free
+        one of the pool (its last copy out done: an event query, no wait), else a new one. The copy
+        stream runs behind vLLM's forward, so waiting for a buffer would hold the host back with it:
+        only at :data:`_STAGE_MAX` buffers all busy does it wait, for the oldest copy."""
+        slot = None  # the buffer to replace
+        for i, (buf, ev) in enumerate(self._stage):
+            if ev is None or ev.query():
+                if buf.numel() >= n:
+                    self._turn = i
+                    return buf
+                slot = i if slot is None else slot  # free but too small
+        if slot is None and len(self._stage) >= _STAGE_MAX:
+            slot = min(range(len(self._stage)), key=self._age.__getitem__)
+            ev = self._stage[slot][1]
+            if ev is not None:
+                ev.synchronize()  # that buffer's last copy out only, never the device
+        buf = torch.empty(1 << (max(n, 1024) - 1).bit_length(), dtype=torch.long, pin_memory=True)
+        if slot is None:
+            self._stage.append((buf, None))
+            self._age.append(0)
+            slot = len(self._stage) - 1
+        else:
+            self._stage[slot] = (buf, None)
+        self._turn = slot
         return buf
 
     def slots(self, s: Slots, blocks: LayerBlocks | None = None) -> DeviceSlots:
@@ -348,8 +367,8 @@ class CopyStream:
         block into ``ratio`` kernel blocks of ``N = block_size / ratio`` tokens, token ``o`` of block
         ``b`` is kernel block ``b * ratio + o // N``, offset ``o % N``. The per-token columns and
         the rows (:func:`token_rows`) travel in one buffer: call inside :meth:`after_current`: the
-        one copy from pinned memory is ordered on this stream and waits for nothing (at worst for
-        the copy out of the same staging buffer two calls back)."""
+        one copy from pinned memory is ordered on this stream and waits for nothing (unless
+        :data:`_STAGE_MAX` staging buffers are all still being copied out)."""
         t0 = time.perf_counter()
         blk, off, page = (np.asarray(c, dtype=np.int64) for c in s)
         if blocks is not None and blocks.ratio != 1:
@@ -371,7 +390,9 @@ class CopyStream:
             packed = packed.to(self.device, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
+            self._calls += 1
             self._stage[self._turn] = (self._stage[self._turn][0], ev)
+            self._age[self._turn] = self._calls
         HOST_S["staging"] += time.perf_counter() - t1
         b, bo, pg, po = packed[: 4 * t].view(4, t).unbind(0)
         return DeviceSlots(b, bo, pg, po, packed[4 * t:].view(-1, vk.ROW_COLS))

@@ -142,10 +142,13 @@ def test_a_row_one_token_too_long_writes_outside_the_request():
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the pinned staging buffers are CUDA's")
-def test_a_staging_buffer_is_not_rewritten_while_its_copy_waits():
-    """CopyStream.slots reuses two pinned buffers in turn: five calls queued behind a 0.1 s sleep on
-    the copy stream each arrive with their own slots (without the wait on a buffer's event the third
-    call overwrites the first's bytes before they are copied: the negative control)."""
+@pytest.mark.parametrize("pool", [16, 2])
+def test_a_staging_buffer_is_not_rewritten_while_its_copy_waits(monkeypatch, pool):
+    """CopyStream.slots reuses pinned buffers once their copy out is done: five calls queued behind a
+    0.1 s sleep on the copy stream each arrive with their own slots, with buffers to spare (five
+    buffers) and with two (the third call waits for the first's copy). Without the event checks a
+    call overwrites an earlier one's bytes before they are copied: the negative control."""
+    monkeypatch.setattr(vb, "_STAGE_MAX", pool)
     cs = vb.CopyStream(DEV)
     got = []
     with cs.after_current():
@@ -154,6 +157,7 @@ def test_a_staging_buffer_is_not_rewritten_while_its_copy_waits():
             s = vb.token_slots([i + 1, i + 2], 0, 2 * BS, BS, [10 * i, 10 * i + 1])
             got.append((s, cs.slots(s)))
     torch.cuda.synchronize()
+    assert len(cs._stage) == min(pool, 5)
     for s, at in got:
         assert at.block.tolist() == s.block.tolist() and at.page.tolist() == s.page.tolist()
         assert at.rows is not None and at.rows.tolist() == vb.token_rows(s.block, s.offset, s.page, s.offset).tolist()
