@@ -14,7 +14,10 @@ issue = the host's time to queue one request's copies (slot tables and launches:
 beside the forward, which hides it as long as the host stays ahead). path: the copy that ran (``triton``: kvd.connectors.vllm_kernels; ``torch``: index ops, with the
 reason the kernel did not apply); launches: what one request's save and load issued (kernel
 launches, or torch index ops). Each copy is checked (the loaded blocks equal the source) before
-it is timed. ``--path torch`` times the torch path on a GPU too.
+it is timed. ``--path torch`` times the torch path on a GPU too. The second table splits the
+issue time into its pieces (kvd.connectors.vllm_blocks.HOST_S, median of the reps): slots
+(token_slots), rows (kernel blocks and rows), staging (the pinned buffer and the copy to the
+device), launch (the copy calls: plan look-up and kernel launches, summed over a save's layers).
 """
 
 from __future__ import annotations
@@ -122,7 +125,19 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
     flat_b = torch.empty_like(flat_a)
     plain, _ = timed(lambda: flat_b.copy_(flat_a), device, reps)
     (ts, issue_s), (tl, issue_l) = timed(save, device, reps), timed(load, device, reps)
-    return {"layout": layout, "tokens": tokens, "bytes": nbytes, "save_s": ts, "load_s": tl, "plain_s": plain,
+    host = {}
+    for what, fn in (("save", save), ("load", load)):  # where one request's issue time goes: median per piece
+        seen: dict[str, list[float]] = {}
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            vb.HOST_S.clear()
+            fn()
+            for k in ("slots", "rows", "staging", "launch"):
+                seen.setdefault(k, []).append(vb.HOST_S.get(k, 0.0))
+        host[what] = {k: sorted(v)[len(v) // 2] for k, v in seen.items()}
+        host[what]["issue"] = issue_s if what == "save" else issue_l
+    return {"host": host, "layout": layout, "tokens": tokens, "bytes": nbytes, "save_s": ts, "load_s": tl, "plain_s": plain,
             "issue_save_s": issue_s, "issue_load_s": issue_l,
             "path": ran_path, "launches": tuple(counts)}
 
@@ -148,6 +163,7 @@ def main() -> int:
     print(f"{'layout':<22} {'tokens':>6} {'MiB':>7} {'save ms':>8} {'load ms':>8} {'plain ms':>8} "
           f"{'save GB/s':>9} {'load GB/s':>9} {'ratio s/l':>10} {'issue ms s/l':>13} {'launches s/l':>12}  path")
     paths = set()
+    pieces = []
     for lay in a.layouts:
         for t in a.tokens:
             r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps, None if a.path == "auto" else a.path)
@@ -158,6 +174,13 @@ def main() -> int:
                   f"{'%.3f/%.3f' % (r['issue_save_s'] * 1e3, r['issue_load_s'] * 1e3):>13} "
                   f"{'%d/%d' % r['launches']:>12}  {r['path'].split(' ')[0]}")
             paths.add(r["path"])
+            pieces.append((lay, t, r["host"]))
+    print("host time per request, median us: slots = token_slots, rows = kernel blocks and rows, staging = pinned "
+          "buffer + the copy to the device, launch = the copy calls (plan look-up, launches); issue = median total")
+    print(f"{'layout':<22} {'tokens':>6}  {'save: slots rows staging launch issue':>40}  {'load: slots rows staging launch issue':>40}")
+    for lay, t, h in pieces:
+        cols = ["".join(f"{h[w].get(k, 0.0) * 1e6:>8.0f}" for k in ("slots", "rows", "staging", "launch", "issue")) for w in ("save", "load")]
+        print(f"{lay:<22} {t:>6}  {cols[0]:>40}  {cols[1]:>40}")
     for p in sorted(paths):
         print(f"path: {p}")
     return 0

@@ -40,11 +40,14 @@ the torch path: two gathers and two ``index_put`` per layer through per-token in
 from __future__ import annotations
 
 import contextlib
-from collections import Counter
+import time
+import weakref
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvd.client.views import LayerKV
@@ -70,12 +73,18 @@ __all__ = [
     "layer_stride",
     "token_rows",
     "LAUNCHES",
+    "HOST_S",
     "state_bytes",
 ]
 
 #: What the copies issued, for benches and tests: ``"triton"`` kernel launches, ``"torch"`` index
 #: ops (four per layer), ``"layers"`` layers copied. Diagnostics only; reset it at will.
 LAUNCHES: Counter[str] = Counter()
+#: The host's seconds in the copies' pieces, for benches: ``"slots"`` (:func:`token_slots`),
+#: ``"rows"`` (kernel blocks and rows, :meth:`CopyStream.slots`), ``"staging"`` (the pinned
+#: buffer and the one copy to the device), ``"launch"`` (the copy calls: plan look-up and launches
+#: or torch ops). Diagnostics only; reset it at will.
+HOST_S: defaultdict[str, float] = defaultdict(float)
 
 
 class KVLayout(NamedTuple):
@@ -242,33 +251,44 @@ def token_slots(block_ids: Sequence[int], start: int, end: int, block_size: int,
     """Slots of tokens ``[start, end)`` that vLLM keeps: request block ``j`` is vLLM block
     ``block_ids[j]`` and kvd page ``pages[j - first]``; tokens in vLLM's null block 0 (blocks a
     sliding window dropped) are skipped. RuntimeError (naming ``what``) when the lists are too
-    short. CPU work only, from Python lists."""
-    t = torch.arange(start, end)
+    short. CPU work only, from Python lists (in numpy: a handful of array ops, no per-token
+    Python and no small torch ops, which cost more than the arithmetic here)."""
+    t0 = time.perf_counter()
+    t = np.arange(start, end, dtype=np.int64)
     j = t // block_size
-    if len(t) and int(j.max()) >= len(block_ids):
+    if len(t) and int(j[-1]) >= len(block_ids):  # j is ascending
         raise RuntimeError(f"{what}: tokens up to {end} but vLLM gave {len(block_ids)} blocks")
-    blk = torch.tensor(list(block_ids), dtype=torch.long)[j]
+    blk = np.asarray(block_ids, dtype=np.int64)[j]
     keep = blk != 0
-    t, j, blk = t[keep], j[keep], blk[keep]
+    if not keep.all():
+        t, j, blk = t[keep], j[keep], blk[keep]
     k = j - first
-    if len(k) and (int(k.min()) < 0 or int(k.max()) >= len(pages)):
+    if len(k) and (int(k[0]) < 0 or int(k[-1]) >= len(pages)):
         raise RuntimeError(f"{what}: vLLM keeps request blocks {sorted(set(j.tolist()))}, kvd holds pages for "
                            f"[{first}, {first + len(pages)})")
-    return Slots(blk, t % block_size, torch.tensor(list(pages), dtype=torch.long)[k])
+    page = np.asarray(pages, dtype=np.int64)[k] if len(k) else np.empty(0, dtype=np.int64)
+    HOST_S["slots"] += time.perf_counter() - t0
+    return Slots(torch.from_numpy(blk), torch.from_numpy(t % block_size), torch.from_numpy(page))
+
+
+def _rows(block: np.ndarray, boff: np.ndarray, page: np.ndarray, poff: np.ndarray) -> np.ndarray:
+    """:func:`token_rows` on int64 numpy columns: ``[R, 5]``."""
+    n = len(page)
+    cut = np.ones(n, dtype=bool)
+    cut[1:] = (block[1:] != block[:-1]) | (page[1:] != page[:-1]) | (boff[1:] != boff[:-1] + 1) | (poff[1:] != poff[:-1] + 1)
+    first = np.flatnonzero(cut)
+    out = np.empty((len(first), vk.ROW_COLS), dtype=np.int64)
+    for c, col in enumerate((block, boff, page, poff)):
+        out[:, c] = col[first]
+    out[:, 4] = np.diff(first, append=n)
+    return out
 
 
 def token_rows(block: torch.Tensor, boff: torch.Tensor, page: torch.Tensor, poff: torch.Tensor) -> torch.Tensor:
     """The rows of per-token slots (CPU int64 ``[R, 5]``: vLLM block, its first token, kvd page,
     its first token, tokens): a row is a run of consecutive tokens that stay in one block and one
     page with consecutive offsets on both sides. CPU work only."""
-    n = int(page.shape[0])
-    if n == 0:
-        return torch.empty(0, vk.ROW_COLS, dtype=torch.long)
-    cut = torch.ones(n, dtype=torch.bool)
-    cut[1:] = (block[1:] != block[:-1]) | (page[1:] != page[:-1]) | (boff[1:] != boff[:-1] + 1) | (poff[1:] != poff[:-1] + 1)
-    first = cut.nonzero().squeeze(1)
-    count = torch.diff(first, append=torch.tensor([n]))
-    return torch.stack([block[first], boff[first], page[first], poff[first], count], 1)
+    return torch.from_numpy(_rows(*(np.asarray(c, dtype=np.int64) for c in (block, boff, page, poff))))
 
 
 class DeviceSlots(NamedTuple):
@@ -286,6 +306,10 @@ class DeviceSlots(NamedTuple):
         return int(self.page.shape[0])
 
 
+#: Pinned staging buffers one CopyStream keeps (a step's requests each take one while its copy is queued).
+_STAGE_MAX = 16
+
+
 class CopyStream:
     """Where the copies of one connector run: on the CPU, in line; on a CUDA device, on a stream of
     its own. ``with cs.after_current():`` makes the stream wait for the device's current stream
@@ -295,6 +319,12 @@ class CopyStream:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Pinned staging buffers, each with the event after its last copy out (None: never used):
+        # reused once that event is done, which saves the host allocator's work per call.
+        self._stage: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._age: list[int] = []  # the call count at each buffer's last use: the oldest is waited for
+        self._calls = 0
+        self._turn = 0
 
     @contextlib.contextmanager
     def after_current(self) -> Iterator[None]:
@@ -305,25 +335,67 @@ class CopyStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def _staging(self, n: int) -> torch.Tensor:
+        """A pinned int64 buffer of at least ``n`` elements that no queued copy still reads: a free
+        one of the pool (its last copy out done: an event query, no wait), else a new one. The copy
+        stream runs behind vLLM's forward, so waiting for a buffer would hold the host back with it:
+        only at :data:`_STAGE_MAX` buffers all busy does it wait, for the oldest copy."""
+        slot = None  # the buffer to replace
+        for i, (buf, ev) in enumerate(self._stage):
+            if ev is None or ev.query():
+                if buf.numel() >= n:
+                    self._turn = i
+                    return buf
+                slot = i if slot is None else slot  # free but too small
+        if slot is None and len(self._stage) >= _STAGE_MAX:
+            slot = min(range(len(self._stage)), key=self._age.__getitem__)
+            ev = self._stage[slot][1]
+            if ev is not None:
+                ev.synchronize()  # that buffer's last copy out only, never the device
+        buf = torch.empty(1 << (max(n, 1024) - 1).bit_length(), dtype=torch.long, pin_memory=True)
+        if slot is None:
+            self._stage.append((buf, None))
+            self._age.append(0)
+            slot = len(self._stage) - 1
+        else:
+            self._stage[slot] = (buf, None)
+        self._turn = slot
+        return buf
+
     def slots(self, s: Slots, blocks: LayerBlocks | None = None) -> DeviceSlots:
         """``s`` on this device for the layers shaped like ``blocks``: where it splits each vLLM
         block into ``ratio`` kernel blocks of ``N = block_size / ratio`` tokens, token ``o`` of block
         ``b`` is kernel block ``b * ratio + o // N``, offset ``o % N``. The per-token columns and
         the rows (:func:`token_rows`) travel in one buffer: call inside :meth:`after_current`: the
-        one copy from pinned memory is ordered on this stream and waits for nothing."""
-        if blocks is None or blocks.ratio == 1:
-            cols = [s.block, s.offset, s.page, s.offset]
-        else:
+        one copy from pinned memory is ordered on this stream and waits for nothing (unless
+        :data:`_STAGE_MAX` staging buffers are all still being copied out)."""
+        t0 = time.perf_counter()
+        blk, off, page = (np.asarray(c, dtype=np.int64) for c in s)
+        if blocks is not None and blocks.ratio != 1:
             n = blocks.block_size // blocks.ratio
-            cols = [s.block * blocks.ratio + s.offset // n, s.offset % n, s.page, s.offset]
-        tokens = torch.stack(cols)
-        rows = token_rows(*cols)
-        packed = torch.cat([tokens.reshape(-1), rows.reshape(-1)])
+            blk, boff = blk * blocks.ratio + off // n, off % n
+        else:
+            boff = off
+        rows = _rows(blk, boff, page, off)
+        t = len(page)
+        size = 4 * t + rows.size
+        t1 = time.perf_counter()
+        HOST_S["rows"] += t1 - t0
+        packed = torch.empty(size, dtype=torch.long) if self.stream is None else self._staging(size)[:size]
+        out = packed.numpy()
+        for i, col in enumerate((blk, boff, page, off)):
+            out[i * t:(i + 1) * t] = col
+        out[4 * t:] = rows.reshape(-1)
         if self.stream is not None:
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        t = int(tokens.shape[1])
-        blk, boff, page, poff = packed[: 4 * t].view(4, t).unbind(0)
-        return DeviceSlots(blk, boff, page, poff, packed[4 * t:].view(-1, vk.ROW_COLS))
+            packed = packed.to(self.device, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._calls += 1
+            self._stage[self._turn] = (self._stage[self._turn][0], ev)
+            self._age[self._turn] = self._calls
+        HOST_S["staging"] += time.perf_counter() - t1
+        b, bo, pg, po = packed[: 4 * t].view(4, t).unbind(0)
+        return DeviceSlots(b, bo, pg, po, packed[4 * t:].view(-1, vk.ROW_COLS))
 
     def record(self) -> torch.cuda.Event | None:
         if self.stream is None:
@@ -398,32 +470,68 @@ def _copy(blocks: Sequence[LayerBlocks], at: DeviceSlots, views: Sequence[LayerK
         raise InvalidArgument(f"{len(blocks)} vLLM layers for {len(views)} kvd layer views; pass one view per layer")
     if path not in (None, "triton", "torch"):
         raise InvalidArgument(f"copy path {path!r}: use 'triton', 'torch' or None (the kernel where it applies)")
-    nbytes = sum(len(at) * _row_bytes(v) for v in views)
+    t0 = time.perf_counter()
+    plan = _plan(blocks, views)
+    nbytes = len(at) * plan.row_bytes
     LAUNCHES["layers"] += len(blocks)
     kernel = path != "torch" and at.rows is not None
     if kernel:
-        why = next((w for w in (kernel_refusal(b, v) for b, v in zip(blocks, views)) if w), None)
-        if why is not None and path == "triton":
-            raise InvalidArgument(f"the Triton copy does not apply here: {why}")
-        kernel = why is None
+        if plan.why is not None and path == "triton":
+            raise InvalidArgument(f"the Triton copy does not apply here: {plan.why}")
+        kernel = plan.why is None
     elif path == "triton":
         raise InvalidArgument("the Triton copy needs the rows: build the slots with CopyStream.slots")
     if not kernel:
         for b, v in zip(blocks, views):
             _torch_copy(b, at, v, to_kvd)
-        return nbytes
-    assert at.rows is not None
-    # one launch for all layers where both sides step by one stride per layer, else one per layer
-    strides = [layer_stride(ts) for ts in ([b.k for b in blocks], [b.v for b in blocks],
-                                            [v.k for v in views], [v.v for v in views if v.v is not None])]
-    if None not in strides:
-        sk, sv, pk, pv = (int(x) for x in strides if x is not None)
-        a, c = vk.Side(blocks[0].k, blocks[0].v, sk, sv), vk.Side(views[0].k, views[0].v, pk, pv)  # type: ignore[arg-type]
-        LAUNCHES["triton"] += vk.copy_rows(at.rows, a, c, layers=len(blocks), to_b=to_kvd)
-        return nbytes
-    for b, v in zip(blocks, views):
-        LAUNCHES["triton"] += vk.copy_rows(at.rows, vk.Side(b.k, b.v), vk.Side(v.k, v.v), to_b=to_kvd)  # type: ignore[arg-type]
+    else:
+        assert at.rows is not None and plan.launches is not None
+        for prep in plan.launches:
+            LAUNCHES["triton"] += vk.launch(at.rows, prep, to_b=to_kvd)
+    HOST_S["launch"] += time.perf_counter() - t0
     return nbytes
+
+
+class _Plan(NamedTuple):
+    """What a copy of the same layers repeats: the kernel's verdict (:func:`kernel_refusal` of the
+    first layer that refuses, None: the kernel applies), its launches, a token's bytes (all layers)."""
+
+    why: str | None
+    launches: tuple[vk.Prepared, ...] | None
+    row_bytes: int
+    refs: tuple[weakref.ref, ...]  # the tensors it was made for (held weakly: never keeps vLLM's KV alive)
+
+
+#: Plans by their tensors' (id, data pointer): layer-invariant work is done once per layer set,
+#: not per layer per step. Bounded: emptied when full (plans of freed tensors are never hit again).
+_PLANS: dict[tuple[int, ...], _Plan] = {}
+_PLANS_MAX = 1024
+
+
+def _plan(blocks: Sequence[LayerBlocks], views: Sequence[LayerKV]) -> _Plan:
+    ts = [t for b, v in zip(blocks, views) for t in (b.k, b.v, v.k, v.v) if t is not None]
+    key = tuple(x for t in ts for x in (id(t), t.data_ptr()))
+    got = _PLANS.get(key)
+    if got is not None and len(got.refs) == len(ts) and all(r() is t for r, t in zip(got.refs, ts)):
+        return got
+    row_bytes = sum(_row_bytes(v) for v in views)
+    why = next((w for w in (kernel_refusal(b, v) for b, v in zip(blocks, views)) if w), None)
+    launches: tuple[vk.Prepared, ...] | None = None
+    if why is None:
+        # one launch for all layers where both sides step by one stride per layer, else one per layer
+        strides = [layer_stride(ts) for ts in ([b.k for b in blocks], [b.v for b in blocks],
+                                                [v.k for v in views], [v.v for v in views if v.v is not None])]
+        if None not in strides:
+            sk, sv, pk, pv = (int(x) for x in strides if x is not None)
+            a, c = vk.Side(blocks[0].k, blocks[0].v, sk, sv), vk.Side(views[0].k, views[0].v, pk, pv)  # type: ignore[arg-type]
+            launches = (vk.prepare(a, c, layers=len(blocks)),)
+        else:
+            launches = tuple(vk.prepare(vk.Side(b.k, b.v), vk.Side(v.k, v.v)) for b, v in zip(blocks, views))  # type: ignore[arg-type]
+    plan = _Plan(why, launches, row_bytes, tuple(weakref.ref(t) for t in ts))
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def save_layer(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV, *, path: str | None = None) -> int:

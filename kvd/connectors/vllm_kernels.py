@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
     tl = None
 
-__all__ = ["ROW_COLS", "TILE", "Side", "available", "copy_rows"]
+__all__ = ["ROW_COLS", "TILE", "Side", "Prepared", "available", "prepare", "launch", "copy_rows"]
 
 #: Columns of a row: vLLM block, its first token, kvd page, its first token, tokens.
 ROW_COLS = 5
@@ -41,6 +41,12 @@ ROW_COLS = 5
 TILE = 8192
 _WARPS = 4
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+#: Whether a Prepared launch after its first calls the compiled kernel directly, past Triton's
+#: per-call argument binding and cache-key string (most of a launch's host time). Only on the
+#: Triton release whose launcher convention this was checked against (3.6: ``CompiledKernel[grid]``
+#: takes every argument, constexprs too, in the kernel's order); ``KVD_TRITON_FAST_LAUNCH=0`` turns it off.
+FAST_LAUNCH = (triton is not None and not _INTERPRET and triton.__version__.split(".")[:2] == ["3", "6"]
+               and os.environ.get("KVD_TRITON_FAST_LAUNCH", "1") != "0")
 
 
 class Side(NamedTuple):
@@ -118,29 +124,70 @@ def _tile(tokens: int, heads: int, d: int) -> tuple[int, int]:
     return min(_pow2(tokens), max(1, TILE // (bh * bd))), bh
 
 
+class Prepared(NamedTuple):
+    """What one launch over ``layers`` layers of sides ``a``, ``b`` needs besides the rows and the
+    direction (:func:`prepare`: strides, tile, grid's chunks), so a caller that copies the same
+    layers again builds none of it per call."""
+
+    args: tuple  # the kernel's arguments after ``rows``: tensors, then strides
+    meta: dict  # its constexprs but TO_B
+    chunks: int
+    layers: int
+    device: int | None  # CUDA device index (None: the interpreter on the CPU)
+    consts: tuple = ()  # ``meta``'s constexprs in the kernel's order (the compiled kernel takes them positionally)
+    compiled: dict | None = None  # TO_B -> the compiled kernel its first launch returned (:data:`FAST_LAUNCH`)
+
+
+def prepare(a: Side, b: Side, *, layers: int = 1) -> Prepared:
+    """The layer-invariant part of :func:`copy_rows` for sides ``a``, ``b`` (same contract)."""
+    heads, dk, dv = int(a.k.shape[2]), int(a.k.shape[3]), int(a.v.shape[3])
+    tokens = min(int(a.k.shape[1]), int(b.k.shape[1]))  # a row's tokens fit in a block and in a page
+    bt, bh = _tile(tokens, heads, max(dk, dv))
+    args = (a.k, a.v, b.k, b.v,
+            a.k.stride(0), a.k.stride(1), a.k.stride(2), a.layer_k, a.v.stride(0), a.v.stride(1), a.v.stride(2), a.layer_v,
+            b.k.stride(0), b.k.stride(1), b.k.stride(2), b.layer_k, b.v.stride(0), b.v.stride(1), b.v.stride(2), b.layer_v)
+    meta = dict(H=heads, DK=dk, DV=dv, CHUNKS=-(-tokens // bt), BT=bt, BH=bh, BD_K=_pow2(dk), BD_V=_pow2(dv), num_warps=_WARPS)
+    consts = tuple(meta[k] for k in ("H", "DK", "DV", "CHUNKS", "BT", "BH", "BD_K", "BD_V"))
+    return Prepared(args, meta, meta["CHUNKS"], layers, a.k.device.index if a.k.is_cuda else None, consts, {})
+
+
+def launch(rows: torch.Tensor, p: Prepared, *, to_b: bool = True) -> int:
+    """:func:`copy_rows` of ``rows`` with the launch ``p`` prepared; the launches issued (0 or 1)."""
+    n_rows = int(rows.shape[0])
+    if n_rows == 0 or p.layers == 0:
+        return 0
+    if n_rows * p.chunks > 2**31 - 1 or p.layers > 65535:
+        raise InvalidArgument(f"{n_rows} rows x {p.chunks} chunks, {p.layers} layers exceed the launch grid; copy fewer per call")
+    grid = (n_rows * p.chunks, p.layers, 2)
+    if p.device is None or p.device == torch.cuda.current_device():  # the context switch costs more than the check
+        _run(grid, rows, p, to_b)
+    else:
+        with torch.cuda.device(p.device):
+            _run(grid, rows, p, to_b)
+    return 1
+
+
+def _run(grid: tuple[int, int, int], rows: torch.Tensor, p: Prepared, to_b: bool) -> None:
+    # Every argument but ``rows`` is fixed per Prepared, and rows from CopyStream.slots are int64 and
+    # 16-byte aligned: the specialization Triton keys its cache on is the first launch's, so later
+    # launches go straight to that compiled kernel (what JITFunction.run ends in).
+    same = rows.dtype == torch.int64 and rows.data_ptr() % 16 == 0
+    ck = p.compiled.get(to_b) if FAST_LAUNCH and same and p.compiled is not None else None
+    if ck is not None:
+        ck[grid](rows, *p.args, *p.consts, to_b)
+        return
+    got = _rows_kernel[grid](rows, *p.args, TO_B=to_b, **p.meta)
+    if FAST_LAUNCH and same and p.compiled is not None and hasattr(got, "function") and not hasattr(got, "result"):
+        p.compiled[to_b] = got
+
+
 def copy_rows(rows: torch.Tensor, a: Side, b: Side, *, layers: int = 1, to_b: bool = True) -> int:
     """Copy every row of ``rows`` (int64 ``[R, 5]`` on the tensors' device, see the module
     docstring) for ``layers`` layers: ``a`` is vLLM's side (rows index its blocks), ``b`` kvd's
     (rows index its pages); ``to_b``: vLLM -> kvd (a save), else kvd -> vLLM (a load). Both sides
     have the same dtype, heads and D per K and V, and a unit stride on D (the caller checks:
-    :func:`kvd.connectors.vllm_blocks.kernel_refusal`). Returns the launches issued (0 or 1)."""
-    n_rows = int(rows.shape[0])
-    if n_rows == 0 or layers == 0:
+    :func:`kvd.connectors.vllm_blocks.kernel_refusal`). Returns the launches issued (0 or 1).
+    Callers that copy the same layers again keep :func:`prepare`'s result and call :func:`launch`."""
+    if int(rows.shape[0]) == 0 or layers == 0:
         return 0
-    heads, dk, dv = int(a.k.shape[2]), int(a.k.shape[3]), int(a.v.shape[3])
-    tokens = min(int(a.k.shape[1]), int(b.k.shape[1]))  # a row's tokens fit in a block and in a page
-    bt, bh = _tile(tokens, heads, max(dk, dv))
-    chunks = -(-tokens // bt)
-    args = (rows, a.k, a.v, b.k, b.v,
-            a.k.stride(0), a.k.stride(1), a.k.stride(2), a.layer_k, a.v.stride(0), a.v.stride(1), a.v.stride(2), a.layer_v,
-            b.k.stride(0), b.k.stride(1), b.k.stride(2), b.layer_k, b.v.stride(0), b.v.stride(1), b.v.stride(2), b.layer_v)
-    meta = dict(H=heads, DK=dk, DV=dv, CHUNKS=chunks, BT=bt, BH=bh, BD_K=_pow2(dk), BD_V=_pow2(dv), TO_B=to_b, num_warps=_WARPS)
-    if n_rows * chunks > 2**31 - 1 or layers > 65535:
-        raise InvalidArgument(f"{n_rows} rows x {chunks} chunks, {layers} layers exceed the launch grid; copy fewer per call")
-    grid = (n_rows * chunks, layers, 2)
-    if a.k.is_cuda:
-        with torch.cuda.device(a.k.device):
-            _rows_kernel[grid](*args, **meta)
-    else:  # the interpreter
-        _rows_kernel[grid](*args, **meta)
-    return 1
+    return launch(rows, prepare(a, b, layers=layers), to_b=to_b)

@@ -205,3 +205,50 @@ def test_the_torch_path_is_the_cpu_path_and_counts_its_ops():
     assert vb.layer_stride([lb.k for lb in lbs]) == NB * H * BS * 2 * D
     assert vb.layer_stride([v.k for v in views]) == BS * H * 2 * D
     assert vb.layer_stride([lbs[0].k, lbs[2].k, lbs[1].k]) is None
+
+
+def test_token_slots_and_rows_match_a_per_token_reference():
+    """The numpy builders against the plain per-token definition: random blocks (null blocks among
+    them), a request starting and ending inside a block, kernel blocks (ratio 2)."""
+    import random
+
+    rnd = random.Random(15)
+    bs, start, end = 16, 5, 16 * 40 + 3
+    ids = [rnd.choice([0, rnd.randrange(1, 500)]) for _ in range(41)]
+    pages = [rnd.randrange(0, 500) for _ in range(41)]
+    s = vb.token_slots(ids, start, end, bs, pages)
+    want = [(ids[t // bs], t % bs, pages[t // bs]) for t in range(start, end) if ids[t // bs] != 0]
+    assert list(zip(s.block.tolist(), s.offset.tolist(), s.page.tolist())) == want
+    lb = vb.detect_layout(va.allocate([FULL], 2 * 600, bs // 2, "LBNHC")[1]["l0"], num_kv_heads=H, block_size=bs, head_size=D)
+    at = vb.CopyStream("cpu").slots(s, lb)
+    assert at.rows is not None
+    assert list(zip(at.block.tolist(), at.boff.tolist(), at.page.tolist(), at.poff.tolist())) == \
+        [(b * 2 + o // 8, o % 8, p, o) for b, o, p in want]
+    toks = [(b + 0, bo + i, p, po + i) for b, bo, p, po, n in at.rows.tolist() for i in range(n)]
+    assert toks == list(zip(at.block.tolist(), at.boff.tolist(), at.page.tolist(), at.poff.tolist()))
+    assert all(bo + n <= 8 and po + n <= bs for _, bo, _, po, n in at.rows.tolist())  # a row stays in its block and page
+
+
+def test_a_copy_plan_is_made_once_per_layer_set_and_holds_no_tensor(monkeypatch):
+    """The per-layer work (kernel verdict, strides) is done on a layer set's first copy only, redone
+    for other tensors, and the plan keeps none of vLLM's or kvd's tensors alive."""
+    import gc
+    import weakref
+
+    calls = []
+    real = vb.kernel_refusal
+    monkeypatch.setattr(vb, "kernel_refusal", lambda b, v: calls.append(1) or real(b, v))
+    _, src = _alloc("LBNHC", fill=3)
+    arena = torch.zeros(LAYOUT.page_bytes(LAYOUT.group("swa")) * 24, dtype=torch.uint8)
+    views = all_views(LAYOUT, arena)["full"]
+    lb = vb.detect_layout(src["l0"], num_kv_heads=H, block_size=BS, head_size=D)
+    at = vb.CopyStream("cpu").slots(_slots("full"), lb)
+    for _ in range(3):
+        vb.save_layer(lb, at, views[0])
+    assert len(calls) == 1
+    vb.save_layer(lb, at, views[1])  # another layer's pages: its own plan
+    assert len(calls) == 2
+    gone = weakref.ref(lb.k)
+    del lb, src, at
+    gc.collect()
+    assert gone() is None

@@ -139,3 +139,57 @@ def test_a_row_one_token_too_long_writes_outside_the_request():
         vb.save_layers(sb, at_, views, path="triton")
         assert _untouched_outside(views, s) is clean
 
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="the pinned staging buffers are CUDA's")
+@pytest.mark.parametrize("pool", [16, 2])
+def test_a_staging_buffer_is_not_rewritten_while_its_copy_waits(monkeypatch, pool):
+    """CopyStream.slots reuses pinned buffers once their copy out is done: five calls queued behind a
+    0.1 s sleep on the copy stream each arrive with their own slots, with buffers to spare (five
+    buffers) and with two (the third call waits for the first's copy). Without the event checks a
+    call overwrites an earlier one's bytes before they are copied: the negative control."""
+    monkeypatch.setattr(vb, "_STAGE_MAX", pool)
+    cs = vb.CopyStream(DEV)
+    got = []
+    with cs.after_current():
+        torch.cuda._sleep(int(2e8))  # ~0.1 s at ~2 GHz: the copies below queue behind it
+        for i in range(5):
+            s = vb.token_slots([i + 1, i + 2], 0, 2 * BS, BS, [10 * i, 10 * i + 1])
+            got.append((s, cs.slots(s)))
+    torch.cuda.synchronize()
+    assert len(cs._stage) == min(pool, 5)
+    for s, at in got:
+        assert at.block.tolist() == s.block.tolist() and at.page.tolist() == s.page.tolist()
+        assert at.rows is not None and at.rows.tolist() == vb.token_rows(s.block, s.offset, s.page, s.offset).tolist()
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "FLASH_ATTN_LEGACY"])
+def test_repeated_copies_of_the_same_layers_stay_exact(layout):
+    """A layer set's later copies reuse its plan (and, on CUDA with Triton 3.6, the compiled kernel
+    directly: vllm_kernels.FAST_LAUNCH): three rounds of save then load on the same tensors, each
+    with fresh slots and the kvd side cleared, give the torch path's bytes every time."""
+    src, dst, kl, s = _case(layout)
+    sb, db = _blocks(src), _blocks(dst)
+    arena, views = _arena(kl)
+    ref_arena, ref_views = _arena(kl)
+    for b, v in zip(sb, ref_views):
+        vb.save_layer(b, vb.CopyStream(DEV).slots(s, b), v, path="torch")
+    cs = vb.CopyStream(DEV)
+    for _ in range(3):
+        arena.zero_()
+        for t in db:
+            t.k.zero_()
+            t.v.zero_()
+        with cs.after_current():
+            at = cs.slots(s, sb[0])
+            for b, v in zip(sb, views):
+                vb.save_layer(b, at, v, path="triton")
+            vb.load_layers(db, cs.slots(s, db[0]), views, path="triton")
+        if cs.stream is not None:
+            torch.cuda.current_stream().wait_stream(cs.stream)
+        assert torch.equal(arena.cpu(), ref_arena.cpu()), f"{layout}: a repeated save differs"
+        assert _untouched_outside(views, s)
+        for a, b in zip(sb, db):
+            for x, y in ((a.k, b.k), (a.v, b.v)):
+                got = y[s.block.to(DEV), s.offset.to(DEV)].view(torch.int16)
+                assert torch.equal(got, x[s.block.to(DEV), s.offset.to(DEV)].view(torch.int16)), f"{layout}: a repeated load differs"
