@@ -79,7 +79,10 @@ def pd(request, tmp_path_factory):
         started.append(decode)
         decode.ready()  # one engine starting at a time: two at once hung here (2 cores)
         # chunked prefill on the producer: 64 tokens a step, so the longer prompts are saved over several steps
-        prefill = Engine(tmp, "prefill", model_dir, kv_config("kv_producer", pd_.address, kvd_session_ttl_s=0.5),
+        # A short session TTL makes a killed prefill's requests fail fast (the kill test); 1 s, not
+        # less: a loaded 2-core runner once held the starting vLLM's heartbeat past 0.5 s, its
+        # session expired and every later Send of that engine was refused.
+        prefill = Engine(tmp, "prefill", model_dir, kv_config("kv_producer", pd_.address, kvd_session_ttl_s=1.0),
                          env={"KVDCONN_TEST_HOLD_FILE": str(hold)}, extra=["--max-num-batched-tokens", str(CHUNK)])
         started.append(prefill)
         prefill.ready()
