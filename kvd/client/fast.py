@@ -33,7 +33,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvd import errors as E
-from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, OK, SPIN_S, frame, read_frame
+from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
 from kvd.rpc.engine_wire import METHOD_IDS, METHODS, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.v1 import kvd_pb2 as pb
@@ -154,7 +154,7 @@ class FastChannel:
                 s = self._open()
             s.settimeout(timeout)
             s.sendall(HEAD.pack(len(body), METHOD_IDS[method]) + body)
-            kind, data = read_frame(s, MAX_FRAME, SPIN_S)
+            kind, data = read_frame(s, MAX_FRAME)
         except E.KvdError:
             raise
         except OSError as exc:  # broken, closed or timed out mid-call: this connection is done

@@ -14,16 +14,14 @@ Kind :data:`HELLO` opens a connection where the transport has one.
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
-import time
 
 from google.protobuf.message import Message
 
 from kvd.ipc.unix_socket import recv_exact
 
-__all__ = ["HEAD", "HELLO", "OK", "REFUSED", "MAX_FRAME", "frame", "read_head", "read_frame", "SPIN_S", "spin_recv"]
+__all__ = ["HEAD", "HELLO", "OK", "REFUSED", "MAX_FRAME", "frame", "read_head", "read_frame"]
 
 HEAD = struct.Struct(">IB")
 #: Kind of the first frame of a connection, both ways.
@@ -52,44 +50,11 @@ def read_head(sock: socket.socket) -> tuple[int, int] | None:
     return n, kind
 
 
-#: Seconds a caller polls its connection for a reply before it sleeps in the kernel (0: never),
-#: from ``KVD_SPIN_US`` (microseconds) in the environment of the process that calls. A daemon's
-#: answer comes within tens to hundreds of microseconds, and a thread woken from sleep by it pays a
-#: wake-up on top; polling trades a core for that. Off by default: on a 2-core host the poller
-#: takes the core the answering process needs (the Commit round trip got slower at 300 us).
-SPIN_S = max(0.0, float(os.environ.get("KVD_SPIN_US", "0") or 0) / 1e6)
-
-
-def spin_recv(s: socket.socket, n: int, spin_s: float) -> bytes | None:
-    """Up to ``n`` bytes read without sleeping, polled for ``spin_s`` seconds; b"" when the
-    other side closed the connection, None when nothing came (the caller then waits as before).
-    Leaves the socket non-blocking: the caller sets its timeout again."""
-    if spin_s <= 0:
-        return None
-    s.settimeout(0.0)
-    end = time.perf_counter() + spin_s
-    while True:
-        try:
-            return s.recv(n)
-        except BlockingIOError:
-            if time.perf_counter() >= end:
-                return None
-
-
-def read_frame(sock: socket.socket, limit: int = MAX_FRAME, spin: float = 0.0) -> tuple[int, bytes]:
+def read_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[int, bytes]:
     """``(kind, body)`` of the next frame (a caller reading a reply). ConnectionError when the
-    peer closed, or sent a frame over ``limit`` bytes (the stream cannot be followed past it).
-    ``spin``: seconds to poll for the reply before sleeping (:data:`SPIN_S`); the socket's
-    timeout is as it was after."""
+    peer closed, or sent a frame over ``limit`` bytes (the stream cannot be followed past it)."""
     # One recv usually brings head and body together (replies are small): read what is there.
-    got = None
-    if spin > 0:
-        timeout = sock.gettimeout()
-        try:
-            got = spin_recv(sock, 65536, spin)
-        finally:
-            sock.settimeout(timeout)
-    buf = sock.recv(65536) if got is None else got
+    buf = sock.recv(65536)
     if not buf:
         raise ConnectionError("the daemon closed the connection")
     if len(buf) < HEAD.size:

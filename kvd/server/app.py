@@ -29,7 +29,6 @@ from kvd.backends.registry import backend_class, draft_capable, make_backend
 from kvd.memory.arena import Arena, ShmArena, reap_stale
 from kvd.config import Settings
 from kvd.errors import InternalError, InvalidArgument, Unavailable
-from kvd.ipc import frames
 from kvd.ipc.fdpass import HandleServer
 from kvd.handoff.link import run_every
 from kvd.handoff.outbox import Outbox
@@ -231,9 +230,6 @@ class Daemon:
         cls, settings: Settings, layout: Layout, handle_path: str | None, peer_path: str | None, undo: contextlib.ExitStack
     ) -> Daemon:
         """The steps of :meth:`start`, each followed by its undo pushed on ``undo``."""
-        if settings.spin_us != frames.SPIN_S * 1e6:  # process-wide, as the thread count below
-            _undo(undo, "the peer calls' poll", setattr, frames, "SPIN_S", frames.SPIN_S)
-            frames.SPIN_S = settings.spin_us / 1e6
         if settings.torch_threads:
             _undo(undo, "the torch thread count", torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(settings.torch_threads)

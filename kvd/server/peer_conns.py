@@ -29,8 +29,6 @@ from google.protobuf.message import DecodeError, Message
 
 from kvd.errors import DeadlineExceeded, KvdError, PermissionDenied, Unavailable
 from kvd.records import SocketRoute
-from kvd.ipc import frames
-from kvd.ipc.frames import HEAD, spin_recv
 from kvd.server.peer_socket import HELLO, MAX_FRAME, METHOD_IDS, METHODS, OK, REFUSED, frame, read_head
 from kvd.ipc.unix_socket import recv_exact, stirred
 from kvd.v1 import kvd_pb2 as pb
@@ -73,14 +71,8 @@ class _Conn:
     def reply(self, deadline: float) -> tuple[int, bytes]:
         """Read one reply frame by ``deadline`` (monotonic): ``(status, body)``."""
         s = self.sock
-        first = spin_recv(s, HEAD.size, frames.SPIN_S)  # the daemon's spin_us, process-wide
         s.settimeout(max(deadline - time.monotonic(), 1e-4))
-        if first is None:
-            head = read_head(s)
-        elif not first:
-            head = None
-        else:
-            head = HEAD.unpack(first if len(first) == HEAD.size else first + recv_exact(s, HEAD.size - len(first)))
+        head = read_head(s)
         if head is None:
             raise ConnectionError("the daemon closed the connection before replying")
         n, status = head
