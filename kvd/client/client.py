@@ -20,6 +20,7 @@ the daemon frees its requests after the session TTL.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -28,6 +29,7 @@ import grpc
 
 from kvd.client.attach import Attachment, _attach
 from kvd.errors import InvalidArgument, KvdError, Unavailable
+from kvd.memory.doorbells import DoorbellView
 from kvd.pool.layout import Layout
 from kvd.records import (
     Activity, AllocSpec, CompactionResult, Envelope, GroupStats, IndexVectors, LeaseKind, NodeStats, PoolStats, SendResult,
@@ -56,6 +58,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger("kvd.client")
 
 
 class PoolInfo(NamedTuple):
@@ -91,6 +94,7 @@ class LeaseInfo(NamedTuple):
     epoch: int
     expires_in: float
     ticket: bytes  # RECV leases: hand these bytes to the prefill side unchanged
+    bell: int = 0  # RECV leases: 1 + the transfer's doorbell slot on the daemon (0: none)
 
 
 class SendSpec(NamedTuple):
@@ -133,7 +137,7 @@ def _info(r: pb.PoolInfo) -> PoolInfo:
 
 def _lease(r: pb.Lease) -> LeaseInfo:
     kind = lease_kind_from_pb(r.kind)
-    return LeaseInfo(r.lease_id, r.rid, kind, r.boot_id, r.epoch, r.expires_in_seconds, bytes(r.ticket))
+    return LeaseInfo(r.lease_id, r.rid, kind, r.boot_id, r.epoch, r.expires_in_seconds, bytes(r.ticket), r.bell)
 
 
 def _stats(r: pb.Stats) -> NodeStats:
@@ -180,13 +184,57 @@ def _kind(kind: LeaseKind | str) -> pb.LeaseKind.ValueType:
         raise InvalidArgument(f"lease kind must be 'send' or 'recv', got {kind!r}") from exc
 
 
+#: RECV leases whose doorbell a client remembers (the oldest is dropped past this: its
+#: wait_ready then asks the daemon).
+MAX_BELLS = 1 << 16
+
+
 class _Surface:
-    """The engine-facing API, once. ``_call`` is the transport's (sync value or awaitable)."""
+    """The engine-facing API, once. ``_call`` is the transport's (sync value or awaitable);
+    ``_now`` makes a value the transport's kind of result without a call.
+
+    Doorbells: over the engine socket a client maps its daemon's doorbell board at connect
+    (:mod:`kvd.memory.doorbells`) and remembers each RECV lease's slot; :meth:`wait_ready` of a
+    transfer its doorbell shows READY returns without a call. Anything else asks the daemon."""
 
     session_id: str  # set by the transport on connect
+    _board: DoorbellView | None = None  # the daemon's doorbell board, read-only; None: none mapped
+    _board_boot = ""  # the boot that board belongs to
+    _bells: dict[str, tuple[int, int]]  # rid -> (doorbell slot, lease id) of its RECV lease
+    _bells_lock: threading.Lock
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _now(self, value: T) -> T:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _note(self, lease: LeaseInfo) -> LeaseInfo:
+        """Remember ``lease``'s doorbell, when it has one on the board this client mapped."""
+        if lease.bell and self._board is not None and lease.boot_id == self._board_boot:
+            with self._bells_lock:
+                if len(self._bells) >= MAX_BELLS:
+                    del self._bells[next(iter(self._bells))]
+                self._bells[lease.rid] = (lease.bell - 1, lease.lease_id)
+        return lease
+
+    def _forget(self, rids: Sequence[str]) -> None:
+        with self._bells_lock:
+            for rid in rids:
+                self._bells.pop(rid, None)
+
+    def _rung(self, rid: str) -> TransferStatus | None:
+        """``rid``'s transfer READY as its doorbell shows it, or None (not READY, or no doorbell:
+        ask the daemon). Only READY: it is final, while a wait on anything else also keeps the
+        RECV lease alive on the daemon, and a failure's reason is the daemon's to tell."""
+        hit = self._bells.get(rid)
+        board = self._board
+        if hit is None or board is None:
+            return None
+        got = board.read(*hit)
+        if got is None or got[0] is not TransferState.READY:
+            return None
+        return TransferStatus(rid, TransferState.READY, "", got[1])
 
     # -- description --
     def info(self) -> PoolInfo:
@@ -227,7 +275,9 @@ class _Surface:
         side). All or nothing: a refusal of either leaves nothing allocated or leased."""
         spec = _specs([AllocSpec(rid, tokens, True)])[0]
         spec.lease = True  # the lease takes the daemon's lease TTL (renew_lease changes it)
-        return self._call("Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), _lease(r.leases[0])))
+        return self._call(
+            "Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), self._note(_lease(r.leases[0])))
+        )
 
     def allocate_many(self, specs: Sequence[AllocSpec | tuple]) -> list[IndexVectors]:
         """All or nothing; CapacityError carries ``shortfall_bytes``."""
@@ -246,6 +296,7 @@ class _Surface:
         return self._call("Extend", req, lambda r: [vectors_from_pb(v) for v in r.vectors])
 
     def free(self, *rids: str) -> int:
+        self._forget(rids)
         return self._call("Free", pb.FreeRequest(rids=list(rids)), lambda r: r.freed)
 
     def vectors(self, rid: str) -> IndexVectors:
@@ -264,7 +315,7 @@ class _Surface:
             rid=rid, kind=_kind(kind), ttl_seconds=ttl or 0,
             boot_id=vectors.boot_id if vectors else "", epoch=vectors.epoch if vectors else 0,
         )
-        return self._call("AcquireLease", req, _lease)
+        return self._call("AcquireLease", req, lambda r: self._note(_lease(r)))
 
     def renew_lease(self, lease_id: int, ttl: float | None = None) -> LeaseInfo:
         return self._call("RenewLease", pb.RenewLeaseRequest(lease_id=lease_id, ttl_seconds=ttl or 0), _lease)
@@ -335,7 +386,11 @@ class _Surface:
 
     def wait_ready(self, rid: str, timeout: float = 30.0) -> TransferStatus:
         """Decode side: block until ``rid``'s KV is READY or the transfer FAILED, or ``timeout``
-        passes (then the state is still WAITING/RECEIVING)."""
+        passes (then the state is still WAITING/RECEIVING). A transfer READY on its doorbell
+        returns at once, without a call (its ``reason`` is empty, as the daemon's would be)."""
+        rung = self._rung(rid)
+        if rung is not None:
+            return self._now(rung)
         req = pb.WaitRequest(rid=rid, timeout_seconds=timeout)
         return self._call("WaitReady", req, lambda r: TransferStatus(r.rid, state_from_pb(r.state), r.reason, r.bytes))
 
@@ -371,9 +426,21 @@ class Client(_Surface):
         self.ttl = ttl
         self.timeout = timeout
         self._md = ((SESSION_KEY, session_id),)
+        self._bells, self._bells_lock = {}, threading.Lock()
+        if fast is not None:
+            self._map_board(lambda: _fast.fetch_doorbells(fast.path, session_id, timeout))
         self._closed = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="kvd-heartbeat", daemon=True)
         self._hb.start()
+
+    def _map_board(self, fetch: Callable[[], tuple[DoorbellView, str]]) -> None:
+        try:
+            self._board, self._board_boot = fetch()
+        except (KvdError, OSError, ValueError) as exc:  # no board there: wait_ready asks the daemon
+            log.debug("kvd client: no doorbell board (%s); wait_ready asks the daemon", exc)
+
+    def _now(self, value: T) -> T:
+        return value
 
     @classmethod
     def connect(
@@ -447,6 +514,7 @@ class Client(_Surface):
             self._fast.close()
         if self._channel is not None:
             self._channel.close()
+        _unmap(self)
 
     def __enter__(self) -> Client:
         return self
@@ -470,7 +538,23 @@ class AsyncClient(_Surface):
         self.ttl = ttl
         self.timeout = timeout
         self._md = ((SESSION_KEY, session_id),)
+        self._bells, self._bells_lock = {}, threading.Lock()
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
+
+    async def _map_board(self) -> None:
+        """Map the daemon's doorbell board (engine socket only), off the event loop."""
+        if self._fast is None:
+            return
+        try:
+            self._board, self._board_boot = await asyncio.to_thread(_fast.fetch_doorbells, self._fast.path, self.session_id, self.timeout)
+        except (KvdError, OSError, ValueError) as exc:
+            log.debug("kvd client: no doorbell board (%s); wait_ready asks the daemon", exc)
+
+    def _now(self, value: T) -> T:
+        async def done() -> T:
+            return value
+
+        return done()  # type: ignore[return-value]  # an awaitable of T
 
     @classmethod
     async def connect(
@@ -482,7 +566,9 @@ class AsyncClient(_Surface):
             fc = _fast.AsyncFastChannel(path)
             try:
                 s = await fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+                c = cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+                await c._map_board()
+                return c
             except Unavailable:
                 await fc.close()
                 if transport == "fast":
@@ -505,7 +591,9 @@ class AsyncClient(_Surface):
                 await fc.close()
             else:
                 await channel.close()
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+                c = cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+                await c._map_board()
+                return c
         return cls(channel, s.session_id, s.ttl_seconds, timeout)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
@@ -540,9 +628,19 @@ class AsyncClient(_Surface):
             await self._fast.close()
         if self._channel is not None:
             await self._channel.close()
+        _unmap(self)
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _unmap(c: _Surface) -> None:
+    """Forget a closing client's doorbells and unmap its board."""
+    with c._bells_lock:
+        c._bells.clear()
+        board, c._board = c._board, None
+    if board is not None:
+        board.close()

@@ -34,11 +34,15 @@ from google.protobuf.message import Message
 
 from kvd import errors as E
 from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
-from kvd.rpc.engine_wire import METHOD_IDS, METHODS, fast_path
+from kvd.ipc.unix_socket import recv_exact
+from kvd.memory.doorbells import DoorbellView
+from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["FastRpcError", "FastChannel", "AsyncFastChannel", "fast_socket_of", "pick", "advertised", "bounded"]
+__all__ = [
+    "FastRpcError", "FastChannel", "AsyncFastChannel", "fast_socket_of", "pick", "advertised", "bounded", "fetch_doorbells",
+]
 
 _RESPONSES: dict[str, type[Message]] = {m.name: m.response for m in METHODS.values()}
 #: Idle connections a client keeps (more are closed after their call).
@@ -245,6 +249,39 @@ class AsyncFastChannel:
         free, self._free = self._free, []
         for _, w in free:
             w.close()
+
+
+def fetch_doorbells(path: str, session_id: str, timeout: float | None) -> tuple[DoorbellView, str]:
+    """Map the doorbell board of the daemon serving engine socket ``path``, as session
+    ``session_id``: the view and the daemon's boot id. On a connection of its own (it carries a
+    descriptor, SCM_RIGHTS), closed after. Raises the daemon's refusal (FailedPrecondition: it
+    keeps no board; InvalidArgument: a daemon that predates doorbells) or OSError."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(frame(HELLO, pb.Session(session_id=session_id)))
+        _decode("OpenSession", *read_frame(s))
+        s.sendall(HEAD.pack(0, DOORBELLS))  # after the hello's reply: a plain read must not take the descriptor
+        data, fds, _, _ = socket.recv_fds(s, 4096, 1)
+        if len(data) < HEAD.size:
+            data += recv_exact(s, HEAD.size - len(data))
+        n, kind = HEAD.unpack_from(data)
+        if n > MAX_FRAME:
+            raise ConnectionError(f"a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")
+        body = data[HEAD.size:] + recv_exact(s, n - (len(data) - HEAD.size))
+        if kind != OK:
+            _decode("Doorbells", kind, body)  # raises the refusal
+        board = pb.Doorbells.FromString(body)
+        if len(fds) != 1:
+            raise ConnectionError(f"the doorbells reply carried {len(fds)} descriptors, not 1")
+        view = DoorbellView(fds.pop(), board.slots, board.slot_bytes)
+        return view, board.boot_id
+    finally:
+        for fd in fds:
+            os.close(fd)
+        s.close()
 
 
 TRANSPORTS = ("auto", "grpc", "fast")

@@ -29,6 +29,9 @@ class Inbound(Protocol):
     def forget(self, rid: str) -> None:
         """``rid``'s transfer is over for the node (its request or its RECV lease is gone)."""
 
+    def bell(self, rid: str) -> int:
+        """The doorbell slot of ``rid``'s transfer (kvd.memory.doorbells), -1 for none."""
+
     def fenced(self, rid: str) -> bool:
         """Whether ``rid`` failed while a sender may still be writing (its free must wait)."""
 
@@ -53,6 +56,9 @@ class NoInbound:
 
     def forget(self, rid: str) -> None:
         pass
+
+    def bell(self, rid: str) -> int:
+        return -1
 
     def fenced(self, rid: str) -> bool:
         return False

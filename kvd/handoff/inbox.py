@@ -45,6 +45,7 @@ from kvd.limits import quote
 from kvd.records import Status, TransferRef, TransferState
 
 from kvd.daemon.leases import LeaseTable
+from kvd.memory.doorbells import Doorbells
 
 if TYPE_CHECKING:
     from kvd.daemon.node import Node
@@ -65,6 +66,7 @@ class _Inbound:
     nbytes: int = 0
     fence_until: float | None = None  # FAILED with writes possibly in flight: keep the lease until then
     started: float = 0.0  # when the RECV lease was granted (kvd top's ages)
+    bell: int = -1  # its doorbell slot (kvd.memory.doorbells), -1: none
 
 
 class Inbox:
@@ -72,7 +74,10 @@ class Inbox:
 
     It is given only what it needs of the node: its lock, its lease table (the RECV leases are
     the fences), its boot id and clock, and where to count a stale refusal. The node sees it as
-    :class:`kvd.daemon.inbound.Inbound` and never imports it; :meth:`attach` wires the two."""
+    :class:`kvd.daemon.inbound.Inbound` and never imports it; :meth:`attach` wires the two.
+
+    ``doorbells``: the board on which every state change of a transfer is written as it
+    happens, for engines that read it instead of asking (None: no board)."""
 
     def __init__(
         self,
@@ -84,8 +89,10 @@ class Inbox:
         on_stale: Callable[[], None],
         peer_timeout: float = 1.0,
         fence_s: float = 1.0,
+        doorbells: Doorbells | None = None,
     ) -> None:
         self._leases = leases
+        self.doorbells = doorbells
         self._clock = clock
         self._on_stale = on_stale
         self.boot_id = boot_id
@@ -98,12 +105,12 @@ class Inbox:
         self.bytes_total = 0
 
     @classmethod
-    def attach(cls, node: Node, *, peer_timeout: float = 1.0, fence_s: float = 1.0) -> Inbox:
+    def attach(cls, node: Node, *, peer_timeout: float = 1.0, fence_s: float = 1.0, doorbells: Doorbells | None = None) -> Inbox:
         """The inbox of ``node``, built from the node's lock, leases, boot id and clock, and set
         as ``node.inbox`` (before any RECV lease is granted: the node's own is a no-op)."""
         inbox = cls(
             node.lock, node.leases, boot_id=node.pool.boot_id, clock=node.clock, on_stale=node.count_stale,
-            peer_timeout=peer_timeout, fence_s=fence_s,
+            peer_timeout=peer_timeout, fence_s=fence_s, doorbells=doorbells,
         )
         node.inbox = inbox
         return inbox
@@ -112,14 +119,29 @@ class Inbox:
     def expect(self, rid: str, lease_id: int) -> None:
         """A RECV lease was granted for ``rid``: a sender may now begin."""
         now = self._clock()
-        self._by_rid[rid] = _Inbound(rid, lease_id, last_seen=now, started=now)
+        self.forget(rid)  # a transfer under an earlier lease of rid, over: its doorbell goes
+        ib = self._by_rid[rid] = _Inbound(rid, lease_id, last_seen=now, started=now)
+        if self.doorbells is not None:
+            ib.bell = self.doorbells.take(lease_id)
+
+    def bell(self, rid: str) -> int:
+        """The doorbell slot of ``rid``'s transfer, -1 for none."""
+        ib = self._by_rid.get(rid)
+        return -1 if ib is None else ib.bell
+
+    def _ring(self, ib: _Inbound) -> None:
+        """Write ``ib``'s state and bytes on its doorbell (every state change calls this)."""
+        if ib.bell >= 0 and self.doorbells is not None:
+            self.doorbells.ring(ib.bell, ib.lease_id, ib.state, ib.nbytes)
 
     def inbound(self) -> list[tuple[str, str, str, int, float]]:
         """``(rid, sender, state, bytes committed, started)`` of every inbound transfer (kvd top)."""
         return [(ib.rid, ib.sender, ib.state.value, ib.nbytes, ib.started) for ib in self._by_rid.values()]
 
     def forget(self, rid: str) -> None:
-        self._by_rid.pop(rid, None)
+        ib = self._by_rid.pop(rid, None)
+        if ib is not None and ib.bell >= 0 and self.doorbells is not None:
+            self.doorbells.give(ib.bell)
 
     def fenced(self, rid: str) -> bool:
         """Whether ``rid`` failed while a sender may still be writing (its free must wait)."""
@@ -161,6 +183,7 @@ class Inbox:
                 )
             ib.state, ib.sender, ib.last_seen = TransferState.RECEIVING, sender, self._clock()
             self._leases.renew(ib.lease_id)
+            self._ring(ib)
 
     def _begun_by(self, ib: _Inbound, sender: str, what: str) -> None:
         """FailedPrecondition unless ``sender`` is the sender that began ``ib`` (CheckTicket with a
@@ -197,10 +220,12 @@ class Inbox:
             ib.last_seen = self._clock()
             if not last:
                 self._leases.renew(ib.lease_id)
+                self._ring(ib)
                 return _no_wake
             ib.state = TransferState.READY
             self._leases.drop(ib.lease_id)  # the sender's writes have all returned
             self.ready_total += 1
+            self._ring(ib)  # an engine reading its doorbell needs no wake
             if not defer_wake:
                 self._cond.notify_all()
                 return _no_wake
@@ -322,6 +347,7 @@ class Inbox:
     def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:
         ib.state, ib.reason = TransferState.FAILED, reason
         self.failed_total += 1
+        self._ring(ib)
         if drained:
             self._leases.drop(ib.lease_id)
             ib.fence_until = None

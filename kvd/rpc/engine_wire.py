@@ -13,7 +13,7 @@ from google.protobuf.message import Message
 
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["Method", "METHODS", "METHOD_IDS", "FAST_SUFFIX", "fast_path"]
+__all__ = ["Method", "METHODS", "METHOD_IDS", "FAST_SUFFIX", "DOORBELLS", "fast_path"]
 
 #: The engine socket's path is the gRPC Unix listener's with this suffix.
 FAST_SUFFIX = ".fast"
@@ -50,6 +50,11 @@ def _methods(order: Sequence[str]) -> dict[int, Method]:
         out[i] = Method(i, name, getattr(pb, d.input_type.name), getattr(pb, d.output_type.name))
     return out
 
+
+#: A frame kind of the socket itself, not a Kvd rpc: an empty request on a connection that acts for
+#: a session, answered with a ``Doorbells`` message and a read-only descriptor of the daemon's
+#: doorbell board (SCM_RIGHTS; kvd.memory.doorbells), or a refusal.
+DOORBELLS = 255
 
 #: What the socket serves, by frame kind.
 METHODS: dict[int, Method] = _methods(_ORDER)

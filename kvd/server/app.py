@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from kvd.backends.base import Backend
 from kvd.backends.registry import backend_class, draft_capable, make_backend
 from kvd.memory.arena import Arena, ShmArena, reap_stale
+from kvd.memory.doorbells import Doorbells
 from kvd.config import Settings
 from kvd.errors import InternalError, InvalidArgument, Unavailable
 from kvd.ipc.fdpass import HandleServer
@@ -201,6 +202,7 @@ class Daemon:
     peer_socket: PeerSocketServer | None = None  # a same-host sender's calls (CheckTicket, Commit, ...)
     tickets: Tickets | None = None  # mints and checks this boot's tickets (its key never leaves the process)
     engine_socket: EngineSocketServer | None = None  # the engine's calls without gRPC (<listen_unix>.fast)
+    doorbells: Doorbells | None = None  # inbound transfers' states, mapped read-only by engines (kvd.memory.doorbells)
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -242,7 +244,11 @@ class Daemon:
             lease_ttl=settings.lease_ttl_s,
             layout_from_engine=settings.layout_from_engine,
         )
-        Inbox.attach(node, peer_timeout=settings.peer_timeout_s, fence_s=settings.fence_s)
+        # The doorbell board goes to engines over the engine socket: kept only where one is served.
+        doorbells = Doorbells() if settings.listen_unix and settings.fast_socket else None
+        if doorbells is not None:
+            _undo(undo, "the doorbell board", doorbells.close)
+        Inbox.attach(node, peer_timeout=settings.peer_timeout_s, fence_s=settings.fence_s, doorbells=doorbells)
         metrics = Metrics(node)
         handle_server: HandleServer | None = None
         peer_server: PeerSocketServer | None = None
@@ -351,6 +357,7 @@ class Daemon:
             engine_server = EngineSocketServer(
                 fast_path(os.path.abspath(settings.listen_unix)), kvd_service, group=settings.group_access,
                 observe=lambda method, code, s: metrics.rpc_seconds.labels(method, code).observe(s),  # one series for both transports
+                doorbells=doorbells,
             ).start()
             _undo(undo, "the engine socket", engine_server.stop)
             endpoint.engine_socket = engine_server.path  # advertised in Session and PoolInfo
@@ -374,7 +381,7 @@ class Daemon:
         d = cls(
             settings, node, server, hs, addresses, metrics,
             backend=backend, outbox=outbox, link=link, handles=handle_server, peer_socket=peer_server, tickets=tickets,
-            engine_socket=engine_server,
+            engine_socket=engine_server, doorbells=doorbells,
         )
         _undo(undo, "the sweeper and heartbeat threads", d._stop.set)  # both leave at their next wait
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
@@ -420,6 +427,8 @@ class Daemon:
             self.backend.close()
         if self.handles is not None:
             self.handles.stop()  # unlinks the socket; engines' and peers' mappings stay valid
+        if self.doorbells is not None:
+            self.doorbells.close()  # engines' read-only mappings stay valid until they unmap
         self.node.pool.arena.close()
         if self.settings.listen_unix and os.path.exists(self.settings.listen_unix):
             os.unlink(self.settings.listen_unix)

@@ -23,6 +23,8 @@ ends the call with the status ``_run`` mapped (:func:`kvd.errors.to_status`), se
     ◀── kind 0: Session | 1: PeerStatus, close ──────  acts for it once the daemon knows it
     ── kind 7: AllocateRequest ─────────────────────▶  KvdService.Allocate(request, context)
     ◀── kind 0: AllocateResponse | 1: PeerStatus ────
+    ── kind 255: (empty) ───────────────────────────▶  the doorbell board (a session's connection)
+    ◀── kind 0: Doorbells + a read-only fd | 1: PeerStatus
 
 A connection acts for one session, the one it opened or named in its hello (kind 0, a
 ``Session`` message), so it carries no metadata per call; a session id is the same capability
@@ -33,6 +35,7 @@ transfer is ready: pushed, not polled), so a client holds a few connections and 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -41,11 +44,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvd.errors import InvalidArgument, KvdError
+from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame
 from kvd.ipc.unix_socket import recv_exact
+from kvd.memory.doorbells import SLOT_BYTES, Doorbells
 from kvd.rpc.convert import SESSION_KEY, parse_request, status_to_pb
-from kvd.rpc.engine_wire import METHOD_IDS, METHODS, Method, fast_path
+from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, Method, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.server.framed import Close, FramedServer, refusal
 from kvd.server.service import KvdService
@@ -110,9 +114,11 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     log = log
 
     def __init__(self, path: str, service: KvdService, *, timeout: float = 5.0, max_connections: int = MAX_CONNECTIONS,
-                 group: bool = False, observe: Callable[[str, str, float], None] | None = None) -> None:
+                 group: bool = False, observe: Callable[[str, str, float], None] | None = None,
+                 doorbells: Doorbells | None = None) -> None:
         super().__init__(path, "fast_socket", "engine calls", timeout=timeout, max_connections=max_connections, group=group)
         self.service = service
+        self.doorbells = doorbells  # handed out read-only (kind DOORBELLS); None: refused
         #: called with (method, status code name, seconds) after each call: the daemon's RPC latency histogram
         self.observe = observe
         # the bound handlers, by frame kind: one dict lookup per call
@@ -124,6 +130,9 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     def _frame(self, conn: socket.socket, n: int, kind: int, md: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
         if kind == HELLO:
             return self._hello(conn, n)
+        if kind == DOORBELLS:
+            self._doorbells(conn, n, md)
+            return md
         t0 = time.perf_counter()
         reply, sid, name, code = self._answer(conn, n, kind, md)
         self._count(name, code)  # counted before the caller hears (a counter bump: what it saw is counted)
@@ -150,6 +159,30 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         conn.sendall(frame(OK, pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.service.node.pool.boot_id)))
         return ((SESSION_KEY, s.session_id),)
 
+    def _doorbells(self, conn: socket.socket, n: int, md: tuple[tuple[str, str], ...]) -> None:
+        """Hand this connection's engine a read-only descriptor of the doorbell board, or refuse:
+        a connection that acts for no session yet, a body (the request is empty), no board."""
+        try:
+            if n:
+                raise Close(refusal(InvalidArgument(f"engine socket: a doorbells request has no body, got {n:,d} bytes")))
+            if not md:
+                raise InvalidArgument("engine socket: doorbells need a session: open one (OpenSession) or name it (hello) first")
+            self.service.node.touch(md[0][1])
+            if self.doorbells is None:
+                raise FailedPrecondition("this daemon keeps no doorbell board (it runs no handoff backend): use WaitReady")
+        except KvdError as exc:
+            self._count("Doorbells", code_from_int(status_to_pb(exc).code).name)
+            conn.sendall(refusal(exc))
+            return
+        board = self.doorbells
+        fd = board.reader_fd()
+        try:
+            msg = pb.Doorbells(boot_id=self.service.node.pool.boot_id, slots=board.slots, slot_bytes=SLOT_BYTES)
+            socket.send_fds(conn, [frame(OK, msg)], [fd])
+        finally:
+            os.close(fd)
+        self._count("Doorbells", "OK")
+
     def _answer(self, conn: socket.socket, n: int, kind: int, md: tuple[tuple[str, str], ...]) -> tuple[bytes, str, str, str]:
         """The reply frame to one call whose head was read (its body is read here), the
         session id an OpenSession opened ("" otherwise), and the method's name and status code
@@ -162,7 +195,9 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         sid = ""
         try:
             if m is None:
-                raise InvalidArgument(f"engine socket: unknown method id {kind}; this daemon serves 1 to {len(METHODS)} (and {HELLO}: hello)")
+                raise InvalidArgument(
+                    f"engine socket: unknown method id {kind}; this daemon serves 1 to {len(METHODS)} (and {HELLO}: hello, {DOORBELLS}: doorbells)"
+                )
             request = parse_request(m.name, m.request, body)  # the words gRPC refuses it in
             ctx = _Context(md)
             try:

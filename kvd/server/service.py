@@ -283,7 +283,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
     # ---- leases -----------------------------------------------------------------------------
     def _lease_pb(self, lease, vec=None) -> pb.Lease:
-        ticket = self.tickets.mint(lease, vec) if vec is not None and lease.kind.value == "recv" else b""
+        recv = lease.kind is LeaseKind.RECV
+        ticket = self.tickets.mint(lease, vec) if vec is not None and recv else b""
         return pb.Lease(
             lease_id=lease.lease_id,
             rid=lease.rid,
@@ -292,6 +293,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             epoch=lease.epoch,
             expires_in_seconds=max(0.0, lease.expires_at - self.node.clock()),
             ticket=ticket,
+            bell=self.node.inbox.bell(lease.rid) + 1 if recv else 0,
         )
 
     def AcquireLease(self, request: pb.AcquireLeaseRequest, context):

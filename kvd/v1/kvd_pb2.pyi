@@ -697,6 +697,7 @@ class Lease(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     EXPIRES_IN_SECONDS_FIELD_NUMBER: _builtins.int
     TICKET_FIELD_NUMBER: _builtins.int
+    BELL_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.int
     rid: _builtins.str
     kind: Global___LeaseKind.ValueType
@@ -705,6 +706,8 @@ class Lease(_message.Message):
     expires_in_seconds: _builtins.float
     ticket: _builtins.bytes
     """RECV only: a serialised SealedTicket, opaque to engines: pass it on unchanged"""
+    bell: _builtins.int
+    """RECV only: 1 + this transfer's slot on the daemon's doorbell board, 0: none"""
     def __init__(
         self,
         *,
@@ -715,14 +718,44 @@ class Lease(_message.Message):
         epoch: _builtins.int = ...,
         expires_in_seconds: _builtins.float = ...,
         ticket: _builtins.bytes = ...,
+        bell: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "epoch", b"epoch", "expires_in_seconds", b"expires_in_seconds", "kind", b"kind", "lease_id", b"lease_id", "rid", b"rid", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bell", b"bell", "boot_id", b"boot_id", "epoch", b"epoch", "expires_in_seconds", b"expires_in_seconds", "kind", b"kind", "lease_id", b"lease_id", "rid", b"rid", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Lease: _TypeAlias = Lease  # noqa: Y015
+
+@_typing.final
+class Doorbells(_message.Message):
+    """The daemon's doorbell board, as the engine socket hands it out (with a read-only file
+    descriptor of it, SCM_RIGHTS): `slots` slots of `slot_bytes` bytes (kvd.memory.doorbells).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    SLOT_BYTES_FIELD_NUMBER: _builtins.int
+    boot_id: _builtins.str
+    slots: _builtins.int
+    slot_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        boot_id: _builtins.str = ...,
+        slots: _builtins.int = ...,
+        slot_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "slot_bytes", b"slot_bytes", "slots", b"slots"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Doorbells: _TypeAlias = Doorbells  # noqa: Y015
 
 @_typing.final
 class Ticket(_message.Message):

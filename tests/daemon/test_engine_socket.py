@@ -122,3 +122,33 @@ def test_allocate_with_lease_is_all_or_nothing(inproc, monkeypatch):
     assert after.pool.requests_live == before.pool.requests_live and after.leases_live == before.leases_live
     assert [g.used_pages for g in after.pool.groups] == [g.used_pages for g in before.pool.groups]
     node.check()
+
+
+def test_the_doorbell_board_goes_to_a_session_only_and_read_only(target):
+    from kvd.client.fast import fetch_doorbells
+    from kvd.rpc.engine_wire import DOORBELLS
+
+    path = fast_path(target.unix.removeprefix("unix:"))
+    with _raw(target) as s:
+        s.sendall(HEAD.pack(0, DOORBELLS))  # no session yet: refused, the connection goes on
+        st = _status(s)
+        assert st.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "need a session" in st.message, st
+        s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="raw")))
+        kind, body = read_frame(s)
+        sid = pb.Session.FromString(body).session_id
+        s.sendall(HEAD.pack(3, DOORBELLS) + b"abc")  # a body: refused and closed
+        st = _status(s)
+        assert st.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "no body" in st.message, st
+        try:
+            assert s.recv(1) == b""  # closed (reset, when the unread body was still there)
+        except ConnectionResetError:
+            pass
+    view, boot = fetch_doorbells(path, sid, 5)
+    try:
+        assert boot and view.slots > 0
+        with pytest.raises(TypeError):
+            view._map[0] = 1  # type: ignore[index]  # mapped read-only
+    finally:
+        view.close()
+    with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, "unknown or expired"):
+        fetch_doorbells(path, "no-such-session", 5)
