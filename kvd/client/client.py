@@ -229,12 +229,22 @@ class _Surface:
         RECV lease alive on the daemon, and a failure's reason is the daemon's to tell."""
         hit = self._bells.get(rid)
         board = self._board
-        if hit is None or board is None:
-            return None
-        got = board.read(*hit)
+        got = board.read(*hit) if hit is not None and board is not None else None
         if got is None or got[0] is not TransferState.READY:
             return None
         return TransferStatus(rid, TransferState.READY, "", got[1])
+
+    def doorbell(self, rid: str) -> TransferState | None:
+        """The state of ``rid``'s inbound transfer as its doorbell shows it now, read from shared
+        memory: no call, never blocks, the same for the sync and the asyncio client. None when
+        this client has no doorbell for it (gRPC, a RECV lease taken by another client, the
+        daemon's board full, the request freed). A watcher of many transfers polls this and asks
+        :meth:`wait_ready` only for what it needs the daemon for: a failure's reason, and, while
+        a transfer waits for its sender, keeping the RECV lease alive (a wait does)."""
+        hit = self._bells.get(rid)
+        board = self._board
+        got = board.read(*hit) if hit is not None and board is not None else None
+        return None if got is None else got[0]
 
     # -- description --
     def info(self) -> PoolInfo:
