@@ -17,8 +17,9 @@ the decode vLLM admits the request; the prefill side never waits for decode's fr
              each layer's KV of the request into its kvd pages; wait_for_save: Mamba state slots,
              then Send + free on a background thread (vLLM frees its blocks at once)
     proxy ── prompt, kv_transfer_params {kvd_rid} ──▶ decode vLLM
-             get_num_new_matched_tokens -> (L, load_async=True); a watcher waits for the kvd
-             transfer (WaitReady); once READY the worker copies kvd pages into vLLM's blocks
+             get_num_new_matched_tokens -> (L, load_async=True); one watcher thread reads every
+             pending transfer's doorbell (no call; over gRPC: a WaitReady per transfer); once
+             READY the worker copies kvd pages into vLLM's blocks
              (start_load_kv) and reports the request in get_transfer_results; FAILED: in
              failed_recving (vLLM's load-error path: the request fails, never garbage)
 
@@ -89,6 +90,9 @@ if os.environ.get("KVDCONN_DEBUG"):
 HOLD_SEND_ENV = "KVDCONN_TEST_HOLD_FILE"
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_TICKET_BODY = 1 << 20  # a ticket request is a prompt's token ids
+#: How often the decode side reads its pending transfers' doorbells (kvd.memory.doorbells): a
+#: READY transfer is seen within this, with no call to the daemon.
+BELL_POLL_S = 0.001
 
 
 class LayerSlot(NamedTuple):
@@ -241,6 +245,13 @@ class _TicketBook:
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvd-ticket-reaper", daemon=True)
         self._reaper.start()
+        # Transfers whose doorbell this client reads: one thread polls them all, no call per
+        # transfer (a blocking WaitReady each would hold a thread and an engine-socket connection
+        # per pending request). Without a doorbell (gRPC) a transfer gets a waiting thread.
+        self._rung: set[str] = set()
+        self._ring = threading.Event()  # set when _rung gains a transfer
+        self._bells = threading.Thread(target=self._watch_bells, name="kvd-ticket-doorbells", daemon=True)
+        self._bells.start()
 
     def mint(self, prompt: object) -> dict:
         """A ticket for ``prompt`` (the ``prompt_token_ids`` of a ticket request, unchecked JSON)."""
@@ -263,7 +274,12 @@ class _TicketBook:
         with self.lock:
             now = time.monotonic()
             self.pending[rid] = _Pending(rid, n, _prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
-        threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
+        if self.kv.doorbell(rid) is not None:
+            with self.lock:
+                self._rung.add(rid)
+            self._ring.set()
+        else:
+            threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
         return {"kvd_rid": rid, "kvd_tokens": n, "kvd_ticket": base64.b64encode(lease.ticket).decode()}
 
     def status(self, rid: str) -> dict | None:
@@ -295,6 +311,46 @@ class _TicketBook:
                 if p is not None and p.state == "WAITING":
                     p.state, p.reason = state, reason
             return
+
+    def _watch_bells(self) -> None:
+        """Every :data:`BELL_POLL_S`, the doorbell of each transfer in :attr:`_rung`: READY is
+        taken as it is; FAILED, or a doorbell gone (the request freed), is asked of the daemon
+        for its reason; a transfer past its deadline fails here. The RECV lease needs no
+        renewal meanwhile: it was taken for ``admit_ttl``, the deadline's length."""
+        while not self._stop.is_set():
+            with self.lock:
+                rids = list(self._rung)
+            if not rids:
+                self._ring.wait(0.5)
+                self._ring.clear()
+                continue
+            now = time.monotonic()
+            for rid in rids:
+                st = self.kv.doorbell(rid)
+                if st is not None and st.name in ("WAITING", "RECEIVING"):
+                    with self.lock:
+                        p = self.pending.get(rid)
+                        if p is not None and now < p.xfer_deadline:
+                            continue
+                        if p is not None and p.state == "WAITING":
+                            p.state, p.reason = "FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket"
+                        self._rung.discard(rid)
+                    continue
+                state, reason = "READY", ""
+                if st is None or st.name != "READY":
+                    try:  # the daemon says why (FAILED), or that the request is gone
+                        got = self.kv.wait_ready(rid, timeout=0)
+                        state, reason = got.state.name, got.reason
+                    except KvdError as exc:
+                        state, reason = "FAILED", f"{type(exc).__name__}: {exc}"
+                    if state not in ("READY", "FAILED"):
+                        state, reason = "FAILED", f"the transfer's doorbell was lost while {state}"
+                with self.lock:
+                    self._rung.discard(rid)
+                    p = self.pending.get(rid)
+                    if p is not None and p.state == "WAITING":
+                        p.state, p.reason = state, reason
+            self._stop.wait(BELL_POLL_S)
 
     def _reap(self) -> None:
         """Free what the decode vLLM never admitted, once its admission window passed."""
@@ -385,6 +441,7 @@ class _TicketBook:
 
     def close(self) -> None:
         self._stop.set()
+        self._ring.set()
 
 
 def _ticket_server(book: _TicketBook, listen: str) -> ThreadingHTTPServer:

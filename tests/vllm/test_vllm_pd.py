@@ -9,7 +9,9 @@ two daemons, each its own process, and:
   handed over, several windows long;
 * a negative control: the decode daemon's arena corrupted once the KV arrived -> outputs differ;
 * a prefill engine killed mid-transfer -> the waiting decode request fails through vLLM's
-  load-error path, and neither daemon keeps a page.
+  load-error path, and neither daemon keeps a page;
+* (Llama) 300 pending transfers at once, more than the daemon's engine-socket connections: the
+  decode connector watches them on their doorbells, none fails, a handoff beside them is exact.
 
 The prefill engine runs chunked prefill (64 tokens a step): a prompt's KV is saved over several
 steps. The daemons start with ``layout_from_engine`` (each takes its engine's layout). Once, on Llama: a
@@ -161,6 +163,27 @@ def test_corrupted_kv_changes_the_output(pd: PD) -> None:
     out = decode(pd, ps, tickets)
     for i, (got, want) in enumerate(zip(out["tokens"], pd.baseline["tokens"])):
         assert got != want, f"{pd.model} prompt {i}: corrupted KV gave vLLM-alone's output: the KV was not used"
+
+
+def test_more_pending_transfers_than_engine_socket_connections(pd: PD) -> None:
+    """300 tickets pending at once -- more than the daemon's 256 engine-socket connections, which a
+    blocking WaitReady per pending transfer would each hold (the 257th refused, its request
+    FAILED): the decode connector reads them all on their doorbells from one thread. All stay
+    WAITING, a handoff beside them decodes as vLLM alone, and the unclaimed ones are reclaimed."""
+    if pd.model != "llama":
+        pytest.skip("one model is enough: the watcher does not depend on the layout")
+    idle = [ticket(pd.port, p)["kvd_rid"] for p in prompts([40] * 300)]
+    time.sleep(0.5)  # a watcher that failed them would have by now
+    st = [transfer(pd.port, rid) for rid in idle]
+    assert all(s is not None and s["state"] == "WAITING" for s in st), [s for s in st if not s or s["state"] != "WAITING"][:3]
+    ps = prompts(LENGTHS[:1])
+    tickets, _ = handoff(pd, ps)
+    out = decode(pd, ps, tickets)
+    assert out["tokens"][0] == pd.baseline["tokens"][0], f"{pd.model}: PD beside 300 pending transfers differs from vLLM alone"
+    deadline = time.monotonic() + ADMIT_TTL + 10
+    while live_requests(pd.decode_d.address) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert live_requests(pd.decode_d.address) == 0, "unclaimed tickets kept their kvd pages past the admission window"
 
 
 def test_never_admitted_is_reclaimed(pd: PD) -> None:
