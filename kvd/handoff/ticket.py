@@ -31,6 +31,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -38,7 +40,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kvd.errors import FailedPrecondition, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
-from kvd.records import IndexVectors, LeaseKind, TicketInfo
+from kvd.records import Envelope, IndexVectors, LeaseKind, TicketInfo
 from kvd.daemon.leases import Lease
 from kvd.limits import quote
 from kvd.daemon.node import Node
@@ -46,7 +48,7 @@ from kvd.pool.layout import Layout
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
 
-__all__ = ["TICKET_VERSION", "Issuer", "Tickets", "read", "check_for_sender", "check_fields"]
+__all__ = ["TICKET_VERSION", "REMEMBER", "REMEMBER_BYTES", "Issuer", "Tickets", "read", "check_for_sender", "check_fields"]
 
 #: The body's version: 2 is the sealed ticket (1 travelled bare).
 TICKET_VERSION = 2
@@ -86,8 +88,8 @@ def _complete(t: pb.Ticket) -> None:
     """InvalidArgument unless ``t`` is a whole ticket of :data:`TICKET_VERSION`."""
     if t.version != TICKET_VERSION:
         raise InvalidArgument(f"ticket version {t.version} is not supported (this daemon speaks {TICKET_VERSION})")
-    missing = [f for f in ("peer_address", "boot_id", "rid", "layout_fingerprint") if not getattr(t, f)]
-    if missing or not t.lease_id or not t.HasField("vectors"):
+    if not (t.peer_address and t.boot_id and t.rid and t.layout_fingerprint and t.lease_id and t.HasField("vectors")):
+        missing = [f for f in ("peer_address", "boot_id", "rid", "layout_fingerprint") if not getattr(t, f)]
         raise InvalidArgument(f"ticket is incomplete (missing {missing or ['lease_id/vectors']}); pass it unchanged")
 
 
@@ -116,27 +118,74 @@ def read(blob: bytes) -> TicketInfo:
     return _info(t)
 
 
+class _Minted(NamedTuple):
+    """A ticket :meth:`Tickets.mint` made: its seal, and what its body reads as (``vectors``: the
+    very vectors it was minted from, their mapping version known)."""
+
+    seal: bytes
+    info: TicketInfo
+
+
+class _Here(NamedTuple):
+    """What every ticket of a daemon states of its pool that changes only with the layout and the
+    backing: the fingerprint and the envelopes, as records and on the wire."""
+
+    layout: Layout
+    fingerprint: str
+    envelopes: list[Envelope]
+    envelopes_pb: list[pb.Envelope]
+
+
+#: The most minted tickets :class:`Tickets` remembers, and their bodies' bytes in all; the oldest
+#: go first. One it no longer remembers is checked all the same, from its bytes.
+REMEMBER = 1024
+REMEMBER_BYTES = 4 << 20
+
+
 class Tickets:
     """One daemon's tickets: minted and sealed with a key of this instance (one per boot, never
-    leaving the process), and checked when a sender presents them. Thread-safe."""
+    leaving the process; ``key`` for tests only), and checked when a sender presents them.
+    Thread-safe.
 
-    def __init__(self, node: Node, issuer: Issuer) -> None:
+    It remembers what it minted (the newest :data:`REMEMBER`): a presented body that is one of
+    them reads as what was minted, so :meth:`check` skips parsing it into records and, while the
+    request's pages are unchanged (:meth:`kvd.pool.pool.Pool.unchanged`), gathering and comparing
+    them. Every refusal stands as for any other ticket: the seal is compared, every field checked."""
+
+    def __init__(self, node: Node, issuer: Issuer, *, key: bytes | None = None) -> None:
         self.node = node
         self.issuer = issuer
-        self._key = secrets.token_bytes(32)
+        # Keyed once; each MAC starts from a copy (hmac.new per ticket re-derives the pads).
+        self._hmac = hmac.new(key if key is not None else secrets.token_bytes(32), digestmod=_MAC)
+        self._here: _Here | None = None
+        self._lock = threading.Lock()
+        self._minted: OrderedDict[bytes, _Minted] = OrderedDict()  # by body bytes, oldest first
+        self._minted_bytes = 0
 
     def _mac(self, body: bytes) -> bytes:
-        return hmac.new(self._key, body, _MAC).digest()
+        h = self._hmac.copy()
+        h.update(body)
+        return h.digest()
+
+    def _shape(self) -> _Here:
+        """This pool's fingerprint and envelopes, built again only when they changed."""
+        pool = self.node.pool
+        env = pool.envelopes()
+        here = self._here
+        if here is None or here.layout is not pool.layout or here.envelopes != env:
+            here = self._here = _Here(pool.layout, pool.layout.fingerprint, env, [envelope_to_pb(e) for e in env])
+        return here
 
     def seal(self, body: pb.Ticket) -> bytes:
         """``body`` sealed with this daemon's key: the ticket bytes (what :meth:`mint` returns)."""
         raw = body.SerializeToString()
         return pb.SealedTicket(body=raw, seal=self._mac(raw)).SerializeToString()
 
-    def mint(self, lease: Lease, vec: IndexVectors) -> bytes:
+    def mint(self, lease: Lease, vec: IndexVectors, vec_pb: pb.IndexVectors | None = None) -> bytes:
         """The sealed ticket of RECV lease ``lease``, naming ``vec`` (the request's vectors the
-        lease pins) as the destination. Call under the node's lock, with the lease just granted."""
-        pool, who = self.node.pool, self.issuer
+        lease pins) as the destination; ``vec_pb``: ``vectors_to_pb(vec)``, when the caller has
+        it already. Call under the node's lock, with the lease just granted."""
+        pool, who, here = self.node.pool, self.issuer, self._shape()
         body = pb.Ticket(
             version=TICKET_VERSION,
             peer_address=who.peer_address,
@@ -144,14 +193,31 @@ class Tickets:
             epoch=vec.epoch,
             lease_id=lease.lease_id,
             rid=lease.rid,
-            layout_fingerprint=pool.layout.fingerprint,
-            envelopes=[envelope_to_pb(e) for e in pool.envelopes()],
-            vectors=vectors_to_pb(vec),
+            layout_fingerprint=here.fingerprint,
+            envelopes=here.envelopes_pb,
+            vectors=vectors_to_pb(vec) if vec_pb is None else vec_pb,
             transfer_endpoint=who.transfer_endpoint,
             backend=who.backend,
             peer_socket=who.peer_socket,
         )
-        return self.seal(body)
+        raw = body.SerializeToString()
+        seal = self._mac(raw)
+        info = TicketInfo(
+            who.peer_address, pool.boot_id, vec.epoch, lease.lease_id, lease.rid, here.fingerprint, here.envelopes, vec,
+            who.transfer_endpoint, who.backend, who.peer_socket,
+        )
+        self._remember(raw, _Minted(seal, info))
+        return pb.SealedTicket(body=raw, seal=seal).SerializeToString()
+
+    def _remember(self, body: bytes, minted: _Minted) -> None:
+        with self._lock:
+            if self._minted.pop(body, None) is not None:
+                self._minted_bytes -= len(body)
+            self._minted[body] = minted
+            self._minted_bytes += len(body)
+            while len(self._minted) > REMEMBER or self._minted_bytes > REMEMBER_BYTES:
+                old, _ = self._minted.popitem(last=False)
+                self._minted_bytes -= len(old)
 
     def check(self, blob: bytes) -> tuple[TicketInfo, Lease]:
         """The ticket a sender presents, checked before the first byte (the order and the
@@ -164,13 +230,15 @@ class Tickets:
                 f"ticket from boot {quote(t.boot_id)}, but this daemon is boot {boot!r} (it restarted, or another daemon "
                 "issued the ticket); the decode side must allocate again and issue a new ticket"
             )
-        if not hmac.compare_digest(self._mac(body), seal):
+        # A body minted here verifies against the seal it got then: the MAC is a function of the body.
+        minted = self._minted.get(body)
+        if not hmac.compare_digest(self._mac(body) if minted is None else minted.seal, seal):
             raise PermissionDenied(
                 f"ticket for {quote(t.rid)} does not carry this daemon's seal: its bytes were changed after it was issued "
                 "(or it was truncated, or sealed by another daemon); pass the bytes of the RECV lease unchanged"
             )
         _complete(t)
-        info = _info(t)
+        info = _info(t) if minted is None else minted.info
         with self.node.lock:
             # Where the bytes go must be here. The routes of the calls (peer_address, peer_socket)
             # reached this daemon already, and the seal vouches for them.
@@ -182,11 +250,24 @@ class Tickets:
             return info, check_fields(self.node, info)
 
 
+_last_layout: tuple[Layout, str] | None = None
+
+
+def _fingerprint(layout: Layout) -> str:
+    """``layout.fingerprint``, kept for the layout object last asked about: a daemon has one, and
+    the fingerprint's own cache hashes the whole model on every call."""
+    global _last_layout
+    last = _last_layout
+    if last is None or last[0] is not layout:
+        last = _last_layout = (layout, layout.fingerprint)
+    return last[1]
+
+
 def check_for_sender(info: TicketInfo, rid: str, layout: Layout, backend: str) -> None:
     """What the sending daemon alone can refuse in a ticket it read (:func:`read`) to send ``rid``
     from a pool of ``layout`` over ``backend``: another layout, backend or request. The seal and
     the rest are the minter's to check (:meth:`Tickets.check`)."""
-    if info.layout_fingerprint != layout.fingerprint:
+    if info.layout_fingerprint != _fingerprint(layout):
         raise LayoutMismatch(
             f"ticket layout fingerprint {info.layout_fingerprint} differs from this daemon's "
             f"{layout.fingerprint}: prefill and decode must run the same layout (page size, dtype, groups)"
@@ -209,7 +290,7 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
                 f"ticket from boot {info.boot_id!r}, but this daemon is boot {pool.boot_id!r} (it restarted); "
                 "the decode side must allocate again and issue a new ticket"
             )
-        if info.layout_fingerprint != pool.layout.fingerprint:
+        if info.layout_fingerprint != _fingerprint(pool.layout):
             raise LayoutMismatch(
                 f"ticket layout fingerprint {info.layout_fingerprint!r} does not match this daemon's {pool.layout.fingerprint!r}"
             )
@@ -240,7 +321,10 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
                 f"ticket for {quote(info.rid)} names envelopes {info.envelopes} but this arena's are {pool.envelopes()}; "
                 "the decode side must issue a new ticket"
             )
-        wrong = _vectors_differ(info.vectors, pool.vectors(info.rid), info)
+        # Vectors of this pool whose request is unchanged since are its pages (a ticket minted
+        # here reads as the very vectors it was minted from): no gather, no comparison.
+        got = info.vectors
+        wrong = _vectors_differ(got, got if pool.unchanged(got) else pool.vectors(info.rid), info)
         if wrong:
             raise FailedPrecondition(
                 f"ticket's destination vectors are not request {quote(info.rid)}'s pages: {wrong}; the decode side must "
@@ -254,6 +338,8 @@ def _vectors_differ(got: IndexVectors, want: IndexVectors, info: TicketInfo) -> 
     for name, a, b in (("rid", got.rid, info.rid), ("boot_id", got.boot_id, info.boot_id), ("epoch", got.epoch, info.epoch)):
         if a != b:
             return f"the vectors' {name} is {a!r}, the ticket's {b!r}"
+    if got is want:
+        return ""
     for name in ("tokens", "swa_first_page", "state"):
         if getattr(got, name) != getattr(want, name):
             return f"{name} {getattr(got, name)!r}, the request's is {getattr(want, name)!r}"

@@ -242,18 +242,19 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         frees what it allocated, then raises)."""
         with self.node.lock:
             vecs = self.node.allocate(session, specs)
+            wire = [vectors_to_pb(v) for v in vecs]
             leases: list[pb.Lease] = []
             try:
-                for spec, v, want in zip(specs, vecs, lease):
+                for spec, v, m, want in zip(specs, vecs, wire, lease):
                     if want:
                         got, vec = self.node.acquire_lease(session, spec.rid, LeaseKind.RECV, boot_id=v.boot_id, epoch=v.epoch, known=v)
-                        leases.append(self._lease_pb(got, vec))
+                        leases.append(self._lease_pb(got, vec, m if vec is v else None))
             except BaseException:
                 for le in leases:
                     self.node.release_lease(session, le.lease_id)
                 self.node.free(session, [s.rid for s in specs])
                 raise
-            return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in vecs], leases=leases)
+            return pb.AllocateResponse(vectors=wire, leases=leases)
 
     def CanAllocate(self, request: pb.CanAllocateRequest, context):
         def go():
@@ -282,8 +283,10 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         return self._run(context, go)
 
     # ---- leases -----------------------------------------------------------------------------
-    def _lease_pb(self, lease, vec=None) -> pb.Lease:
-        ticket = self.tickets.mint(lease, vec) if vec is not None and lease.kind.value == "recv" else b""
+    def _lease_pb(self, lease, vec=None, vec_pb=None) -> pb.Lease:
+        """``lease`` on the wire, with its ticket when it is a RECV lease on ``vec`` (``vec_pb``:
+        ``vec`` on the wire, when the caller has it)."""
+        ticket = self.tickets.mint(lease, vec, vec_pb) if vec is not None and lease.kind is LeaseKind.RECV else b""
         return pb.Lease(
             lease_id=lease.lease_id,
             rid=lease.rid,
