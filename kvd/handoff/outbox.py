@@ -28,7 +28,7 @@ from kvd.handoff.notices import Notices
 from kvd.limits import quote
 from kvd.handoff.ahead import plan_ahead
 from kvd.handoff.flight import Flight, Outbound, SendItem, check_batch_size, refuse_duplicates
-from kvd.handoff.plan import Plan, check_range, pair_envelopes, plan_chunk
+from kvd.handoff.plan import Plan, check_envelopes, check_range, plan_chunk
 from kvd.handoff.ticket import check_for_sender
 from kvd.handoff.ticket import read as read_ticket
 
@@ -191,7 +191,7 @@ class Outbox:
             if ob.began:
                 return False
             env = self.node.pool.envelopes()
-            pair_envelopes(self.node.layout, env, ticket.envelopes)
+            check_envelopes(self.node.layout, env, ticket.envelopes)
             self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
             ob.began = True
             if ob.aborted:  # the request ended (or was aborted) while the receiver checked
@@ -286,7 +286,7 @@ class Outbox:
             if not ob.began:
                 # What the ticket alone can show is refused before the receiver hears of it.
                 check_range(t0, t1 or ticket.vectors.tokens, ticket.vectors.tokens)
-                pair_envelopes(self.node.layout, own_env, ticket.envelopes)
+                check_envelopes(self.node.layout, own_env, ticket.envelopes)
                 pending = self.link.start_check(ticket.peer_address, f.item.raw, self.address, ticket.via)
             # Plans made by begin hold while this pool's envelopes and the request's pages do.
             ahead = ob.ahead if ob.ahead is not None and ob.ahead.env == own_env else None
