@@ -108,7 +108,7 @@ def _ids(vec: torch.Tensor, p0: int, p1: int) -> list[int] | np.ndarray:
     (no copy): numpy's few array steps cost ~1 us each against ~10 us on small torch tensors,
     and a Send plans on its critical path."""
     if vec.shape[0] <= SMALL:
-        return vec.tolist()[p0:p1]  # type: ignore[no-any-return]
+        return vec.tolist()[p0:p1]
     return vec.numpy(force=True)[p0:p1]
 
 

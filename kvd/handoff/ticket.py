@@ -32,7 +32,6 @@ import hashlib
 import hmac
 import secrets
 import threading
-from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -143,13 +142,18 @@ class _Minted(NamedTuple):
 
 
 class _Here(NamedTuple):
-    """What every ticket of a daemon states of its pool that changes only with the layout and the
-    backing: the fingerprint and the envelopes, as records and on the wire."""
+    """What every ticket of one daemon states that changes only with its layout and backing:
+    the fingerprint and envelopes, and the body's fields around a ticket's own serialised --
+    ``head`` (fields 1-3), ``middle`` (7-8), ``tail`` (10-12). Protobuf serialises a message
+    field by field in field-number order, so these and a ticket's own fields (4-6, 9) joined in
+    that order are the bytes of the whole body serialised at once."""
 
-    layout: Layout
+    key: tuple[object, ...]  # what it was built for: pool, boot, backing, its change count, issuer
     fingerprint: str
     envelopes: list[Envelope]
-    envelopes_pb: list[pb.Envelope]
+    head: bytes
+    middle: bytes
+    tail: bytes
 
 
 #: The most minted tickets :class:`Tickets` remembers, and their bodies' bytes in all; the oldest
@@ -174,9 +178,14 @@ class Tickets:
         # Keyed once; each MAC starts from a copy (hmac.new per ticket re-derives the pads).
         self._hmac = hmac.new(key if key is not None else secrets.token_bytes(32), digestmod=_MAC)
         self._here: _Here | None = None
+        self._backings = 0  # backing changes seen (the node's hook): what minted envelopes hold for
+        node.on_backing_change.append(self._backing_changed)
         self._lock = threading.Lock()
-        self._minted: OrderedDict[bytes, _Minted] = OrderedDict()  # by body bytes, oldest first
+        self._minted: dict[bytes, _Minted] = {}  # by body bytes, oldest first
         self._minted_bytes = 0
+
+    def _backing_changed(self) -> None:
+        self._backings += 1
 
     def _mac(self, body: bytes) -> bytes:
         h = self._hmac.copy()
@@ -184,12 +193,19 @@ class Tickets:
         return h.digest()
 
     def _shape(self) -> _Here:
-        """This pool's fingerprint and envelopes, built again only when they changed."""
-        pool = self.node.pool
-        env = pool.envelopes()
+        """What this daemon's tickets state of it now: built again when the pool, its backing or
+        the issuer changed (a pool's envelopes change only with its backing)."""
+        pool, who = self.node.pool, self.issuer
+        key = (pool, pool.boot_id, pool.arena.backed, self._backings, who)
         here = self._here
-        if here is None or here.layout is not pool.layout or here.envelopes != env:
-            here = self._here = _Here(pool.layout, pool.layout.fingerprint, env, [envelope_to_pb(e) for e in env])
+        if here is None or here.key != key:
+            fp, env = pool.layout.fingerprint, pool.envelopes()
+            here = self._here = _Here(
+                key, fp, env,
+                pb.Ticket(version=TICKET_VERSION, peer_address=who.peer_address, boot_id=pool.boot_id).SerializeToString(),
+                pb.Ticket(layout_fingerprint=fp, envelopes=[envelope_to_pb(e) for e in env]).SerializeToString(),
+                pb.Ticket(transfer_endpoint=who.transfer_endpoint, backend=who.backend, peer_socket=who.peer_socket).SerializeToString(),
+            )
         return here
 
     def seal(self, body: pb.Ticket) -> bytes:
@@ -201,39 +217,29 @@ class Tickets:
         """The sealed ticket of RECV lease ``lease``, naming ``vec`` (the request's vectors the
         lease pins) as the destination; ``vec_pb``: ``vectors_to_pb(vec)``, when the caller has
         it already. Call under the node's lock, with the lease just granted."""
-        pool, who, here = self.node.pool, self.issuer, self._shape()
-        body = pb.Ticket(
-            version=TICKET_VERSION,
-            peer_address=who.peer_address,
-            boot_id=pool.boot_id,
-            epoch=vec.epoch,
-            lease_id=lease.lease_id,
-            rid=lease.rid,
-            layout_fingerprint=here.fingerprint,
-            envelopes=here.envelopes_pb,
-            vectors=vectors_to_pb(vec) if vec_pb is None else vec_pb,
-            transfer_endpoint=who.transfer_endpoint,
-            backend=who.backend,
-            peer_socket=who.peer_socket,
-        )
-        raw = body.SerializeToString()
+        here, who = self._shape(), self.issuer
+        raw = b"".join((
+            here.head,
+            pb.Ticket(epoch=vec.epoch, lease_id=lease.lease_id, rid=lease.rid).SerializeToString(),
+            here.middle,
+            pb.Ticket(vectors=vectors_to_pb(vec) if vec_pb is None else vec_pb).SerializeToString(),
+            here.tail,
+        ))
         seal = self._mac(raw)
         info = TicketInfo(
-            who.peer_address, pool.boot_id, vec.epoch, lease.lease_id, lease.rid, here.fingerprint, here.envelopes, vec,
-            who.transfer_endpoint, who.backend, who.peer_socket,
+            who.peer_address, self.node.pool.boot_id, vec.epoch, lease.lease_id, lease.rid, here.fingerprint, here.envelopes,
+            vec, who.transfer_endpoint, who.backend, who.peer_socket,
         )
-        self._remember(raw, _Minted(seal, info))
-        return pb.SealedTicket(body=raw, seal=seal).SerializeToString()
-
-    def _remember(self, body: bytes, minted: _Minted) -> None:
         with self._lock:
-            if self._minted.pop(body, None) is not None:
-                self._minted_bytes -= len(body)
-            self._minted[body] = minted
-            self._minted_bytes += len(body)
+            if self._minted.pop(raw, None) is not None:
+                self._minted_bytes -= len(raw)
+            self._minted[raw] = _Minted(seal, info)
+            self._minted_bytes += len(raw)
             while len(self._minted) > REMEMBER or self._minted_bytes > REMEMBER_BYTES:
-                old, _ = self._minted.popitem(last=False)
+                old = next(iter(self._minted))
+                del self._minted[old]
                 self._minted_bytes -= len(old)
+        return pb.SealedTicket(body=raw, seal=seal).SerializeToString()
 
     def check(self, blob: bytes) -> tuple[TicketInfo, Lease]:
         """The ticket a sender presents, checked before the first byte (the order and the

@@ -1,0 +1,92 @@
+"""The planner's two ways with ids (pure core): a few pages per group in plain Python, many in
+numpy. Both must plan the same blocks and refuse alike; here they are compared on random
+requests, ranges and envelopes with each way forced in turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvd.copy.runs as runs
+import kvd.handoff.plan as plan_mod
+from kvd.errors import KvdError
+from kvd.handoff.plan import plan_chunk
+from kvd.pool.presets import preset
+from kvd.records import Envelope, IndexVectors
+
+LAYOUTS = {name: preset(name) for name in ("tiny-hybrid", "gemma-4-31b-it-tp2")}
+FEW, MANY = 10**9, -1  # SMALL values that force each way
+
+
+def _ids(draw, n: int, lo: int, hi: int) -> torch.Tensor:
+    """``n`` ids in ``[lo, hi]``: runs of consecutive ids (what pools hand out) with jumps."""
+    out: list[int] = []
+    while len(out) < n:
+        start = draw(st.integers(lo, hi))
+        out += range(start, min(hi, start + draw(st.integers(0, 6))) + 1)
+    return torch.tensor(out[:n], dtype=torch.int32)
+
+
+@st.composite
+def cases(draw):
+    layout = LAYOUTS[draw(st.sampled_from(sorted(LAYOUTS)))]
+    ps = layout.page_size
+    tokens = draw(st.integers(1, 60 * ps))
+    pages = -(-tokens // ps)
+    sides = []
+    for side in ("src", "dst"):
+        # Mostly every id inside its envelope; now and then an envelope too small for them
+        # (refused the same either way).
+        tight = draw(st.integers(0, 7)) == 0
+        env = []
+        for i, g in enumerate(layout.arena_order()):
+            first = draw(st.integers(0, 5))
+            last = draw(st.integers(first, 480)) if tight else 480
+            env.append(Envelope(g.name, side, (i + 1) << 40, 1 << 40, layout.page_bytes(g), first, last))
+        lo, hi = 5, 470
+        swa_first = draw(st.integers(0, pages))
+        draft_pages = -(-tokens // layout.page_size_of(layout.group("draft"))) if layout.has("draft") else 0
+        vec = IndexVectors(
+            "r", side, 1, tokens, _ids(draw, pages, lo, hi), swa_first,
+            _ids(draw, pages - swa_first, lo, hi) if layout.has("swa") else torch.empty(0, dtype=torch.int32),
+            draw(st.integers(lo, hi)) if layout.has("state") else None,
+            _ids(draw, draft_pages, lo, hi),
+        )
+        sides.append((vec, env))
+    (src, s_env), (dst, d_env) = sides
+    if draw(st.booleans()):
+        dst = dst._replace(swa_first_page=src.swa_first_page, swa=_ids(draw, pages - src.swa_first_page, 0, 460))
+    t0 = draw(st.integers(0, tokens - 1))
+    t1 = draw(st.integers(t0 + 1, tokens))
+    return layout, src, dst, s_env, d_env, t0, t1, draw(st.booleans())
+
+
+def _outcome(case, small: int, monkeypatch) -> object:
+    monkeypatch.setattr(plan_mod, "SMALL", small)
+    monkeypatch.setattr(runs, "SMALL", small)
+    try:
+        p = plan_chunk(*case)
+    except KvdError as exc:
+        return type(exc), str(exc)
+    return p.src, p.dst, p.length, p.pages
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=cases())
+def test_few_and_many_pages_plan_the_same_blocks(case):
+    with pytest.MonkeyPatch.context() as mp:
+        few, many = _outcome(case, FEW, mp), _outcome(case, MANY, mp)
+    assert few == many
+
+
+@settings(max_examples=300, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=40))
+def test_coalesce_lists_is_coalesce_np(pairs):
+    s, d = (np.array(v, dtype=np.int32) for v in zip(*pairs))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runs, "SMALL", MANY)
+        want = [a.tolist() for a in runs.coalesce_np(s, d)]
+    assert list(runs.coalesce_lists(s.tolist(), d.tolist())) == want
