@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
+from kvd.backends.base import Backend, PeerRegion
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, PermissionDenied
 from kvd.records import Ends, LeaseKind, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.handoff.link import PeerLink
@@ -33,7 +34,6 @@ from kvd.handoff.ticket import check_for_sender
 from kvd.handoff.ticket import read as read_ticket
 
 if TYPE_CHECKING:
-    from kvd.backends.base import Backend
     from kvd.daemon.node import Node
     from kvd.records import IndexVectors
 
@@ -321,22 +321,22 @@ class Outbox:
 
     def _issue(self, f: Flight) -> None:
         """Issue the item's writes in batches of ``batch_blocks``, none after an abort."""
-        from kvd.backends.base import PeerRegion
-
         ob, ticket = f.ob, f.item.ticket
         if ob is None or f.plan is None:
             raise InternalError(f"send of {quote(f.item.rid)}: writes issued before the transfer was prepared")
         env = ticket.envelopes[0]
         peer = PeerRegion(ticket.transfer_endpoint, env.base, env.backed_bytes, env.region_id)
         srcs, dsts, lens = f.plan.as_lists()
-        for i in range(0, len(srcs), self.batch_blocks):
+        step = self.batch_blocks
+        for i in range(0, len(srcs), step):
             if ob.aborted:
                 raise Aborted(f"transfer of {quote(ob.rid)} aborted after {f.issued:,d} bytes: {ob.aborted}")
-            j = i + self.batch_blocks
-            w = self.backend.write_async(peer, srcs[i:j], dsts[i:j], lens[i:j])
+            # One batch (a short request's every block) goes as it is: slicing copies.
+            s, d, n = (srcs, dsts, lens) if len(srcs) <= step else (srcs[i : i + step], dsts[i : i + step], lens[i : i + step])
+            w = self.backend.write_async(peer, s, d, n)
             f.waits.append(w)
             f.note(w)
-            f.issued += sum(lens[i:j])
+            f.issued += sum(n)
 
     def _complete(self, session: str, f: Flight) -> SendResult | KvdError:
         """Wait for the item's writes, commit, release: its outcome."""
