@@ -107,7 +107,7 @@ def _ids(vec: torch.Tensor, p0: int, p1: int) -> list[int] | np.ndarray:
     """Ids ``[p0, p1)`` of an id vector: of a short vector, a list (one call); else a numpy view
     (no copy): numpy's few array steps cost ~1 us each against ~10 us on small torch tensors,
     and a Send plans on its critical path."""
-    if vec.shape[0] <= SMALL:
+    if vec.numel() <= SMALL:
         return vec.tolist()[p0:p1]
     return vec.numpy(force=True)[p0:p1]
 

@@ -32,7 +32,7 @@ import hashlib
 import hmac
 import secrets
 import threading
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -53,6 +53,7 @@ __all__ = ["TICKET_VERSION", "REMEMBER", "REMEMBER_BYTES", "Issuer", "Tickets", 
 TICKET_VERSION = 2
 _MAC = hashlib.sha256
 _SEAL_BYTES = _MAC().digest_size
+_M = TypeVar("_M", pb.SealedTicket, pb.Ticket)
 
 
 class Issuer(NamedTuple):
@@ -64,30 +65,41 @@ class Issuer(NamedTuple):
     peer_socket: str = ""  # its same-host peer socket ("" when it serves none)
 
 
-def _unseal(blob: bytes) -> tuple[bytes, bytes, pb.Ticket]:
-    """The body bytes, the seal and the parsed body; InvalidArgument for bytes that do not parse
-    as a sealed ticket. Verifies nothing."""
+def _sealed(blob: bytes) -> pb.SealedTicket:
     if not blob:
         raise InvalidArgument("ticket is empty; pass the bytes the decode daemon's RECV lease returned")
-    sealed, t = pb.SealedTicket(), pb.Ticket()
+    return _parse(pb.SealedTicket, bytes(blob))
+
+
+def _body(body: bytes) -> pb.Ticket:
+    return _parse(pb.Ticket, body)
+
+
+def _parse(cls: type[_M], data: bytes) -> _M:
+    m = cls()
     try:
-        sealed.ParseFromString(bytes(blob))
-        t.ParseFromString(sealed.body)
+        m.ParseFromString(data)
     except DecodeError as exc:
         raise InvalidArgument(f"ticket bytes do not parse as a kvd ticket ({exc}); pass the lease's ticket unchanged") from exc
+    return m
+
+
+def _seal_of(sealed: pb.SealedTicket) -> tuple[bytes, bytes]:
+    """The body bytes and the seal; InvalidArgument when either is missing. Verifies nothing."""
     if not sealed.body or len(sealed.seal) != _SEAL_BYTES:
         raise InvalidArgument(
             f"ticket is not sealed (body of {len(sealed.body)} bytes, seal of {len(sealed.seal)} bytes, not {_SEAL_BYTES}); "
             "pass the bytes the decode daemon's RECV lease returned, unchanged"
         )
-    return sealed.body, sealed.seal, t
+    return sealed.body, sealed.seal
 
 
-def _complete(t: pb.Ticket) -> None:
-    """InvalidArgument unless ``t`` is a whole ticket of :data:`TICKET_VERSION`."""
-    if t.version != TICKET_VERSION:
-        raise InvalidArgument(f"ticket version {t.version} is not supported (this daemon speaks {TICKET_VERSION})")
-    if not (t.peer_address and t.boot_id and t.rid and t.layout_fingerprint and t.lease_id and t.HasField("vectors")):
+def _complete(version: int, t: pb.Ticket | TicketInfo, has_vectors: bool) -> None:
+    """InvalidArgument unless ``t`` (a body, or what one reads as) is a whole ticket of
+    :data:`TICKET_VERSION`."""
+    if version != TICKET_VERSION:
+        raise InvalidArgument(f"ticket version {version} is not supported (this daemon speaks {TICKET_VERSION})")
+    if not (t.peer_address and t.boot_id and t.rid and t.layout_fingerprint and t.lease_id and has_vectors):
         missing = [f for f in ("peer_address", "boot_id", "rid", "layout_fingerprint") if not getattr(t, f)]
         raise InvalidArgument(f"ticket is incomplete (missing {missing or ['lease_id/vectors']}); pass it unchanged")
 
@@ -128,8 +140,10 @@ def read(blob: bytes) -> TicketInfo:
     """What a sender reads from a ticket (its body), without verifying the seal: only the minter
     can. InvalidArgument for bytes that are no ticket. The minter checks the same bytes
     (:meth:`Tickets.check`) before the sender writes a byte."""
-    t = _unseal(blob)[2]
-    _complete(t)
+    sealed = _sealed(blob)
+    t = _body(sealed.body)
+    _seal_of(sealed)
+    _complete(t.version, t, t.HasField("vectors"))
     return _info(t)
 
 
@@ -244,7 +258,11 @@ class Tickets:
     def check(self, blob: bytes) -> tuple[TicketInfo, Lease]:
         """The ticket a sender presents, checked before the first byte (the order and the
         refusals are in the module docstring); returns it and the RECV lease it names."""
-        body, seal, t = _unseal(blob)
+        sealed = _sealed(blob)
+        # A body minted here parses and reads as what was minted.
+        minted = self._minted.get(sealed.body)
+        t = minted.info if minted is not None else _body(sealed.body)
+        body, seal = _seal_of(sealed)
         boot = self.node.pool.boot_id
         if t.boot_id and t.boot_id != boot:  # before the seal: another boot's key sealed it, and the sender should learn why
             self.node.count_stale()
@@ -252,15 +270,18 @@ class Tickets:
                 f"ticket from boot {quote(t.boot_id)}, but this daemon is boot {boot!r} (it restarted, or another daemon "
                 "issued the ticket); the decode side must allocate again and issue a new ticket"
             )
-        # A body minted here verifies against the seal it got then: the MAC is a function of the body.
-        minted = self._minted.get(body)
+        # ... and verifies against the seal it got then: the MAC is a function of the body.
         if not hmac.compare_digest(self._mac(body) if minted is None else minted.seal, seal):
             raise PermissionDenied(
                 f"ticket for {quote(t.rid)} does not carry this daemon's seal: its bytes were changed after it was issued "
                 "(or it was truncated, or sealed by another daemon); pass the bytes of the RECV lease unchanged"
             )
-        _complete(t)
-        info = _info(t) if minted is None else minted.info
+        if isinstance(t, TicketInfo):
+            _complete(TICKET_VERSION, t, True)
+            info = t
+        else:
+            _complete(t.version, t, t.HasField("vectors"))
+            info = _info(t)
         with self.node.lock:
             # Where the bytes go must be here. The routes of the calls (peer_address, peer_socket)
             # reached this daemon already, and the seal vouches for them.

@@ -210,7 +210,14 @@ def state_from_pb(v: int) -> TransferState:
 
 
 def send_result_to_pb(r: SendResult) -> pb.SendResponse:
-    return pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds, pages=r.pages, phase_seconds=r.phases)
+    m = pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds)
+    # Key by key: a map given to the constructor is filled through MutableMapping.update, ~2x slower.
+    pages, phases = m.pages, m.phase_seconds
+    for k, n in r.pages.items():
+        pages[k] = n
+    for k, v in r.phases.items():
+        phases[k] = v
+    return m
 
 
 def send_result_from_pb(m: pb.SendResponse) -> SendResult:
