@@ -43,6 +43,7 @@ from kvd.records import Envelope, IndexVectors, LeaseKind, TicketInfo
 from kvd.daemon.leases import Lease
 from kvd.limits import quote
 from kvd.daemon.node import Node
+from kvd.handoff.envelopes import Envelopes
 from kvd.pool.layout import Layout
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
@@ -162,7 +163,7 @@ class _Here(NamedTuple):
     field by field in field-number order, so these and a ticket's own fields (4-6, 9) joined in
     that order are the bytes of the whole body serialised at once."""
 
-    key: tuple[object, ...]  # what it was built for: pool, boot, backing, its change count, issuer
+    issuer: Issuer
     fingerprint: str
     envelopes: list[Envelope]
     head: bytes
@@ -191,15 +192,11 @@ class Tickets:
         self.issuer = issuer
         # Keyed once; each MAC starts from a copy (hmac.new per ticket re-derives the pads).
         self._hmac = hmac.new(key if key is not None else secrets.token_bytes(32), digestmod=_MAC)
+        self._envelopes = Envelopes(node)
         self._here: _Here | None = None
-        self._backings = 0  # backing changes seen (the node's hook): what minted envelopes hold for
-        node.on_backing_change.append(self._backing_changed)
         self._lock = threading.Lock()
         self._minted: dict[bytes, _Minted] = {}  # by body bytes, oldest first
         self._minted_bytes = 0
-
-    def _backing_changed(self) -> None:
-        self._backings += 1
 
     def _mac(self, body: bytes) -> bytes:
         h = self._hmac.copy()
@@ -207,15 +204,15 @@ class Tickets:
         return h.digest()
 
     def _shape(self) -> _Here:
-        """What this daemon's tickets state of it now: built again when the pool, its backing or
-        the issuer changed (a pool's envelopes change only with its backing)."""
-        pool, who = self.node.pool, self.issuer
-        key = (pool, pool.boot_id, pool.arena.backed, self._backings, who)
+        """What this daemon's tickets state of it now: built again when its envelopes (its pool,
+        boot or backing: :class:`~kvd.handoff.envelopes.Envelopes`) or the issuer changed."""
+        env, who = self._envelopes(), self.issuer
         here = self._here
-        if here is None or here.key != key:
-            fp, env = pool.layout.fingerprint, pool.envelopes()
+        if here is None or here.envelopes is not env or here.issuer != who:
+            pool = self.node.pool
+            fp = pool.layout.fingerprint
             here = self._here = _Here(
-                key, fp, env,
+                who, fp, env,
                 pb.Ticket(version=TICKET_VERSION, peer_address=who.peer_address, boot_id=pool.boot_id).SerializeToString(),
                 pb.Ticket(layout_fingerprint=fp, envelopes=[envelope_to_pb(e) for e in env]).SerializeToString(),
                 pb.Ticket(transfer_endpoint=who.transfer_endpoint, backend=who.backend, peer_socket=who.peer_socket).SerializeToString(),
