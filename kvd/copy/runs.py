@@ -61,12 +61,12 @@ def coalesce_lists(s: list[int], d: list[int]) -> tuple[list[int], list[int], li
     """:func:`coalesce_np` of a few pairs (:data:`SMALL`), as lists: ``(src, dst, length)``.
     ``s`` and ``d`` must have equal, nonzero length."""
     rs, rd, rn = [s[0]], [d[0]], [1]
-    for i in range(1, len(s)):
-        if s[i] == s[i - 1] + 1 and d[i] == d[i - 1] + 1:
+    for a, b, x, y in zip(s, d, s[1:], d[1:]):  # each pair with the one before it
+        if x == a + 1 and y == b + 1:
             rn[-1] += 1
         else:
-            rs.append(s[i])
-            rd.append(d[i])
+            rs.append(x)
+            rd.append(y)
             rn.append(1)
     return rs, rd, rn
 

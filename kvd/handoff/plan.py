@@ -112,10 +112,6 @@ def _ids(vec: torch.Tensor, p0: int, p1: int) -> list[int] | np.ndarray:
     return vec.numpy(force=True)[p0:p1]
 
 
-def _page_range(t0: int, t1: int, page_size: int) -> tuple[int, int]:
-    return t0 // page_size, -(-t1 // page_size)
-
-
 #: What planning reads of a layout and both sides' envelopes, per group in arena order: its
 #: name, kind, tokens per page and (source, destination) envelopes.
 _Row = tuple[str, GroupKind, int, Envelope, Envelope]
@@ -179,25 +175,27 @@ def plan_chunk(
             if src.state is None or dst.state is None:
                 raise InvalidArgument(f"request {quote(src.rid)}: a state slot is missing on one side")
             s_ids, d_ids = [src.state], [dst.state]
-        elif kind is GroupKind.SWA:
-            p0, p1 = _page_range(t0, t1, page_size)
-            p0 = max(p0, dst.swa_first_page)
-            if p0 >= p1:
-                continue
-            if p0 < src.swa_first_page:
-                raise InvalidArgument(
-                    f"request {quote(src.rid)}: the receiver needs SWA page {p0} but the sender released pages before "
-                    f"{src.swa_first_page}; send each chunk before extending past it"
-                )
-            s_ids = _ids(src.swa, p0 - src.swa_first_page, p1 - src.swa_first_page)
-            d_ids = _ids(dst.swa, p0 - dst.swa_first_page, p1 - dst.swa_first_page)
         else:
-            vec_s, vec_d = (src.full, dst.full) if kind is GroupKind.FULL else (src.draft, dst.draft)
-            p0, p1 = _page_range(t0, t1, page_size)
-            s_ids, d_ids = _ids(vec_s, p0, p1), _ids(vec_d, p0, p1)
-        if len(s_ids) != len(d_ids):
-            raise InvalidArgument(f"group {name}: {len(s_ids)} source pages vs {len(d_ids)} destination pages")
-        if len(s_ids):
+            p0, p1 = t0 // page_size, -(-t1 // page_size)
+            if kind is GroupKind.SWA:
+                p0 = max(p0, dst.swa_first_page)
+                if p0 >= p1:
+                    continue
+                if p0 < src.swa_first_page:
+                    raise InvalidArgument(
+                        f"request {quote(src.rid)}: the receiver needs SWA page {p0} but the sender released pages before "
+                        f"{src.swa_first_page}; send each chunk before extending past it"
+                    )
+                s_ids = _ids(src.swa, p0 - src.swa_first_page, p1 - src.swa_first_page)
+                d_ids = _ids(dst.swa, p0 - dst.swa_first_page, p1 - dst.swa_first_page)
+            elif kind is GroupKind.FULL:
+                s_ids, d_ids = _ids(src.full, p0, p1), _ids(dst.full, p0, p1)
+            else:
+                s_ids, d_ids = _ids(src.draft, p0, p1), _ids(dst.draft, p0, p1)
+        n = len(s_ids)
+        if n != len(d_ids):
+            raise InvalidArgument(f"group {name}: {n} source pages vs {len(d_ids)} destination pages")
+        if n:
             _add(plan, name, s_ids, d_ids, s_env, d_env)
     return plan
 
