@@ -40,6 +40,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from operator import add
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -324,13 +325,16 @@ def _check_few(peer: PeerRegion, lo: int, size: int, srcs: list[int], dsts: list
     """:meth:`Backend._check_blocks` for a few blocks: the same refusals, in the same order
     (types, then lengths, sources, destinations; the first block of the first kind)."""
     hi, p_lo, p_hi = lo + size, peer.base, peer.base + peer.backed_bytes
-    # Every condition below at once, block by block: blocks that pass all return here; the
-    # first that fails any is named by the checks below, kind by kind.
-    for s, d, n in zip(srcs, dsts, lens):
-        if not (type(s) is int and type(d) is int and type(n) is int and n > 0 and lo <= s and s + n <= hi and p_lo <= d
-                and d + n <= p_hi):
-            break
-    else:
+    # Every condition below at once, over all blocks (the loops in C): blocks that pass them all
+    # return here; otherwise the checks below name the first block that fails, kind by kind.
+    if (
+        set(map(type, srcs)) | set(map(type, dsts)) | set(map(type, lens)) == {int}
+        and min(lens) > 0
+        and min(srcs) >= lo
+        and max(map(add, srcs, lens)) <= hi
+        and min(dsts) >= p_lo
+        and max(map(add, dsts, lens)) <= p_hi
+    ):
         return
     for v, what in ((srcs, "srcs"), (dsts, "dsts"), (lens, "lens")):
         for x in v:

@@ -82,8 +82,20 @@ def test_few_and_many_pages_plan_the_same_blocks(case):
     assert few == many
 
 
-@settings(max_examples=300, deadline=None)
-@given(pairs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=40))
+@st.composite
+def id_pairs(draw) -> list[tuple[int, int]]:
+    """Paired ids: stretches consecutive on both sides (one run, as fresh pools hand pages out),
+    on one side only, or neither."""
+    out: list[tuple[int, int]] = []
+    for _ in range(draw(st.integers(1, 4))):
+        x, y, k = draw(st.integers(-5, 40)), draw(st.integers(-5, 40)), draw(st.integers(1, 12))
+        how = draw(st.sampled_from(["both", "src", "none"]))
+        out += [(x + i, y + (i if how == "both" else 2 * i if how == "src" else draw(st.integers(0, 40)))) for i in range(k)]
+    return out[:40]
+
+
+@settings(max_examples=400, deadline=None)
+@given(pairs=id_pairs())
 def test_coalesce_lists_is_coalesce_np(pairs):
     s, d = (np.array(v, dtype=np.int32) for v in zip(*pairs))
     with pytest.MonkeyPatch.context() as mp:
