@@ -103,13 +103,11 @@ def _check_addresses(env: Envelope) -> None:
         )
 
 
-def _ids(vec: torch.Tensor, p0: int, p1: int) -> list[int] | np.ndarray:
-    """Ids ``[p0, p1)`` of an id vector: of a short vector, a list (one call); else a numpy view
-    (no copy): numpy's few array steps cost ~1 us each against ~10 us on small torch tensors,
-    and a Send plans on its critical path."""
-    if vec.numel() <= SMALL:
-        return vec.tolist()[p0:p1]
-    return vec.numpy(force=True)[p0:p1]
+def _ids(vec: torch.Tensor, p0: int, p1: int, few: bool) -> list[int] | np.ndarray:
+    """Ids ``[p0, p1)`` of an id vector of a request of ``few`` pages (:data:`~kvd.copy.runs.SMALL`
+    or fewer in the group): a list (one call); else a numpy view (no copy): numpy's few array
+    steps cost ~1 us each against ~10 us on small torch tensors. Either serves :func:`_add`."""
+    return vec.tolist()[p0:p1] if few else vec.numpy(force=True)[p0:p1]
 
 
 #: What planning reads of a layout and both sides' envelopes, per group in arena order: its
@@ -177,6 +175,7 @@ def plan_chunk(
             s_ids, d_ids = [src.state], [dst.state]
         else:
             p0, p1 = t0 // page_size, -(-t1 // page_size)
+            few = -(-src.tokens // page_size) <= SMALL  # the group's pages in the request
             if kind is GroupKind.SWA:
                 p0 = max(p0, dst.swa_first_page)
                 if p0 >= p1:
@@ -186,12 +185,12 @@ def plan_chunk(
                         f"request {quote(src.rid)}: the receiver needs SWA page {p0} but the sender released pages before "
                         f"{src.swa_first_page}; send each chunk before extending past it"
                     )
-                s_ids = _ids(src.swa, p0 - src.swa_first_page, p1 - src.swa_first_page)
-                d_ids = _ids(dst.swa, p0 - dst.swa_first_page, p1 - dst.swa_first_page)
+                s_ids = _ids(src.swa, p0 - src.swa_first_page, p1 - src.swa_first_page, few)
+                d_ids = _ids(dst.swa, p0 - dst.swa_first_page, p1 - dst.swa_first_page, few)
             elif kind is GroupKind.FULL:
-                s_ids, d_ids = _ids(src.full, p0, p1), _ids(dst.full, p0, p1)
+                s_ids, d_ids = _ids(src.full, p0, p1, few), _ids(dst.full, p0, p1, few)
             else:
-                s_ids, d_ids = _ids(src.draft, p0, p1), _ids(dst.draft, p0, p1)
+                s_ids, d_ids = _ids(src.draft, p0, p1, few), _ids(dst.draft, p0, p1, few)
         n = len(s_ids)
         if n != len(d_ids):
             raise InvalidArgument(f"group {name}: {n} source pages vs {len(d_ids)} destination pages")

@@ -287,7 +287,7 @@ class Tickets:
                     f"ticket sends the bytes to {info.backend!r} endpoint {info.transfer_endpoint!r}, but this daemon's "
                     f"is {self.issuer.backend!r} endpoint {self.issuer.transfer_endpoint!r}"
                 )
-            return info, check_fields(self.node, info)
+            return info, check_fields(self.node, info, self._envelopes)
 
 
 _last_layout: tuple[Layout, str] | None = None
@@ -318,10 +318,11 @@ def check_for_sender(info: TicketInfo, rid: str, layout: Layout, backend: str) -
         raise InvalidArgument(f"ticket is for request {quote(info.rid)}, not {quote(rid)}")
 
 
-def check_fields(node: Node, info: TicketInfo) -> Lease:
+def check_fields(node: Node, info: TicketInfo, envelopes: Envelopes | None = None) -> Lease:
     """Check a ticket's fields against ``node``, the daemon that issued it (boot, layout, lease,
     epoch, envelopes, destination vectors; see the module docstring) and return its RECV lease.
-    The seal is :meth:`Tickets.check`'s; this is the check the seal does not replace."""
+    The seal is :meth:`Tickets.check`'s; this is the check the seal does not replace.
+    ``envelopes``: the node's, where the caller keeps them (else the pool's, built now)."""
     with node.lock:
         pool = node.pool
         if info.boot_id != pool.boot_id:
@@ -356,9 +357,10 @@ def check_fields(node: Node, info: TicketInfo) -> Lease:
         except StaleEpoch:
             node.count_stale()
             raise
-        if info.envelopes != pool.envelopes():
+        here = pool.envelopes() if envelopes is None else envelopes()
+        if info.envelopes != here:
             raise FailedPrecondition(
-                f"ticket for {quote(info.rid)} names envelopes {info.envelopes} but this arena's are {pool.envelopes()}; "
+                f"ticket for {quote(info.rid)} names envelopes {info.envelopes} but this arena's are {here}; "
                 "the decode side must issue a new ticket"
             )
         # Vectors of this pool whose request is unchanged since are its pages (a ticket minted
