@@ -231,7 +231,10 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
             session = self._session(context)
             if not any(s.lease for s in request.requests):
-                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in self.node.allocate(session, specs)])
+                vecs = self.node.allocate(session, specs)
+                if self.outbox is not None:
+                    self.outbox.known(vecs)
+                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in vecs])
             return self._allocate_leased(session, specs, [s.lease for s in request.requests])
 
         return self._run(context, go)
@@ -268,7 +271,10 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Extend(self, request: pb.ExtendRequest, context):
         def go():
             items = [(i.rid, i.tokens) for i in request.items]
-            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in self.node.extend(self._session(context), items)])
+            vecs = self.node.extend(self._session(context), items)
+            if self.outbox is not None:
+                self.outbox.known(vecs)
+            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in vecs])
 
         return self._run(context, go)
 
