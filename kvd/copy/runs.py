@@ -60,9 +60,6 @@ SMALL = 32
 def coalesce_lists(s: list[int], d: list[int]) -> tuple[list[int], list[int], list[int]]:
     """:func:`coalesce_np` of a few pairs (:data:`SMALL`), as lists: ``(src, dst, length)``.
     ``s`` and ``d`` must have equal, nonzero length."""
-    n = len(s)
-    if s == list(range(s[0], s[0] + n)) and d == list(range(d[0], d[0] + n)):
-        return [s[0]], [d[0]], [n]  # one run (pages handed out in a row on both sides): no loop
     rs, rd, rn = [s[0]], [d[0]], [1]
     for a, b, x, y in zip(s, d, s[1:], d[1:]):  # each pair with the one before it
         if x == a + 1 and y == b + 1:

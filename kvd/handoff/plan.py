@@ -209,12 +209,20 @@ def _add(plan: Plan, name: str, s: list[int] | np.ndarray, d: list[int] | np.nda
     if n <= SMALL:
         s = s if isinstance(s, list) else s.tolist()
         d = d if isinstance(d, list) else d.tolist()
-        if min(s) < s_env.first_page or max(s) > s_env.last_page:
+        s0, d0 = s[0], d[0]
+        if s == list(range(s0, s0 + n)) and d == list(range(d0, d0 + n)):
+            # One run on both sides (pages a pool handed out in a row): its ends are the bounds.
+            runs = ([s0], [d0], [n])
+            s_lo, s_hi, d_lo, d_hi = s0, s0 + n - 1, d0, d0 + n - 1
+        else:
+            runs = coalesce_lists(s, d)
+            s_lo, s_hi, d_lo, d_hi = min(s), max(s), min(d), max(d)
+        if s_lo < s_env.first_page or s_hi > s_env.last_page:
             raise _outside(name, s_env, "source")
-        if min(d) < d_env.first_page or max(d) > d_env.last_page:
+        if d_lo < d_env.first_page or d_hi > d_env.last_page:
             raise _outside(name, d_env, "destination")
         srcs, dsts, lens, sb, db = plan.src, plan.dst, plan.length, s_env.base, d_env.base
-        for x, y, k in zip(*coalesce_lists(s, d)):
+        for x, y, k in zip(*runs):
             srcs.append(x * pb + sb)
             dsts.append(y * pb + db)
             lens.append(k * pb)

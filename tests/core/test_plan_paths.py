@@ -36,32 +36,41 @@ def cases(draw):
     ps = layout.page_size
     tokens = draw(st.integers(1, 60 * ps))
     pages = -(-tokens // ps)
-    sides = []
+    vecs = []
     for side in ("src", "dst"):
-        # Mostly every id inside its envelope; now and then an envelope too small for them
-        # (refused the same either way).
-        tight = draw(st.integers(0, 7)) == 0
-        env = []
-        for i, g in enumerate(layout.arena_order()):
-            first = draw(st.integers(0, 5))
-            last = draw(st.integers(first, 480)) if tight else 480
-            env.append(Envelope(g.name, side, (i + 1) << 40, 1 << 40, layout.page_bytes(g), first, last))
         lo, hi = 5, 470
         swa_first = draw(st.integers(0, pages))
         draft_pages = -(-tokens // layout.page_size_of(layout.group("draft"))) if layout.has("draft") else 0
-        vec = IndexVectors(
+        vecs.append(IndexVectors(
             "r", side, 1, tokens, _ids(draw, pages, lo, hi), swa_first,
             _ids(draw, pages - swa_first, lo, hi) if layout.has("swa") else torch.empty(0, dtype=torch.int32),
             draw(st.integers(lo, hi)) if layout.has("state") else None,
             _ids(draw, draft_pages, lo, hi),
-        )
-        sides.append((vec, env))
-    (src, s_env), (dst, d_env) = sides
+        ))
+    src, dst = vecs
     if draw(st.booleans()):
-        dst = dst._replace(swa_first_page=src.swa_first_page, swa=_ids(draw, pages - src.swa_first_page, 0, 460))
+        dst = dst._replace(swa_first_page=src.swa_first_page, swa=_ids(draw, pages - src.swa_first_page, 5, 470))
+    s_env, d_env = (_envelopes(draw, layout, side, v) for side, v in (("src", src), ("dst", dst)))
     t0 = draw(st.integers(0, tokens - 1))
     t1 = draw(st.integers(t0 + 1, tokens))
     return layout, src, dst, s_env, d_env, t0, t1, draw(st.booleans())
+
+
+def _envelopes(draw, layout, side: str, v: IndexVectors) -> list[Envelope]:
+    """Envelopes around ``v``'s ids: mostly wide; now and then random, or right at the edges of a
+    group's ids (one page in or out: refused the same either way)."""
+    how = draw(st.sampled_from(["wide", "wide", "random", "edges"]))
+    env = []
+    for i, g in enumerate(layout.arena_order()):
+        ids = {"state": [] if v.state is None else [v.state], "swa": v.swa.tolist(), "draft": v.draft.tolist(), "full": v.full.tolist()}[g.name]
+        first, last = 0, 480
+        if how == "random":
+            first = draw(st.integers(0, 5))
+            last = draw(st.integers(first, 480))
+        elif how == "edges" and ids:
+            first, last = max(0, min(ids) + draw(st.integers(0, 1))), max(ids) - draw(st.integers(0, 1))
+        env.append(Envelope(g.name, side, (i + 1) << 40, 1 << 40, layout.page_bytes(g), first, last))
+    return env
 
 
 def _outcome(case, small: int, monkeypatch) -> object:
