@@ -40,9 +40,9 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from operator import add
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import add
 from typing import ClassVar
 
 import numpy as np
