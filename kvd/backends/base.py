@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import add
 from typing import ClassVar
 
 import numpy as np
@@ -225,7 +226,8 @@ class Backend(abc.ABC):
         """A write is no longer in flight (issued and waited for, or refused)."""
         with self._cond:
             self._in_flight -= 1
-            self._cond.notify_all()
+            if not self._in_flight:  # what register and close wait for
+                self._cond.notify_all()
 
     def close(self) -> None:
         """Unregister and release the transport. Idempotent; waits for writes in flight."""
@@ -322,11 +324,22 @@ SMALL_CHECK = 64
 def _check_few(peer: PeerRegion, lo: int, size: int, srcs: list[int], dsts: list[int], lens: list[int]) -> None:
     """:meth:`Backend._check_blocks` for a few blocks: the same refusals, in the same order
     (types, then lengths, sources, destinations; the first block of the first kind)."""
+    hi, p_lo, p_hi = lo + size, peer.base, peer.base + peer.backed_bytes
+    # Every condition below at once, over all blocks (the loops in C): blocks that pass them all
+    # return here; otherwise the checks below name the first block that fails, kind by kind.
+    if (
+        set(map(type, srcs)) | set(map(type, dsts)) | set(map(type, lens)) == {int}
+        and min(lens) > 0
+        and min(srcs) >= lo
+        and max(map(add, srcs, lens)) <= hi
+        and min(dsts) >= p_lo
+        and max(map(add, dsts, lens)) <= p_hi
+    ):
+        return
     for v, what in ((srcs, "srcs"), (dsts, "dsts"), (lens, "lens")):
         for x in v:
             if type(x) is not int:  # bool, float, numpy scalars: as the numpy check refuses them
                 raise InvalidArgument(f"write takes int {what}, got elements of type {type(x).__name__}")
-    hi, p_lo, p_hi = lo + size, peer.base, peer.base + peer.backed_bytes
     for bad, why in (
         ((n <= 0 for n in lens), "has a non-positive length"),
         ((s < lo or s + n > hi for s, n in zip(srcs, lens)), f"reads outside this arena's registered range [{lo:#x}, {hi:#x})"),

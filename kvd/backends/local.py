@@ -139,6 +139,9 @@ class LocalBackend(Backend):
             with self._maps_lock:
                 self._maps.pop(path, None)  # the peer is gone: let its mapping go too
             raise Unavailable(f"peer arena {peer.region_id!r} is gone: {path} does not exist") from exc
+        m = self._maps.get(path)  # a hit needs no lock: a mapping, once made, stays valid for its file
+        if m is not None and m.ino == st.st_ino and m.size >= peer.backed_bytes:
+            return m
         with self._maps_lock:
             m = self._maps.get(path)
             if m is not None and (m.ino != st.st_ino or m.size < peer.backed_bytes):
@@ -207,12 +210,10 @@ class LocalBackend(Backend):
         if src_view is None:  # Backend.write checked that an arena is registered
             raise InternalError("local backend: write reached the copy with no registered source view")
         t1 = pc()
-        lo = self.registered[0]
-        for i in range(0, len(srcs), self.max_batch):
-            s = [a - lo for a in srcs[i : i + self.max_batch]]
-            d = [a - peer.base for a in dsts[i : i + self.max_batch]]
-            n = lens[i : i + self.max_batch]
-            _copy_blocks(src_view, dst_view, s, d, n)
+        lo, base, step = self._reg_lo, peer.base, self.max_batch
+        for i in range(0, len(srcs), step):
+            n = lens[i : i + step]
+            _copy_blocks(src_view, dst_view, [a - lo for a in srcs[i : i + step]], [a - base for a in dsts[i : i + step]], n)
             self._account(sum(n))
         t2 = pc()
         if not fd_is_live(m.fd):

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Runs", "coalesce", "coalesce_np", "expand", "copy_host"]
+__all__ = ["Runs", "coalesce", "coalesce_np", "coalesce_lists", "SMALL", "expand", "copy_host"]
 
 
 class Runs(NamedTuple):
@@ -37,8 +37,9 @@ def coalesce_np(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
     if n == 0:
         e = np.empty(0, dtype=np.int64)
         return e, e, e
-    if n <= _SMALL:
-        return _coalesce_small(src.reshape(-1).tolist(), dst.reshape(-1).tolist())
+    if n <= SMALL:
+        rs, rd, rn = coalesce_lists(src.reshape(-1).tolist(), dst.reshape(-1).tolist())
+        return np.array(rs, dtype=np.int64), np.array(rd, dtype=np.int64), np.array(rn, dtype=np.int64)
     s, d = src.reshape(-1).astype(np.int64, copy=False), dst.reshape(-1).astype(np.int64, copy=False)
     brk = np.empty(n, dtype=bool)
     brk[0] = True
@@ -51,21 +52,23 @@ def coalesce_np(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return s[starts], d[starts], length
 
 
-#: Up to this many pairs a Python loop beats the dozen numpy calls (a short request's Send, a
-#: state slot: ~2 us against ~10).
-_SMALL = 32
+#: Up to this many pairs a Python loop over lists beats the dozen numpy calls (a short request's
+#: Send, a state slot: ~2 us against ~10).
+SMALL = 32
 
 
-def _coalesce_small(s: list[int], d: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def coalesce_lists(s: list[int], d: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """:func:`coalesce_np` of a few pairs (:data:`SMALL`), as lists: ``(src, dst, length)``.
+    ``s`` and ``d`` must have equal, nonzero length."""
     rs, rd, rn = [s[0]], [d[0]], [1]
-    for i in range(1, len(s)):
-        if s[i] == s[i - 1] + 1 and d[i] == d[i - 1] + 1:
+    for a, b, x, y in zip(s, d, s[1:], d[1:]):  # each pair with the one before it
+        if x == a + 1 and y == b + 1:
             rn[-1] += 1
         else:
-            rs.append(s[i])
-            rd.append(d[i])
+            rs.append(x)
+            rd.append(y)
             rn.append(1)
-    return np.array(rs, dtype=np.int64), np.array(rd, dtype=np.int64), np.array(rn, dtype=np.int64)
+    return rs, rd, rn
 
 
 def coalesce(src: torch.Tensor, dst: torch.Tensor) -> Runs:

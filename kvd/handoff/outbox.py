@@ -21,28 +21,30 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
+from kvd.backends.base import Backend, PeerRegion
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, PermissionDenied
-from kvd.records import Ends, LeaseKind, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.records import Ends, IndexVectors, LeaseKind, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.handoff.link import PeerLink
 from kvd.handoff.notices import Notices
 from kvd.limits import quote
 from kvd.handoff.ahead import plan_ahead
+from kvd.handoff.envelopes import Envelopes
 from kvd.handoff.flight import Flight, Outbound, SendItem, check_batch_size, refuse_duplicates
-from kvd.handoff.plan import Plan, check_range, pair_envelopes, plan_chunk
+from kvd.handoff.plan import Plan, check_envelopes, check_range, plan_chunk
 from kvd.handoff.ticket import check_for_sender
 from kvd.handoff.ticket import read as read_ticket
 
 if TYPE_CHECKING:
-    from kvd.backends.base import Backend
     from kvd.daemon.node import Node
-    from kvd.records import IndexVectors
 
-__all__ = ["Outbox", "MAX_AHEAD_CHUNKS"]
+__all__ = ["Outbox", "MAX_AHEAD_CHUNKS", "MAX_KNOWN"]
 
 log = logging.getLogger("kvd.handoff.outbox")
 
 #: The most chunks :meth:`Outbox.begin` plans ahead for one request.
 MAX_AHEAD_CHUNKS = 1024
+#: The most requests whose vectors an Outbox keeps from the calls that handed them out (:meth:`Outbox.known`).
+MAX_KNOWN = 256
 
 
 class Outbox:
@@ -67,6 +69,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, int], Outbound] = {}  # (receiver boot, receiver lease) -> transfer
         self._by_raw: dict[bytes, Outbound] = {}  # the same transfers by their ticket's bytes (read_ticket)
+        self._known: dict[str, IndexVectors] = {}  # rid -> vectors handed out (known), oldest first
         self.bytes_total = 0
         self.sent_total = 0
         self.failed_total = 0
@@ -75,6 +78,7 @@ class Outbox:
         self.planned_ahead_total = 0  # items whose plan begin made (still valid at the Send)
         # Peer calls that the end of a request owes (ended): made there, never under the node's lock.
         self._notices = Notices(link, address)
+        self._envelopes = Envelopes(node)  # this pool's, built again when its backing changes
         node.on_ended.append(self.ended)
         # Test only, never configured (kvd.demo.faults): edits the destination vectors this
         # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
@@ -86,6 +90,18 @@ class Outbox:
         with contextlib.suppress(ValueError):
             self.node.on_ended.remove(self.ended)
         self._notices.close()
+
+    def known(self, vecs: Sequence[IndexVectors]) -> None:
+        """Vectors this daemon just handed its engine (Allocate, Extend). A Send of such a request
+        takes its SEND lease on them while they are still the request's (:meth:`Node.acquire_lease`'s
+        ``known``: nothing bound, released or moved since) instead of gathering them again. The
+        newest :data:`MAX_KNOWN` are kept; the last Send of a request forgets its vectors."""
+        with self._lock:
+            for v in vecs:
+                self._known.pop(v.rid, None)
+                self._known[v.rid] = v
+            while len(self._known) > MAX_KNOWN:
+                del self._known[next(iter(self._known))]
 
     def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
         """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver: :meth:`send_many` of one
@@ -190,8 +206,8 @@ class Outbox:
         try:
             if ob.began:
                 return False
-            env = self.node.pool.envelopes()
-            pair_envelopes(self.node.layout, env, ticket.envelopes)
+            env = self._envelopes()
+            check_envelopes(self.node.layout, env, ticket.envelopes)
             self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
             ob.began = True
             if ob.aborted:  # the request ended (or was aborted) while the receiver checked
@@ -257,6 +273,8 @@ class Outbox:
         drops it after ``lease_ttl``."""
         with self._lock:
             ob.active -= 1
+            if last:
+                self._known.pop(ob.rid, None)
             if ob.aborted and not ob.aborted_at:
                 ob.aborted_at = time.monotonic()
             if (last or not ob.began) and ob.active == 0:
@@ -281,18 +299,18 @@ class Outbox:
         # RECV lease pins the receiver's pages until the transfer ends or fails, the heartbeat
         # reports an abort, and each commit re-checks.
         pending = None
-        own_env = self.node.pool.envelopes()
+        own_env = self._envelopes()
         try:
             if not ob.began:
                 # What the ticket alone can show is refused before the receiver hears of it.
                 check_range(t0, t1 or ticket.vectors.tokens, ticket.vectors.tokens)
-                pair_envelopes(self.node.layout, own_env, ticket.envelopes)
+                check_envelopes(self.node.layout, own_env, ticket.envelopes)
                 pending = self.link.start_check(ticket.peer_address, f.item.raw, self.address, ticket.via)
             # Plans made by begin hold while this pool's envelopes and the request's pages do.
             ahead = ob.ahead if ob.ahead is not None and ob.ahead.env == own_env else None
             f.step("prep")
             lease, src = self.node.acquire_lease(
-                session, rid, LeaseKind.SEND, ttl=self.lease_ttl, known=ahead.src if ahead is not None else None
+                session, rid, LeaseKind.SEND, ttl=self.lease_ttl, known=ahead.src if ahead is not None else self._known.get(rid)
             )
             f.lease_id = lease.lease_id
             f.step("lease")
@@ -321,22 +339,22 @@ class Outbox:
 
     def _issue(self, f: Flight) -> None:
         """Issue the item's writes in batches of ``batch_blocks``, none after an abort."""
-        from kvd.backends.base import PeerRegion
-
         ob, ticket = f.ob, f.item.ticket
         if ob is None or f.plan is None:
             raise InternalError(f"send of {quote(f.item.rid)}: writes issued before the transfer was prepared")
         env = ticket.envelopes[0]
         peer = PeerRegion(ticket.transfer_endpoint, env.base, env.backed_bytes, env.region_id)
         srcs, dsts, lens = f.plan.as_lists()
-        for i in range(0, len(srcs), self.batch_blocks):
+        step = self.batch_blocks
+        for i in range(0, len(srcs), step):
             if ob.aborted:
                 raise Aborted(f"transfer of {quote(ob.rid)} aborted after {f.issued:,d} bytes: {ob.aborted}")
-            j = i + self.batch_blocks
-            w = self.backend.write_async(peer, srcs[i:j], dsts[i:j], lens[i:j])
+            # One batch (a short request's every block) goes as it is: slicing copies.
+            s, d, n = (srcs, dsts, lens) if len(srcs) <= step else (srcs[i : i + step], dsts[i : i + step], lens[i : i + step])
+            w = self.backend.write_async(peer, s, d, n)
             f.waits.append(w)
             f.note(w)
-            f.issued += sum(lens[i:j])
+            f.issued += sum(n)
 
     def _complete(self, session: str, f: Flight) -> SendResult | KvdError:
         """Wait for the item's writes, commit, release: its outcome."""

@@ -27,9 +27,9 @@ from kvd.errors import InvalidArgument, LayoutMismatch
 from kvd.pool.layout import GroupKind, Layout
 from kvd.limits import quote
 from kvd.records import Envelope, IndexVectors
-from kvd.copy.runs import coalesce_np
+from kvd.copy.runs import SMALL, coalesce_lists, coalesce_np
 
-__all__ = ["Block", "Plan", "check_range", "pair_envelopes", "plan_chunk"]
+__all__ = ["Block", "Plan", "check_range", "check_envelopes", "pair_envelopes", "plan_chunk"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,14 +103,41 @@ def _check_addresses(env: Envelope) -> None:
         )
 
 
-def _ids(vec: torch.Tensor) -> np.ndarray:
-    # A numpy view of an id vector (no copy): the planner's few array steps cost ~1 us each in
-    # numpy against ~10 us on small torch tensors, and a Send plans on its critical path.
-    return vec.numpy(force=True)
+def _ids(vec: torch.Tensor, p0: int, p1: int, few: bool) -> list[int] | np.ndarray:
+    """Ids ``[p0, p1)`` of an id vector of a request of ``few`` pages (:data:`~kvd.copy.runs.SMALL`
+    or fewer in the group): a list (one call); else a numpy view (no copy): numpy's few array
+    steps cost ~1 us each against ~10 us on small torch tensors. Either serves :func:`_add`."""
+    return vec.tolist()[p0:p1] if few else vec.numpy(force=True)[p0:p1]
 
 
-def _page_range(t0: int, t1: int, page_size: int) -> tuple[int, int]:
-    return t0 // page_size, -(-t1 // page_size)
+#: What planning reads of a layout and both sides' envelopes, per group in arena order: its
+#: name, kind, tokens per page and (source, destination) envelopes.
+_Row = tuple[str, GroupKind, int, Envelope, Envelope]
+_last_rows: tuple[Layout, list[Envelope], list[Envelope], tuple[_Row, ...]] | None = None
+
+
+def _rows(layout: Layout, src_env: list[Envelope], dst_env: list[Envelope]) -> tuple[_Row, ...]:
+    """The groups of ``layout`` paired by :func:`pair_envelopes` (its refusals), kept for the
+    last layout and envelopes that passed: a daemon plans against the same envelopes Send after
+    Send (they change with a backing), and the pairing and the layout's own caches cost more
+    than comparing two short lists."""
+    global _last_rows
+    last = _last_rows
+    if last is not None and last[0] is layout and last[1] == src_env and last[2] == dst_env:
+        return last[3]
+    pairs = pair_envelopes(layout, src_env, dst_env)
+    rows = tuple(
+        (g.name, g.kind, layout.page_size if g.kind is GroupKind.SWA else layout.page_size_of(g), *pairs[g.name])
+        for g in layout.arena_order()
+    )
+    _last_rows = (layout, list(src_env), list(dst_env), rows)
+    return rows
+
+
+def check_envelopes(layout: Layout, src_env: list[Envelope], dst_env: list[Envelope]) -> None:
+    """:func:`pair_envelopes`'s refusals alone (what a sender checks before the receiver hears of
+    a ticket); changes nothing."""
+    _rows(layout, src_env, dst_env)
 
 
 def plan_chunk(
@@ -136,46 +163,81 @@ def plan_chunk(
         raise InvalidArgument(
             f"request {quote(src.rid)} has {src.tokens} tokens here but the receiver allocated {dst.tokens}; allocate the same length"
         )
-    pairs = pair_envelopes(layout, src_env, dst_env)
     plan = Plan([], [], [], {})
-    for g in layout.arena_order():
-        name = g.name
-        s_env, d_env = pairs[name]
-        pb = s_env.page_bytes
-        if g.kind is GroupKind.STATE:
+    for name, kind, page_size, s_env, d_env in _rows(layout, src_env, dst_env):
+        s_ids: list[int] | np.ndarray
+        d_ids: list[int] | np.ndarray
+        if kind is GroupKind.STATE:
             if not last:
                 continue
             if src.state is None or dst.state is None:
                 raise InvalidArgument(f"request {quote(src.rid)}: a state slot is missing on one side")
-            s_ids = np.array([src.state], dtype=np.int64)
-            d_ids = np.array([dst.state], dtype=np.int64)
-        elif g.kind is GroupKind.SWA:
-            p0, p1 = _page_range(t0, t1, layout.page_size)
-            p0 = max(p0, dst.swa_first_page)
-            if p0 >= p1:
-                continue
-            if p0 < src.swa_first_page:
-                raise InvalidArgument(
-                    f"request {quote(src.rid)}: the receiver needs SWA page {p0} but the sender released pages before "
-                    f"{src.swa_first_page}; send each chunk before extending past it"
-                )
-            s_ids = _ids(src.swa)[p0 - src.swa_first_page : p1 - src.swa_first_page]
-            d_ids = _ids(dst.swa)[p0 - dst.swa_first_page : p1 - dst.swa_first_page]
+            s_ids, d_ids = [src.state], [dst.state]
         else:
-            vec_s, vec_d = (src.full, dst.full) if g.kind is GroupKind.FULL else (src.draft, dst.draft)
-            p0, p1 = _page_range(t0, t1, layout.page_size_of(g))
-            s_ids = _ids(vec_s)[p0:p1]
-            d_ids = _ids(vec_d)[p0:p1]
-        if s_ids.size != d_ids.size:
-            raise InvalidArgument(f"group {name}: {s_ids.size} source pages vs {d_ids.size} destination pages")
-        if s_ids.size == 0:
-            continue
-        for ids, env, side in ((s_ids, s_env, "source"), (d_ids, d_env, "destination")):
-            if int(ids.min()) < env.first_page or int(ids.max()) > env.last_page:
-                raise InvalidArgument(f"group {name}: a {side} page lies outside its envelope [{env.first_page}, {env.last_page}]")
-        r_src, r_dst, r_len = coalesce_np(s_ids, d_ids)
+            p0, p1 = t0 // page_size, -(-t1 // page_size)
+            few = -(-src.tokens // page_size) <= SMALL  # the group's pages in the request
+            if kind is GroupKind.SWA:
+                p0 = max(p0, dst.swa_first_page)
+                if p0 >= p1:
+                    continue
+                if p0 < src.swa_first_page:
+                    raise InvalidArgument(
+                        f"request {quote(src.rid)}: the receiver needs SWA page {p0} but the sender released pages before "
+                        f"{src.swa_first_page}; send each chunk before extending past it"
+                    )
+                s_ids = _ids(src.swa, p0 - src.swa_first_page, p1 - src.swa_first_page, few)
+                d_ids = _ids(dst.swa, p0 - dst.swa_first_page, p1 - dst.swa_first_page, few)
+            elif kind is GroupKind.FULL:
+                s_ids, d_ids = _ids(src.full, p0, p1, few), _ids(dst.full, p0, p1, few)
+            else:
+                s_ids, d_ids = _ids(src.draft, p0, p1, few), _ids(dst.draft, p0, p1, few)
+        n = len(s_ids)
+        if n != len(d_ids):
+            raise InvalidArgument(f"group {name}: {n} source pages vs {len(d_ids)} destination pages")
+        if n:
+            _add(plan, name, s_ids, d_ids, s_env, d_env)
+    return plan
+
+
+def _add(plan: Plan, name: str, s: list[int] | np.ndarray, d: list[int] | np.ndarray, s_env: Envelope, d_env: Envelope) -> None:
+    """Append to ``plan`` the blocks that move pages ``s[i] -> d[i]`` of group ``name`` (equal,
+    nonzero lengths); InvalidArgument for a page outside its side's envelope. A few pages
+    (:data:`~kvd.copy.runs.SMALL`) are planned in plain Python: a numpy step per array costs
+    more than the loop."""
+    pb = s_env.page_bytes
+    n = len(s)
+    if n <= SMALL:
+        s = s if isinstance(s, list) else s.tolist()
+        d = d if isinstance(d, list) else d.tolist()
+        s0, d0 = s[0], d[0]
+        if s == list(range(s0, s0 + n)) and d == list(range(d0, d0 + n)):
+            # One run on both sides (pages a pool handed out in a row): its ends are the bounds.
+            runs = ([s0], [d0], [n])
+            s_lo, s_hi, d_lo, d_hi = s0, s0 + n - 1, d0, d0 + n - 1
+        else:
+            runs = coalesce_lists(s, d)
+            s_lo, s_hi, d_lo, d_hi = min(s), max(s), min(d), max(d)
+        if s_lo < s_env.first_page or s_hi > s_env.last_page:
+            raise _outside(name, s_env, "source")
+        if d_lo < d_env.first_page or d_hi > d_env.last_page:
+            raise _outside(name, d_env, "destination")
+        srcs, dsts, lens, sb, db = plan.src, plan.dst, plan.length, s_env.base, d_env.base
+        for x, y, k in zip(*runs):
+            srcs.append(x * pb + sb)
+            dsts.append(y * pb + db)
+            lens.append(k * pb)
+    else:
+        a, b = np.asarray(s), np.asarray(d)
+        if int(a.min()) < s_env.first_page or int(a.max()) > s_env.last_page:
+            raise _outside(name, s_env, "source")
+        if int(b.min()) < d_env.first_page or int(b.max()) > d_env.last_page:
+            raise _outside(name, d_env, "destination")
+        r_src, r_dst, r_len = coalesce_np(a, b)
         plan.src.extend((r_src * pb + s_env.base).tolist())
         plan.dst.extend((r_dst * pb + d_env.base).tolist())
         plan.length.extend((r_len * pb).tolist())
-        plan.pages[name] = s_ids.size
-    return plan
+    plan.pages[name] = n
+
+
+def _outside(name: str, env: Envelope, side: str) -> InvalidArgument:
+    return InvalidArgument(f"group {name}: a {side} page lies outside its envelope [{env.first_page}, {env.last_page}]")

@@ -8,7 +8,7 @@ parse, or a string over its bound (:mod:`kvd.limits`), are INVALID_ARGUMENT nami
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import TypeVar, cast
 
 import numpy as np
@@ -85,10 +85,12 @@ def vectors_to_pb(v: IndexVectors) -> pb.IndexVectors:
 
 
 def vectors_from_pb(m: pb.IndexVectors) -> IndexVectors:
-    def t(xs: Iterable[int]) -> torch.Tensor:
-        # numpy reads the repeated field ~8x faster than torch.tensor(list(xs)); np.array copies,
-        # so the tensor owns fresh, writable int32 memory.
-        return torch.from_numpy(np.array(xs, dtype=np.int32))
+    def t(xs: Sequence[int]) -> torch.Tensor:
+        # numpy reads the repeated field ~8x faster than torch.tensor(list(xs)); a short one
+        # faster still item by item (np.array: ~2.4 us whatever the length, fromiter ~1.3 up to
+        # 32). Both copy, so the tensor owns fresh, writable int32 memory.
+        n = len(xs)
+        return torch.from_numpy(np.fromiter(xs, np.int32, n) if n <= 32 else np.array(xs, dtype=np.int32))
 
     return IndexVectors(
         m.rid, m.boot_id, m.epoch, m.tokens, t(m.full), m.swa_first_page, t(m.swa), None if m.state < 0 else m.state, t(m.draft)
@@ -208,7 +210,14 @@ def state_from_pb(v: int) -> TransferState:
 
 
 def send_result_to_pb(r: SendResult) -> pb.SendResponse:
-    return pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds, pages=r.pages, phase_seconds=r.phases)
+    m = pb.SendResponse(bytes=r.nbytes, blocks=r.blocks, seconds=r.seconds)
+    # Key by key: a map given to the constructor is filled through MutableMapping.update, ~2x slower.
+    pages, phases = m.pages, m.phase_seconds
+    for k, n in r.pages.items():
+        pages[k] = n
+    for k, v in r.phases.items():
+        phases[k] = v
+    return m
 
 
 def send_result_from_pb(m: pb.SendResponse) -> SendResult:

@@ -231,7 +231,10 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
             session = self._session(context)
             if not any(s.lease for s in request.requests):
-                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in self.node.allocate(session, specs)])
+                vecs = self.node.allocate(session, specs)
+                if self.outbox is not None:
+                    self.outbox.known(vecs)
+                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in vecs])
             return self._allocate_leased(session, specs, [s.lease for s in request.requests])
 
         return self._run(context, go)
@@ -242,18 +245,19 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         frees what it allocated, then raises)."""
         with self.node.lock:
             vecs = self.node.allocate(session, specs)
+            wire = [vectors_to_pb(v) for v in vecs]
             leases: list[pb.Lease] = []
             try:
-                for spec, v, want in zip(specs, vecs, lease):
+                for spec, v, m, want in zip(specs, vecs, wire, lease):
                     if want:
                         got, vec = self.node.acquire_lease(session, spec.rid, LeaseKind.RECV, boot_id=v.boot_id, epoch=v.epoch, known=v)
-                        leases.append(self._lease_pb(got, vec))
+                        leases.append(self._lease_pb(got, vec, m if vec is v else None))
             except BaseException:
                 for le in leases:
                     self.node.release_lease(session, le.lease_id)
                 self.node.free(session, [s.rid for s in specs])
                 raise
-            return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in vecs], leases=leases)
+            return pb.AllocateResponse(vectors=wire, leases=leases)
 
     def CanAllocate(self, request: pb.CanAllocateRequest, context):
         def go():
@@ -267,7 +271,10 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Extend(self, request: pb.ExtendRequest, context):
         def go():
             items = [(i.rid, i.tokens) for i in request.items]
-            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in self.node.extend(self._session(context), items)])
+            vecs = self.node.extend(self._session(context), items)
+            if self.outbox is not None:
+                self.outbox.known(vecs)
+            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in vecs])
 
         return self._run(context, go)
 
@@ -282,9 +289,11 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         return self._run(context, go)
 
     # ---- leases -----------------------------------------------------------------------------
-    def _lease_pb(self, lease, vec=None) -> pb.Lease:
+    def _lease_pb(self, lease, vec=None, vec_pb=None) -> pb.Lease:
+        """``lease`` on the wire, with its ticket when it is a RECV lease on ``vec`` (``vec_pb``:
+        ``vec`` on the wire, when the caller has it), and its doorbell slot."""
         recv = lease.kind is LeaseKind.RECV
-        ticket = self.tickets.mint(lease, vec) if vec is not None and recv else b""
+        ticket = self.tickets.mint(lease, vec, vec_pb) if vec is not None and recv else b""
         return pb.Lease(
             lease_id=lease.lease_id,
             rid=lease.rid,

@@ -15,7 +15,7 @@ from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
 from kvd.records import AllocSpec, LeaseKind, TicketInfo, TransferRef, TransferState
-from kvd.handoff.outbox import Outbox
+from kvd.handoff.outbox import MAX_KNOWN, Outbox
 from kvd.daemon.node import Node
 from kvd.handoff.inbox import Inbox
 from kvd.pool.pool import Pool
@@ -265,6 +265,54 @@ def test_a_request_compacted_after_begin_is_planned_again_at_the_send(pair):
     keys.verify(d.pool.vectors(rid))
     assert d.inbox.status(rid).state is TransferState.READY
     ob.backend.close()
+
+
+@pytest.mark.parametrize("then", ["nothing", "compacted", "extended", "freed and allocated again"])
+def test_a_send_leases_the_vectors_handed_out_while_they_are_the_requests(pair, monkeypatch, then):
+    """Vectors the daemon handed its engine (Outbox.known: Allocate, Extend) are what the Send
+    leases and plans from while the request's pages are unchanged -- no gather; once they moved,
+    grew or belong to a new request of that id, the Send gathers the request's own and writes
+    from those."""
+    p, ps, d, _, rid, ticket = pair
+    ob, _, ticket, raw = _writing_outbox(p, d, ticket)
+    if then == "compacted":
+        p.free(ps, [rid])
+        p.allocate(ps, [AllocSpec("filler", TOKENS), AllocSpec(rid, TOKENS)])
+    ob.known(p.vectors(ps, [rid]))
+    if then == "compacted":
+        before = pk.phys_key(p.pool.vectors(rid))
+        p.free(ps, ["filler"])
+        p.compact(ps)
+        assert pk.phys_key(p.pool.vectors(rid)) != before
+    elif then == "extended":
+        p.extend(ps, [(rid, TOKENS + 4)])
+    elif then == "freed and allocated again":
+        p.free(ps, [rid])
+        p.allocate(ps, [AllocSpec("filler", TOKENS), AllocSpec(rid, TOKENS)])
+    keys = _keyed(p, d, rid)
+    gathers = []
+    real = p.pool.vectors
+    monkeypatch.setattr(p.pool, "vectors", lambda r: gathers.append(r) or real(r))
+    if then == "extended":  # more tokens than the receiver holds: refused before any byte, after the gather
+        with pytest.raises(InvalidArgument, match="tokens here but the receiver allocated"):
+            ob.send(ps, rid, ticket, raw, 0, None, last=True)
+        assert gathers == [rid] and len(p.leases) == 0
+        ob.backend.close()
+        return
+    ob.send(ps, rid, ticket, raw, 0, None, last=True)
+    assert gathers == ([] if then == "nothing" else [rid])
+    keys.verify(d.pool.vectors(rid))
+    assert d.inbox.status(rid).state is TransferState.READY
+    assert rid not in ob._known  # the last Send forgets them
+    ob.backend.close()
+
+
+def test_known_vectors_are_bounded(pair):
+    p, ps, d, _, rid, ticket = pair
+    ob = Outbox(p, LocalBackend(), CheckingLink(d), address="prefill")
+    (v,) = p.vectors(ps, [rid])
+    ob.known([v._replace(rid=f"r{i}") for i in range(MAX_KNOWN + 10)])
+    assert len(ob._known) == MAX_KNOWN and "r9" not in ob._known and f"r{MAX_KNOWN + 9}" in ob._known
 
 
 def test_a_request_freed_after_begin_ends_its_transfer_at_both_ends(pair):

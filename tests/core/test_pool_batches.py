@@ -146,17 +146,17 @@ def test_a_bad_item_leaves_the_pool_as_it_was(name: str) -> None:
 def test_coalesce_small_path_matches_numpy() -> None:
     rng = np.random.default_rng(3)
     for trial in range(600):
-        n = int(rng.integers(1, 2 * runs._SMALL))
+        n = int(rng.integers(1, 2 * runs.SMALL))
         s = np.cumsum(rng.integers(1, 3, n)).astype(np.int32)
         d = np.cumsum(rng.integers(1, 3, n)).astype(np.int32)
         if trial % 3 == 0:
             s = rng.permutation(s)
         small = runs.coalesce_np(s, d)
-        saved, runs._SMALL = runs._SMALL, 0
+        saved, runs.SMALL = runs.SMALL, 0
         try:
             vec = runs.coalesce_np(s, d)
         finally:
-            runs._SMALL = saved
+            runs.SMALL = saved
         for a, b in zip(small, vec):
             assert a.dtype == b.dtype == np.int64 and a.tolist() == b.tolist()
     src, dst, length = runs.coalesce_np(np.array([4, 5, 6, 9]), np.array([10, 11, 12, 13]))

@@ -242,3 +242,38 @@ def test_reap_stale_removes_only_dead_owners_files(tmp_path) -> None:
     finally:
         p.kill()
         live.close()
+
+
+@st.composite
+def _blocks(draw: st.DrawFn) -> tuple[int, int, int, int, list[int], list[int], list[int]]:
+    """A source range, a peer range and blocks mostly inside both (a few past an edge)."""
+    lo, size, p_lo, backed = (draw(st.integers(0, 1 << 20)), draw(st.integers(1, 1 << 20)),
+                              draw(st.integers(0, 1 << 20)), draw(st.integers(1, 1 << 20)))
+    srcs, dsts, lens = [], [], []
+    for _ in range(draw(st.integers(1, 12))):
+        n = draw(st.integers(-1, 64)) if draw(st.integers(0, 9)) else draw(st.integers(-1, 1 << 16))
+        srcs.append(lo + draw(st.integers(-8, size)))
+        dsts.append(p_lo + draw(st.integers(-8, backed)))
+        lens.append(n)
+    return lo, size, p_lo, backed, srcs, dsts, lens
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=_blocks())
+def test_a_few_blocks_are_checked_as_the_vectorised_check_does(case: tuple[int, int, int, int, list[int], list[int], list[int]]) -> None:
+    """The loop that checks a few blocks (and lets blocks that pass every condition through at
+    once) refuses exactly what the numpy check refuses, naming the same block."""
+    import kvd.backends.base as base
+
+    lo, size, p_lo, backed, srcs, dsts, lens = case
+    peer = base.PeerRegion("peer", p_lo, backed, "r")
+    outcomes = []
+    for small in (10**9, -1):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(base, "SMALL_CHECK", small)
+            try:
+                base.Backend._check_blocks(None, peer, lo, size, srcs, dsts, lens)  # type: ignore[arg-type]
+                outcomes.append(None)
+            except InvalidArgument as exc:
+                outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
