@@ -32,7 +32,7 @@ import torch
 
 from kvd.errors import InternalError
 
-__all__ = ["Direction", "IdRing", "GroupAllocator", "IDX", "IDX_NP", "as_np"]
+__all__ = ["Direction", "IdRing", "GroupAllocator", "IDX", "IDX_NP", "as_np", "floor", "peak"]
 
 #: dtype of every id tensor (virtual ids, physical page ids). 2^31 pages is far above any arena.
 IDX = torch.int32
@@ -45,6 +45,20 @@ def as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         ids = ids.numpy()
     return ids if ids.dtype == IDX_NP else ids.astype(IDX_NP)
+
+
+# A numpy reduction costs ~1 us whatever its size; a request's few ids reduce faster as a list.
+_SMALL = 64
+
+
+def peak(a: np.ndarray) -> int:
+    """The largest element of non-empty ``a``."""
+    return max(a.tolist()) if len(a) < _SMALL else int(a.max())
+
+
+def floor(a: np.ndarray) -> int:
+    """The smallest element of non-empty ``a``."""
+    return min(a.tolist()) if len(a) < _SMALL else int(a.min())
 
 
 class Direction(enum.Enum):
@@ -71,9 +85,15 @@ class IdRing:
         """The next ``n`` free ids (a new array), off the front."""
         if n > self.count:
             raise InternalError(f"id ring: asked for {n} ids with {self.count} free; the planner should have refused")
-        h, end = self._head, self._head + n
-        out = self._np[h:end].copy() if end <= self.size else np.concatenate((self._np[h:], self._np[: end - self.size]))
-        self._head = end % self.size
+        h = self._head
+        end = h + n
+        if end < self.size:
+            out: np.ndarray = self._np[h:end].copy()
+            self._head = end
+        else:
+            end -= self.size
+            out = self._np[h:].copy() if end == 0 else np.concatenate((self._np[h:], self._np[:end]))
+            self._head = end
         self.count -= n
         return out
 
@@ -81,14 +101,20 @@ class IdRing:
         return torch.from_numpy(self.take_np(n))
 
     def give(self, ids: torch.Tensor | np.ndarray) -> None:
+        """Put ``ids`` back at the end (the ring copies them)."""
         ids = as_np(ids)
         n = len(ids)
         if self.count + n > self.size:
             raise InternalError(f"id ring: {n} ids returned to a ring with {self.size - self.count} taken")
-        at = (self._head + self.count) % self.size
-        first = min(n, self.size - at)
-        self._np[at : at + first] = ids[:first]
-        self._np[: n - first] = ids[first:]
+        at = self._head + self.count
+        if at >= self.size:
+            at -= self.size
+        first = self.size - at
+        if n <= first:
+            self._np[at : at + n] = ids
+        else:
+            self._np[at:] = ids[:first]
+            self._np[: n - first] = ids[first:]
         self.count += n
 
     def free_ids(self) -> torch.Tensor:
@@ -182,18 +208,14 @@ class GroupAllocator:
 
     def physical(self, vids: np.ndarray) -> torch.Tensor:
         """``v2p[vids]`` as a new tensor (gathered through numpy: the per-request path)."""
-        return torch.from_numpy(self._v2p[vids])
+        return torch.from_numpy(self._v2p.take(vids))
 
     # ---- bind / unbind ----------------------------------------------------------------------
-    def bind(self, vids: torch.Tensor | np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None) -> torch.Tensor:
-        """Bind ``vids`` to pages: holes first, then ``grow_lo`` pages below the region and
-        ``grow_hi`` above it. ``new_lo`` re-anchors an empty float first. Returns the pages,
-        in the order of ``vids``."""
-        return torch.from_numpy(self.bind_np(as_np(vids), grow_lo, grow_hi, new_lo))
-
     def bind_np(self, v: np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
                 lo_parts: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`bind` of int32 ids ``v``, the pages as an array.
+        """Bind int32 ids ``v`` to pages: holes first, then ``grow_lo`` pages below the region and
+        ``grow_hi`` above it. ``new_lo`` re-anchors an empty float first. Returns the pages (a
+        new array), in the order of ``v``.
 
         ``lo_parts``: the growth below split among several requests bound in one call (their
         shares, in order, summing to ``grow_lo``): each share gets the pages that many one-by-one
@@ -201,14 +223,16 @@ class GroupAllocator:
         n = len(v)
         from_holes = n - grow_lo - grow_hi
         if new_lo is not None:
-            if not self.empty:
+            if self.hi != self.lo:
                 raise InternalError(f"{self.name}: re-anchor of a non-empty region")
             self.lo = self.hi = new_lo
+        lo, hi = self.lo, self.hi
         if from_holes < 0 or from_holes > self.n_holes:
             raise InternalError(f"{self.name}: plan takes {from_holes} holes of {self.n_holes}")
-        if self.lo - grow_lo < self.p_min or self.hi + grow_hi > self.p_max:
-            raise InternalError(f"{self.name}: region [{self.lo - grow_lo}, {self.hi + grow_hi}) left [{self.p_min}, {self.p_max})")
-        if n and int(self._v2p[v].max()) >= 0:  # unbound is -1
+        if lo - grow_lo < self.p_min or hi + grow_hi > self.p_max:
+            raise InternalError(f"{self.name}: region [{lo - grow_lo}, {hi + grow_hi}) left [{self.p_min}, {self.p_max})")
+        v2p = self._v2p
+        if n and peak(v2p.take(v)) >= 0:  # unbound is -1
             raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
         if from_holes:
@@ -217,36 +241,37 @@ class GroupAllocator:
         if grow_lo:
             # Ascending, so a request's pages form +1 runs on both sides of a transfer.
             if lo_parts is None or len(lo_parts) <= 1:
-                parts.append(np.arange(self.lo - grow_lo, self.lo, dtype=IDX_NP))
+                parts.append(np.arange(lo - grow_lo, lo, dtype=IDX_NP))
             else:
                 ends = np.cumsum(lo_parts)
                 seg = np.repeat(np.arange(len(lo_parts)), lo_parts)
-                parts.append((self.lo - ends[seg] + (np.arange(grow_lo) - (ends - lo_parts)[seg])).astype(IDX_NP))
-            self.lo -= grow_lo
+                parts.append((lo - ends[seg] + (np.arange(grow_lo) - (ends - lo_parts)[seg])).astype(IDX_NP))
+            self.lo = lo - grow_lo
         if grow_hi:
-            parts.append(np.arange(self.hi, self.hi + grow_hi, dtype=IDX_NP))
-            self.hi += grow_hi
+            parts.append(np.arange(hi, hi + grow_hi, dtype=IDX_NP))
+            self.hi = hi + grow_hi
         # one part: fresh from arange, or a view of the hole stack (copied: the stack is reused)
         pages = np.concatenate(parts) if len(parts) != 1 else parts[0] if from_holes == 0 else parts[0].copy()
-        self._p2v[pages] = v
-        self._v2p[v] = pages
+        self._p2v.put(pages, v)
+        v2p.put(v, pages)
         self.used += n
         return pages
 
-    def unbind(self, vids: torch.Tensor | np.ndarray, parts: np.ndarray | None = None) -> torch.Tensor:
-        """Unbind ``vids``; their pages become holes. Returns the pages.
+    def unbind(self, v: np.ndarray, parts: np.ndarray | None = None) -> np.ndarray:
+        """Unbind int32 ids ``v``; their pages become holes. Returns the pages (a new array).
 
-        ``parts``: ``vids`` is several requests' ids (their counts, in order): the hole stack
-        ends as one-by-one unbinds in that order would leave it."""
-        v = as_np(vids)
-        if len(v) == 0:
-            return torch.from_numpy(v[:0].copy())
-        pages = self._v2p[v]
-        if int(pages.min()) < 0:
+        ``parts``: ``v`` is several requests' ids (their counts, in order): the hole stack ends
+        as one-by-one unbinds in that order would leave it."""
+        n = len(v)
+        v2p = self._v2p
+        pages: np.ndarray = v2p.take(v)
+        if n == 0:
+            return pages
+        if floor(pages) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
-        self._p2v[pages] = -1
-        self._v2p[v] = -1
-        self.used -= len(v)
+        self._p2v.put(pages, -1)
+        v2p.put(v, -1)
+        self.used -= n
         if self.used == 0:
             self.collapse()
         else:
@@ -258,10 +283,10 @@ class GroupAllocator:
             else:
                 ends = np.cumsum(parts)
                 seg = np.repeat(np.arange(len(parts)), parts)
-                pushed = pages[(ends - 1)[seg] - (np.arange(len(v)) - (ends - parts)[seg])]
-            self._holes_np[self.n_holes : self.n_holes + len(v)] = pushed
-            self.n_holes += len(v)
-        return torch.from_numpy(pages)
+                pushed = pages[(ends - 1)[seg] - (np.arange(n) - (ends - parts)[seg])]
+            self._holes_np[self.n_holes : self.n_holes + n] = pushed
+            self.n_holes += n
+        return pages
 
     # ---- edges ------------------------------------------------------------------------------
     def trimmed_bounds(self) -> tuple[int, int]:

@@ -41,6 +41,7 @@ class Bindings:
             k: torch.full((r.size,), -1, dtype=IDX) for k, r in self.rings.items()
         }
         self._vid_req = {k: t.numpy() for k, t in self.vid_req.items()}  # the same memory
+        self._order = [k for k in (FULL, SWA, STATE, DRAFT) if k in groups]  # full's ids first: swa binds them
         self.by_handle: dict[int, Request] = {}
         self._next_handle = 0
         self.versions = itertools.count(1)  # request mapping versions: never reused within a boot
@@ -62,23 +63,25 @@ class Bindings:
         for r in reqs:
             r.version = next(self.versions)  # every step changes the request's vectors (tokens at least)
         one = len(reqs) == 1
-        for kind in (FULL, SWA, STATE, DRAFT):
-            if kind not in self.groups:
-                continue
-            counts = [s.need.get(kind, 0) for s in steps]
-            total = sum(counts)
+        for kind in self._order:
+            if one:
+                total = steps[0].need.get(kind, 0)
+                counts = [total]
+            else:
+                counts = [s.need.get(kind, 0) for s in steps]
+                total = sum(counts)
             if not total:
                 continue
             if kind is SWA:  # the window tail of each request's (already extended) full ids
-                tails = [r.full.numpy()[r.full.numel() - c :] for r, c in zip(reqs, counts) if c]
+                tails = [r.full[len(r.full) - c :] for r, c in zip(reqs, counts) if c]
                 self._bind(SWA, tails[0] if len(tails) == 1 else np.concatenate(tails), counts, plan)
                 continue
             vids = self.rings[kind].take_np(total)
             self._bind(kind, vids, counts, plan)
             if one:
-                self._vid_req[kind][vids] = reqs[0].handle
+                self._vid_req[kind].put(vids, reqs[0].handle)
             else:
-                self._vid_req[kind][vids] = np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts)
+                self._vid_req[kind].put(vids, np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts))
             at = 0
             for r, c in zip(reqs, counts):
                 if not c:
@@ -86,11 +89,11 @@ class Bindings:
                 if kind is STATE:
                     r.state = int(vids[at])
                 else:
-                    mine = torch.from_numpy(vids if one else vids[at : at + c])
+                    mine = vids if one else vids[at : at + c]
                     if kind is FULL:
-                        r.full = torch.cat([r.full, mine]) if r.full.numel() else mine
+                        r.full = np.concatenate((r.full, mine)) if len(r.full) else mine
                     else:
-                        r.draft = torch.cat([r.draft, mine]) if r.draft.numel() else mine
+                        r.draft = np.concatenate((r.draft, mine)) if len(r.draft) else mine
                 at += c
 
     def _bind(self, kind: GroupKind, vids: np.ndarray, counts: list[int], plan: Placement) -> None:
@@ -111,7 +114,7 @@ class Bindings:
             holes, left_lo, left_hi = holes - from_holes, left_lo - take_lo, left_hi - take_hi
             if take_lo:
                 lo_parts.append(take_lo)
-        a.bind_np(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.empty else None,
+        a.bind_np(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.hi == a.lo else None,
                   lo_parts=np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
         plan[kind] = (left_lo, left_hi, None)
 
@@ -124,33 +127,35 @@ class Bindings:
         their tokens."""
         if not reqs:
             return 0
-
-        def joined(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
-            counts = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts)) if len(parts) > 1 else None
-            return (parts[0] if len(parts) == 1 else np.concatenate(parts)), counts
-
-        full, full_n = joined([r.full.numpy() for r in reqs])
-        if SWA in self.groups:
-            swa, swa_n = joined([r.full.numpy()[r.swa_first :] for r in reqs])
-            self.groups[SWA].unbind(swa, swa_n)
+        g = self.groups
+        full, full_n = _joined([r.full for r in reqs])
+        if SWA in g:
+            g[SWA].unbind(*_joined([r.full[r.swa_first :] for r in reqs]))
         self._release(FULL, full, full_n)
         states = [r.state for r in reqs if r.state >= 0]
         if states:
             # one slot each: several are pushed as several one-page requests
             self._release(STATE, np.array(states, dtype=np.int32), np.ones(len(states), dtype=np.int64) if len(states) > 1 else None)
-        drafts = [r.draft.numpy() for r in reqs if r.draft.numel()]
+        drafts = [r.draft for r in reqs if len(r.draft)]
         if drafts:
-            self._release(DRAFT, *joined(drafts))
+            self._release(DRAFT, *_joined(drafts))
         for r in reqs:
             del self.by_handle[r.handle]
         return sum(r.tokens for r in reqs)
 
     def _release(self, kind: GroupKind, vids: np.ndarray, counts: np.ndarray | None) -> None:
         self.groups[kind].unbind(vids, counts)
-        self._vid_req[kind][vids] = -1
+        self._vid_req[kind].put(vids, -1)
         self.rings[kind].give(vids)
 
     def owner_handles(self, kind: GroupKind, vids: torch.Tensor) -> set[int]:
         """Handles of the requests that own ``vids`` of group ``kind`` (SWA ids are the full group's)."""
         table = self.vid_req[FULL if kind is SWA else kind]
         return set(torch.unique(table[vids]).tolist())
+
+
+def _joined(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Several requests' ids as one array, and their counts (None for one request)."""
+    if len(parts) == 1:
+        return parts[0], None
+    return np.concatenate(parts), np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))

@@ -99,14 +99,14 @@ class Planner:
 
     def extend_step(self, r: Request, add: int) -> Step:
         new = r.tokens + add
-        n_old, n_new = r.full.numel(), self.pages(FULL, new)
+        n_old, n_new = len(r.full), self.pages(FULL, new)
         need = {FULL: n_new - n_old}
         release = 0
         if SWA in self.groups:
             need[SWA] = n_new - n_old
             release = self.swa_first(r.tokens) - r.swa_first
         if DRAFT in self.groups:
-            need[DRAFT] = self.pages(DRAFT, new) - r.draft.numel()
+            need[DRAFT] = self.pages(DRAFT, new) - len(r.draft)
         return Step(need, release, new)
 
     # =========================================================================================
