@@ -41,7 +41,10 @@ class Bindings:
             k: torch.full((r.size,), -1, dtype=IDX) for k, r in self.rings.items()
         }
         self._vid_req = {k: t.numpy() for k, t in self.vid_req.items()}  # the same memory
-        self._order = [k for k in (FULL, SWA, STATE, DRAFT) if k in groups]  # full's ids first: swa binds them
+        # (kind, allocator, (id ring, id -> request table)) per group, full first: swa binds its
+        # ids, and has neither ring nor table of its own (None)
+        self._slots = [(k, groups[k], (self.rings[k], self._vid_req[k]) if k is not SWA else None)
+                       for k in (FULL, SWA, STATE, DRAFT) if k in groups]
         self.by_handle: dict[int, Request] = {}
         self._next_handle = 0
         self.versions = itertools.count(1)  # request mapping versions: never reused within a boot
@@ -63,7 +66,7 @@ class Bindings:
         for r in reqs:
             r.version = next(self.versions)  # every step changes the request's vectors (tokens at least)
         one = len(reqs) == 1
-        for kind in self._order:
+        for kind, a, owner in self._slots:
             if one:
                 total = steps[0].need.get(kind, 0)
                 counts = [total]
@@ -72,16 +75,17 @@ class Bindings:
                 total = sum(counts)
             if not total:
                 continue
-            if kind is SWA:  # the window tail of each request's (already extended) full ids
+            if owner is None:  # swa: the window tail of each request's (already extended) full ids
                 tails = [r.full[len(r.full) - c :] for r, c in zip(reqs, counts) if c]
-                self._bind(SWA, tails[0] if len(tails) == 1 else np.concatenate(tails), counts, plan)
+                _bind(kind, a, tails[0] if len(tails) == 1 else np.concatenate(tails), counts, plan)
                 continue
-            vids = self.rings[kind].take_np(total)
-            self._bind(kind, vids, counts, plan)
+            ring, owners = owner
+            vids = ring.take_np(total)
+            _bind(kind, a, vids, counts, plan)
             if one:
-                self._vid_req[kind].put(vids, reqs[0].handle)
+                owners.put(vids, reqs[0].handle)
             else:
-                self._vid_req[kind].put(vids, np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts))
+                owners.put(vids, np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts))
             at = 0
             for r, c in zip(reqs, counts):
                 if not c:
@@ -95,28 +99,6 @@ class Bindings:
                     else:
                         r.draft = np.concatenate((r.draft, mine)) if len(r.draft) else mine
                 at += c
-
-    def _bind(self, kind: GroupKind, vids: np.ndarray, counts: list[int], plan: Placement) -> None:
-        """Bind ``vids`` (requests' ids, ``counts`` each, in order) as one-by-one binds would:
-        each takes holes first, then the plan's growth below, then above."""
-        a = self.groups[kind]
-        g_lo, g_hi, new_lo = plan.get(kind, (0, 0, None))
-        holes, left_lo, left_hi = a.n_holes, g_lo, g_hi
-        lo_parts = []
-        for n in counts:
-            if not n:
-                continue
-            from_holes = min(n, holes)
-            take_lo = min(left_lo, n - from_holes)
-            take_hi = min(left_hi, n - from_holes - take_lo)
-            if from_holes + take_lo + take_hi != n:
-                raise InternalError(f"{kind.value}: plan covers {from_holes + take_lo + take_hi} of {n} pages")
-            holes, left_lo, left_hi = holes - from_holes, left_lo - take_lo, left_hi - take_hi
-            if take_lo:
-                lo_parts.append(take_lo)
-        a.bind_np(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.hi == a.lo else None,
-                  lo_parts=np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
-        plan[kind] = (left_lo, left_hi, None)
 
     def release(self, r: Request) -> int:
         """Unbind every page and id of ``r`` (dropped from the tables); returns its tokens."""
@@ -159,3 +141,25 @@ def _joined(parts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
     if len(parts) == 1:
         return parts[0], None
     return np.concatenate(parts), np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+
+
+def _bind(kind: GroupKind, a: GroupAllocator, vids: np.ndarray, counts: list[int], plan: Placement) -> None:
+    """Bind ``vids`` (requests' ids, ``counts`` each, in order) in ``a`` as one-by-one binds would:
+    each takes holes first, then the plan's growth below, then above. Consumes ``plan[kind]``."""
+    g_lo, g_hi, new_lo = plan.get(kind, (0, 0, None))
+    holes, left_lo, left_hi = a.n_holes, g_lo, g_hi
+    lo_parts = []
+    for n in counts:
+        if not n:
+            continue
+        from_holes = min(n, holes)
+        take_lo = min(left_lo, n - from_holes)
+        take_hi = min(left_hi, n - from_holes - take_lo)
+        if from_holes + take_lo + take_hi != n:
+            raise InternalError(f"{kind.value}: plan covers {from_holes + take_lo + take_hi} of {n} pages")
+        holes, left_lo, left_hi = holes - from_holes, left_lo - take_lo, left_hi - take_hi
+        if take_lo:
+            lo_parts.append(take_lo)
+    a.bind_np(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.hi == a.lo else None,
+              np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
+    plan[kind] = (left_lo, left_hi, None)
