@@ -206,16 +206,11 @@ class GroupAllocator:
     def empty(self) -> bool:
         return self.hi == self.lo
 
-    def physical(self, vids: np.ndarray) -> torch.Tensor:
-        """``v2p[vids]`` as a new tensor (gathered through numpy: the per-request path)."""
-        return torch.from_numpy(self._v2p.take(vids))
-
     # ---- bind / unbind ----------------------------------------------------------------------
-    def bind_np(self, v: np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
-                lo_parts: np.ndarray | None = None) -> np.ndarray:
+    def bind(self, v: np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
+             lo_parts: np.ndarray | None = None) -> None:
         """Bind int32 ids ``v`` to pages: holes first, then ``grow_lo`` pages below the region and
-        ``grow_hi`` above it. ``new_lo`` re-anchors an empty float first. Returns the pages (a
-        new array), in the order of ``v``.
+        ``grow_hi`` above it, in the order of ``v``. ``new_lo`` re-anchors an empty float first.
 
         ``lo_parts``: the growth below split among several requests bound in one call (their
         shares, in order, summing to ``grow_lo``): each share gets the pages that many one-by-one
@@ -226,9 +221,9 @@ class GroupAllocator:
             if self.hi != self.lo:
                 raise InternalError(f"{self.name}: re-anchor of a non-empty region")
             self.lo = self.hi = new_lo
-        lo, hi = self.lo, self.hi
-        if from_holes < 0 or from_holes > self.n_holes:
-            raise InternalError(f"{self.name}: plan takes {from_holes} holes of {self.n_holes}")
+        lo, hi, n_holes = self.lo, self.hi, self.n_holes
+        if from_holes < 0 or from_holes > n_holes:
+            raise InternalError(f"{self.name}: plan takes {from_holes} holes of {n_holes}")
         if lo - grow_lo < self.p_min or hi + grow_hi > self.p_max:
             raise InternalError(f"{self.name}: region [{lo - grow_lo}, {hi + grow_hi}) left [{self.p_min}, {self.p_max})")
         v2p = self._v2p
@@ -236,11 +231,12 @@ class GroupAllocator:
             raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
         if from_holes:
-            parts.append(self._holes_np[self.n_holes - from_holes : self.n_holes][::-1])
-            self.n_holes -= from_holes
+            n_holes -= from_holes
+            parts.append(self._holes_np[n_holes : n_holes + from_holes][::-1])
+            self.n_holes = n_holes
         if grow_lo:
             # Ascending, so a request's pages form +1 runs on both sides of a transfer.
-            if lo_parts is None or len(lo_parts) <= 1:
+            if lo_parts is None:
                 parts.append(np.arange(lo - grow_lo, lo, dtype=IDX_NP))
             else:
                 ends = np.cumsum(lo_parts)
@@ -250,23 +246,23 @@ class GroupAllocator:
         if grow_hi:
             parts.append(np.arange(hi, hi + grow_hi, dtype=IDX_NP))
             self.hi = hi + grow_hi
-        # one part: fresh from arange, or a view of the hole stack (copied: the stack is reused)
-        pages = np.concatenate(parts) if len(parts) != 1 else parts[0] if from_holes == 0 else parts[0].copy()
+        # one part: fresh from arange, or a view of the hole stack (put reads it before any
+        # later bind or unbind rewrites the stack)
+        pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self._p2v.put(pages, v)
         v2p.put(v, pages)
         self.used += n
-        return pages
 
-    def unbind(self, v: np.ndarray, parts: np.ndarray | None = None) -> np.ndarray:
-        """Unbind int32 ids ``v``; their pages become holes. Returns the pages (a new array).
+    def unbind(self, v: np.ndarray, parts: np.ndarray | None = None) -> None:
+        """Unbind int32 ids ``v``; their pages become holes.
 
         ``parts``: ``v`` is several requests' ids (their counts, in order): the hole stack ends
         as one-by-one unbinds in that order would leave it."""
         n = len(v)
-        v2p = self._v2p
-        pages: np.ndarray = v2p.take(v)
         if n == 0:
-            return pages
+            return
+        v2p = self._v2p
+        pages = v2p.take(v)
         if floor(pages) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
         self._p2v.put(pages, -1)
@@ -274,19 +270,18 @@ class GroupAllocator:
         self.used -= n
         if self.used == 0:
             self.collapse()
+            return
+        # Pushed in reverse so bind() pops them back ascending: a request reusing freed pages
+        # gets the same runs (few transfer blocks) it had, not one block per page. Several
+        # requests: each one's pages reversed, the first request's pushed first.
+        if parts is None:
+            pushed = pages[::-1]
         else:
-            # Pushed in reverse so bind() pops them back ascending: a request reusing freed pages
-            # gets the same runs (few transfer blocks) it had, not one block per page. Several
-            # requests: each one's pages reversed, the first request's pushed first.
-            if parts is None or len(parts) <= 1:
-                pushed = pages[::-1]
-            else:
-                ends = np.cumsum(parts)
-                seg = np.repeat(np.arange(len(parts)), parts)
-                pushed = pages[(ends - 1)[seg] - (np.arange(n) - (ends - parts)[seg])]
-            self._holes_np[self.n_holes : self.n_holes + n] = pushed
-            self.n_holes += n
-        return pages
+            ends = np.cumsum(parts)
+            seg = np.repeat(np.arange(len(parts)), parts)
+            pushed = pages[(ends - 1)[seg] - (np.arange(n) - (ends - parts)[seg])]
+        self._holes_np[self.n_holes : self.n_holes + n] = pushed
+        self.n_holes += n
 
     # ---- edges ------------------------------------------------------------------------------
     def trimmed_bounds(self) -> tuple[int, int]:

@@ -65,14 +65,16 @@ class Bindings:
         before anything is bound."""
         for r in reqs:
             r.version = next(self.versions)  # every step changes the request's vectors (tokens at least)
-        one = len(reqs) == 1
+        if len(reqs) == 1:
+            self._bind_one(reqs[0], steps[0].need, plan)
+        else:
+            self._bind_split(reqs, steps, plan)
+
+    def _bind_split(self, reqs: Sequence[Request], steps: Sequence[Step], plan: Placement) -> None:
+        """:meth:`bind_steps` without versions: each group's ids taken at once, split among ``reqs``."""
         for kind, a, owner in self._slots:
-            if one:
-                total = steps[0].need.get(kind, 0)
-                counts = [total]
-            else:
-                counts = [s.need.get(kind, 0) for s in steps]
-                total = sum(counts)
+            counts = [s.need.get(kind, 0) for s in steps]
+            total = sum(counts)
             if not total:
                 continue
             if owner is None:  # swa: the window tail of each request's (already extended) full ids
@@ -82,10 +84,7 @@ class Bindings:
             ring, owners = owner
             vids = ring.take_np(total)
             _bind(kind, a, vids, counts, plan)
-            if one:
-                owners.put(vids, reqs[0].handle)
-            else:
-                owners.put(vids, np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts))
+            owners.put(vids, np.repeat(np.array([r.handle for r in reqs], dtype=np.int32), counts))
             at = 0
             for r, c in zip(reqs, counts):
                 if not c:
@@ -93,12 +92,31 @@ class Bindings:
                 if kind is STATE:
                     r.state = int(vids[at])
                 else:
-                    mine = vids if one else vids[at : at + c]
+                    mine = vids[at : at + c]
                     if kind is FULL:
                         r.full = np.concatenate((r.full, mine)) if len(r.full) else mine
                     else:
                         r.draft = np.concatenate((r.draft, mine)) if len(r.draft) else mine
                 at += c
+
+    def _bind_one(self, r: Request, need: dict[GroupKind, int], plan: Placement) -> None:
+        """:meth:`_bind_split` of one request (the common call), with nothing to split."""
+        for kind, a, owner in self._slots:
+            n = need.get(kind, 0)
+            if not n:
+                continue
+            if owner is None:  # swa
+                _bind(kind, a, r.full[len(r.full) - n :], [n], plan)
+                continue
+            vids = owner[0].take_np(n)
+            _bind(kind, a, vids, [n], plan)
+            owner[1].put(vids, r.handle)
+            if kind is STATE:
+                r.state = int(vids[0])
+            elif kind is FULL:
+                r.full = np.concatenate((r.full, vids)) if len(r.full) else vids
+            else:
+                r.draft = np.concatenate((r.draft, vids)) if len(r.draft) else vids
 
     def release(self, r: Request) -> int:
         """Unbind every page and id of ``r`` (dropped from the tables); returns its tokens."""
@@ -109,6 +127,23 @@ class Bindings:
         their tokens."""
         if not reqs:
             return 0
+        return self._release_one(reqs[0]) if len(reqs) == 1 else self._release_split(reqs)
+
+    def _release_one(self, r: Request) -> int:
+        """:meth:`_release_split` of one request (the common call), with nothing to join."""
+        g = self.groups
+        if SWA in g:
+            g[SWA].unbind(r.full[r.swa_first :])
+        self._release(FULL, r.full, None)
+        if r.state >= 0:
+            self._release(STATE, np.array((r.state,), dtype=np.int32), None)
+        if len(r.draft):
+            self._release(DRAFT, r.draft, None)
+        del self.by_handle[r.handle]
+        return r.tokens
+
+    def _release_split(self, reqs: Sequence[Request]) -> int:
+        """:meth:`release_many`: each group's ids of ``reqs`` joined into one unbind."""
         g = self.groups
         full, full_n = _joined([r.full for r in reqs])
         if SWA in g:
@@ -160,6 +195,6 @@ def _bind(kind: GroupKind, a: GroupAllocator, vids: np.ndarray, counts: list[int
         holes, left_lo, left_hi = holes - from_holes, left_lo - take_lo, left_hi - take_hi
         if take_lo:
             lo_parts.append(take_lo)
-    a.bind_np(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.hi == a.lo else None,
-              np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
+    a.bind(vids, g_lo - left_lo, g_hi - left_hi, new_lo if a.hi == a.lo else None,
+           np.array(lo_parts, dtype=np.int64) if len(lo_parts) > 1 else None)
     plan[kind] = (left_lo, left_hi, None)

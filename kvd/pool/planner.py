@@ -73,7 +73,7 @@ class Planner:
         # Bytes per token each group tends to consume: how the planner shares a gap between
         # neighbouring groups. A state slot is spread over a typical request's tokens, which
         # :meth:`weights` takes from the requests at hand (at most TYPICAL_TOKENS).
-        self._weight = {g.kind: layout.entry_bytes(g) / (TYPICAL_TOKENS if g.kind is STATE else 1) for g in order}
+        self._weight = [layout.entry_bytes(g) / (TYPICAL_TOKENS if g.kind is STATE else 1) for g in order]
         # What every step asks of the layout: the window (None: no swa group), page sizes (0: no
         # draft group), whether there is a state group and a slot's bytes.
         self._window = self._specs[SWA].window if SWA in self._specs else None
@@ -85,6 +85,7 @@ class Planner:
         self._kinds = list(groups)
         self._allocs = list(groups.values())
         self._dirs = [a.direction for a in self._allocs]
+        self._pbs = [a.pb for a in self._allocs]
         self._ring_at = [rings.get(k) for k in self._kinds]
 
     # =========================================================================================
@@ -137,7 +138,8 @@ class Planner:
         grows up alone) while the gap above stays empty. Returns ``(plan, shortfall_bytes)``;
         plan maps kind -> ``(grow_lo, grow_hi, new_lo)``."""
         total, credit = _totals(steps)
-        kinds, allocs, n = self._kinds, self._allocs, len(self._kinds)
+        kinds, allocs, dirs, pbs, rings = self._kinds, self._allocs, self._dirs, self._pbs, self._ring_at
+        n = len(kinds)
         bounds = [a.trimmed_bounds() for a in allocs] if trimmed else [(a.lo, a.hi) for a in allocs]
         # nxt[i]: the first non-empty group above group i (None: the top of the backing)
         nxt: list[int | None] = [None] * n
@@ -152,45 +154,52 @@ class Planner:
         short = 0
         prev_hi_bytes = self.sink_bytes
         for i in range(n):
-            k, a, d = kinds[i], allocs[i], self._dirs[i]
-            pb = a.pb
+            k, a, d, pb = kinds[i], allocs[i], dirs[i], pbs[i]
             lo, hi = bounds[i]
             need = total.get(k, 0)
+            if not need:  # grows nowhere; only its region bounds the groups above
+                if hi > lo and hi * pb > prev_hi_bytes:
+                    prev_hi_bytes = hi * pb
+                continue
             extra = need - ((hi - lo) - a.used + (credit if k is SWA else 0))
             if extra < 0:
                 extra = 0
             new_lo = None
             up = nxt[i]
-            upper = backed if up is None else bounds[up][0] * allocs[up].pb
+            top = (backed if up is None else bounds[up][0] * pbs[up]) // pb  # this group's pages end below it
+            if a.p_max < top:
+                top = a.p_max
             floats = extra > 0 and d is FLOAT  # grows, and may grow either way
             if floats:
                 if not w:
-                    weight = self.weights(steps, live)
-                    w = [weight[x] for x in kinds]
+                    w = self.weights(steps, live)
                 if a.used == 0:
                     # An empty float re-anchors inside the gap it sits in, leaving the group below
                     # it room in proportion to their byte weights, so neighbours do not box each
                     # other in.
-                    first, last = -(-prev_hi_bytes // pb), min(upper // pb, a.p_max) - extra
+                    first, last = -(-prev_hi_bytes // pb), top - extra
                     below = w[i - 1]
                     above = sum(w[i + 1 : n if up is None else up + 1])
                     target = first + int((last + extra - first) * below / (below + w[i] + above))
                     new_lo = lo = hi = max(first, min(target, last))
             down_room = lo - -(-prev_hi_bytes // pb) if d is not UP else 0
-            up_room = min(upper // pb, a.p_max) - hi if d is not DOWN else 0
+            up_room = top - hi if d is not DOWN else 0
+            if down_room < 0:
+                down_room = 0
+            if up_room < 0:
+                up_room = 0
             if balanced and floats and self._up_first(i, up, down_room, up_room, w):
-                g_hi = min(extra, max(0, up_room))
-                g_lo = min(extra - g_hi, max(0, down_room))
+                g_hi = extra if extra < up_room else up_room
+                g_lo = extra - g_hi if extra - g_hi < down_room else down_room
             else:
-                g_lo = min(extra, max(0, down_room))
-                g_hi = min(extra - g_lo, max(0, up_room))
+                g_lo = extra if extra < down_room else down_room
+                g_hi = extra - g_lo if extra - g_lo < up_room else up_room
             missing = extra - g_lo - g_hi
-            ring = self._ring_at[i]
-            if ring is not None and need > ring.count:
-                missing = max(missing, need - ring.count)
+            ring = rings[i]
+            if ring is not None and need - ring.count > missing:
+                missing = need - ring.count
             short += missing * pb
-            if need or new_lo is not None:
-                plan[k] = (g_lo, g_hi, new_lo)
+            plan[k] = (g_lo, g_hi, new_lo)
             if hi + g_hi > lo - g_lo and (hi + g_hi) * pb > prev_hi_bytes:
                 prev_hi_bytes = (hi + g_hi) * pb
         return plan, short
@@ -201,29 +210,31 @@ class Planner:
         the gap below does. A neighbour that cannot grow into the gap (the top group's gap below
         the float is the float's alone, and so on) weighs nothing there. ``up``: the first
         non-empty group above (None: none); ``w``: :meth:`weights` of the plan, by position."""
-        pb = self._allocs[i].pb
         w_below = w[i - 1] if i > 0 and self._dirs[i - 1] is not DOWN else 0.0
         w_above = w[up] if up is not None and self._dirs[up] is not UP else 0.0
         if w_above == 0.0:
             return up_room > 0 and w_below > 0.0
         if w_below == 0.0:
             return False
-        return max(0, up_room) * pb / w_above > max(0, down_room) * pb / w_below
+        pb = self._pbs[i]
+        return up_room * pb / w_above > down_room * pb / w_below
 
-    def weights(self, steps: Sequence[Step], live: Live) -> dict[GroupKind, float]:
-        """Per-token byte weights of the groups, a state slot spread over the mean length of the
-        live requests and those being placed (at least a page, at most TYPICAL_TOKENS): short
-        requests need a slot per few tokens, and a state group weighed as if every request were
-        4k tokens long got only page-alignment room below a float (tiny-hybrid's short
-        requests were refused with 94% of the arena free until compaction)."""
-        if STATE not in self.groups:
+    def weights(self, steps: Sequence[Step], live: Live) -> list[float]:
+        """Per-token byte weights of the groups (by position in arena order), a state slot spread
+        over the mean length of the live requests and those being placed (at least a page, at
+        most TYPICAL_TOKENS): short requests need a slot per few tokens, and a state group weighed
+        as if every request were 4k tokens long got only page-alignment room below a float
+        (tiny-hybrid's short requests were refused with 94% of the arena free until compaction)."""
+        if not self._has_state:
             return self._weight
         new = [s.tokens for s in steps if s.need.get(STATE)]
         count = live.requests + len(new)
         if not count:
             return self._weight
         typical = min(TYPICAL_TOKENS, max(self._ps_full, (live.tokens + sum(new)) // count))
-        return {**self._weight, STATE: self._slot_bytes / typical}
+        w = list(self._weight)
+        w[self._kinds.index(STATE)] = self._slot_bytes / typical
+        return w
 
     def attempt(self, steps: Sequence[Step], live: Live) -> tuple[Placement, int, bool]:
         """The first plan of ``steps`` that fits, trying balanced growth before lower-gap-first

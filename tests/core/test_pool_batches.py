@@ -14,6 +14,7 @@ import pytest
 import kvd.copy.runs as runs
 from kvd.daemon.leases import LeaseTable
 from kvd.errors import AlreadyExists, CapacityError, InvalidArgument, KvdError, NotFound
+from kvd.pool.planner import Step
 from kvd.pool.pool import Pool
 from kvd.records import AllocSpec, LeaseKind
 from pool_testkit import arena_for, assert_unchanged, sizings, snapshot, vec_key
@@ -33,6 +34,15 @@ def _one_by_one(pool: Pool) -> Pool:
 
     b.bind_steps = bind_each  # type: ignore[method-assign]
     b.release_many = lambda reqs: sum(release([r]) for r in reqs)  # type: ignore[method-assign]
+    return pool
+
+
+def _split_only(pool: Pool) -> Pool:
+    """Make ``pool`` bind and release a single request through the batch paths too (the ids
+    split among one request): the reference the one-request paths must match."""
+    b = pool._bindings
+    b._bind_one = lambda r, need, plan: b._bind_split([r], [Step(need)], plan)  # type: ignore[method-assign]
+    b._release_one = lambda r: b._release_split([r])  # type: ignore[method-assign]
     return pool
 
 
@@ -97,6 +107,39 @@ def test_batches_match_one_by_one(name: str, seed: int) -> None:
         ref.check()
     assert batches > 10  # the batch paths ran, several requests at once
     assert capacity_refusals < 120
+
+
+@pytest.mark.parametrize("name", sorted(SIZINGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_request_paths_match_the_split_paths(name: str, seed: int) -> None:
+    """Binding and releasing one request (``_bind_one``, ``_release_one``) leaves every table as
+    the batch paths given that one request do, over random single and batched operations."""
+    s = SIZINGS[name]
+    fast, ref = Pool(s.layout, arena_for(s)), _split_only(Pool(s.layout, arena_for(s)))
+    rng = random.Random(seed)
+    live: list[str] = []
+    seq = singles = 0
+    for _ in range(150):
+        roll, n = rng.random(), 1 if rng.random() < 0.7 else rng.randint(2, 4)
+        if roll < 0.45 or not live:
+            op, arg = "alloc", [AllocSpec(f"r{seq + i}", rng.randint(1, s.max_tokens // 2), rng.random() < 0.4) for i in range(n)]
+            seq += n
+        elif roll < 0.65:
+            op, arg = "extend", [(rid, rng.randint(1, s.max_tokens // 4)) for rid in rng.sample(live, min(len(live), n))]
+        else:
+            op, arg = "free", rng.sample(live, min(len(live), n))
+        got, want = _step(fast, op, arg), _step(ref, op, arg)
+        assert got == want, (op, arg)
+        if not isinstance(got, str):
+            singles += len(arg) == 1
+            if op == "alloc":
+                live += [x.rid for x in arg]
+            elif op == "free":
+                live = [rid for rid in live if rid not in arg]
+        assert _internals(fast) == _internals(ref), (op, arg)
+        fast.check()
+        ref.check()
+    assert singles > 40
 
 
 def test_a_fresh_batch_gets_the_pages_one_by_one_binds_give() -> None:
