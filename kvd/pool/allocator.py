@@ -40,11 +40,14 @@ IDX = torch.int32
 IDX_NP = np.int32
 
 
+_IDX_DTYPE = np.dtype(IDX_NP)
+
+
 def as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     """``ids`` as a numpy int32 array (a view of a CPU tensor's memory, no copy)."""
     if isinstance(ids, torch.Tensor):
         ids = ids.numpy()
-    return ids if ids.dtype == IDX_NP else ids.astype(IDX_NP)
+    return ids if ids.dtype is _IDX_DTYPE or ids.dtype == _IDX_DTYPE else ids.astype(IDX_NP)
 
 
 # A numpy reduction costs ~1 us whatever its size; a request's few ids reduce faster as a list.

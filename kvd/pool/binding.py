@@ -131,14 +131,21 @@ class Bindings:
 
     def _release_one(self, r: Request) -> int:
         """:meth:`_release_split` of one request (the common call), with nothing to join."""
-        g = self.groups
-        if SWA in g:
-            g[SWA].unbind(r.full[r.swa_first :])
-        self._release(FULL, r.full, None)
-        if r.state >= 0:
-            self._release(STATE, np.array((r.state,), dtype=np.int32), None)
-        if len(r.draft):
-            self._release(DRAFT, r.draft, None)
+        for kind, a, owner in self._slots:
+            if owner is None:  # swa: the window tail of the full ids
+                a.unbind(r.full[r.swa_first :])
+                continue
+            if kind is FULL:
+                vids = r.full
+            elif kind is STATE:
+                if r.state < 0:
+                    continue
+                vids = np.array((r.state,), dtype=np.int32)
+            else:
+                vids = r.draft
+            a.unbind(vids)
+            owner[1].put(vids, -1)
+            owner[0].give(vids)
         del self.by_handle[r.handle]
         return r.tokens
 

@@ -107,6 +107,8 @@ class Pool:
         # full, swa, state and draft (None: not in the layout), for the per-request paths
         ga = self.groups
         self._by_kind = (ga[FULL], ga.get(SWA), ga.get(STATE), ga.get(DRAFT))
+        # envelopes() as last made, and the (region, base, backed) they were made for
+        self._envelopes: tuple[tuple[str, int, int] | None, tuple[Envelope, ...]] = (None, ())
         self._bindings = Bindings(self.groups)
         self._planner = Planner(layout, self.groups, self._bindings.rings, arena, self.sink_bytes)
         self._requests: dict[str, Request] = {}
@@ -142,6 +144,7 @@ class Pool:
     def _set_capacity(self, backed: int) -> None:
         for a in self.groups.values():
             a.set_capacity(backed)
+        self._envelopes = None, ()
 
     def finalize(self, nbytes: int | None) -> None:
         """Post-capture sizing: back ``nbytes`` in place and re-derive every group's capacity.
@@ -375,11 +378,15 @@ class Pool:
         return r
 
     def envelopes(self) -> list[Envelope]:
-        """One envelope per group, arena order. Only the backed prefix is ever reported."""
-        return [
-            Envelope(k.value, self.arena.region_id, self.arena.base, self.arena.backed, a.pb, a.p_min, a.p_max - 1)
-            for k, a in self.groups.items()
-        ]
+        """One envelope per group, arena order (a new list). Only the backed prefix is ever reported."""
+        arena = self.arena
+        key = (arena.region_id, arena.base, arena.backed)
+        if self._envelopes[0] != key:  # made again only when the backing or a capacity changed
+            self._envelopes = (key, tuple(
+                Envelope(k.value, arena.region_id, arena.base, arena.backed, a.pb, a.p_min, a.p_max - 1)
+                for k, a in self.groups.items()
+            ))
+        return list(self._envelopes[1])
 
     def page_view(self, kind: GroupKind | str) -> torch.Tensor:
         """``uint8`` view ``[pages, page_bytes]`` of one group's pages in the backed arena (no copy)."""
