@@ -52,6 +52,10 @@ def as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
 
 # A numpy reduction costs ~1 us whatever its size; a request's few ids reduce faster as a list.
 _SMALL = 64
+# One id (a state slot, the page a decode step adds) binds and unbinds through scalar reads and
+# writes of the tables: the same steps as for an array, at a fraction of the half-dozen numpy
+# calls. Tests turn this (and _SMALL) off to compare both ways.
+_SCALAR = True
 
 
 def peak(a: np.ndarray) -> int:
@@ -230,7 +234,23 @@ class GroupAllocator:
         if lo - grow_lo < self.p_min or hi + grow_hi > self.p_max:
             raise InternalError(f"{self.name}: region [{lo - grow_lo}, {hi + grow_hi}) left [{self.p_min}, {self.p_max})")
         v2p = self._v2p
-        if n and peak(v2p.take(v)) >= 0:  # unbound is -1
+        if n == 1 and _SCALAR:
+            vid = int(v[0])
+            if v2p[vid] >= 0:  # unbound is -1
+                raise InternalError(f"{self.name}: binding virtual ids that are already bound")
+            if from_holes:
+                self.n_holes = n_holes = n_holes - 1
+                page = int(self._holes_np[n_holes])
+            elif grow_lo:
+                page = self.lo = lo - 1
+            else:
+                page = hi
+                self.hi = hi + 1
+            self._p2v[page] = vid
+            v2p[vid] = page
+            self.used += 1
+            return
+        if n and peak(v2p.take(v)) >= 0:
             raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
         if from_holes:
@@ -265,6 +285,20 @@ class GroupAllocator:
         if n == 0:
             return
         v2p = self._v2p
+        if n == 1 and _SCALAR:
+            vid = int(v[0])
+            page = int(v2p[vid])
+            if page < 0:
+                raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
+            self._p2v[page] = -1
+            v2p[vid] = -1
+            self.used -= 1
+            if self.used == 0:
+                self.collapse()
+            else:
+                self._holes_np[self.n_holes] = page
+                self.n_holes += 1
+            return
         pages = v2p.take(v)
         if floor(pages) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")

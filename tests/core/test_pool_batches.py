@@ -2,16 +2,20 @@
 release a whole batch in one allocator call per group. They must leave the pool exactly as binding
 or releasing the same requests one by one (under the same plan) does -- every page, id, hole stack,
 ring and version -- keep every invariant, and refuse a batch with one bad item having changed
-nothing. Also: the small-run fast path of ``coalesce_np`` and the lease table's per-request index."""
+nothing. The specialisations of the per-request path (one request not split, one id bound with
+scalar writes, a few ids reduced as a list) must leave every table as the general path does.
+Also: the small-run fast path of ``coalesce_np`` and the lease table's per-request index."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
 import pytest
 
 import kvd.copy.runs as runs
+import kvd.pool.allocator as allocator
 from kvd.daemon.leases import LeaseTable
 from kvd.errors import AlreadyExists, CapacityError, InvalidArgument, KvdError, NotFound
 from kvd.pool.planner import Step
@@ -140,6 +144,64 @@ def test_one_request_paths_match_the_split_paths(name: str, seed: int) -> None:
         fast.check()
         ref.check()
     assert singles > 40
+
+
+class _ArraysOnly:
+    """Binds and unbinds one id through the array path, and reduces a few ids in numpy, while
+    the block runs (the allocator's module switches)."""
+
+    def __enter__(self) -> None:
+        self.saved = allocator._SCALAR, allocator._SMALL
+        allocator._SCALAR, allocator._SMALL = False, 0
+
+    def __exit__(self, *exc: object) -> None:
+        allocator._SCALAR, allocator._SMALL = self.saved
+
+
+@pytest.mark.parametrize("name", sorted(SIZINGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_id_paths_match_the_array_paths(name: str, seed: int) -> None:
+    """Random allocations, one-page extensions (a decode step), frees and offload/restore on two
+    pools, one of them binding every id through the array path: every table stays equal."""
+    s = SIZINGS[name]
+    fast, ref = Pool(s.layout, arena_for(s)), Pool(s.layout, arena_for(s))
+    rng = random.Random(seed)
+    live: list[str] = []
+    seq = 0
+    for _ in range(150):
+        roll = rng.random()
+        if roll < 0.35 or not live:
+            op, arg = "alloc", [AllocSpec(f"r{seq}", rng.randint(1, s.max_tokens // 2), rng.random() < 0.4)]
+            seq += 1
+        elif roll < 0.7:
+            op, arg = "extend", [(rng.choice(live), rng.randint(1, s.layout.page_size))]
+        elif roll < 0.9:
+            op, arg = "free", [rng.choice(live)]
+        else:
+            rid = rng.choice(live)
+            for p, arrays in ((fast, False), (ref, True)):
+                with _ArraysOnly() if arrays else contextlib.nullcontext():
+                    p.offload(rid)
+                    try:
+                        p.restore(rid)
+                    except CapacityError:
+                        p.free(rid)
+            if rid not in fast.request_ids:
+                live.remove(rid)
+            assert _internals(fast) == _internals(ref)
+            continue
+        got = _step(fast, op, arg)
+        with _ArraysOnly():
+            want = _step(ref, op, arg)
+        assert got == want, (op, arg)
+        if not isinstance(got, str):
+            if op == "alloc":
+                live += [x.rid for x in arg]
+            elif op == "free":
+                live.remove(arg[0])
+        assert _internals(fast) == _internals(ref), (op, arg)
+        fast.check()
+        ref.check()
 
 
 def test_a_fresh_batch_gets_the_pages_one_by_one_binds_give() -> None:
