@@ -23,6 +23,7 @@ from kvd.pool.request import Request
 __all__ = ["Bindings"]
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
+_NO_GROWTH = (0, 0, None)  # a group's plan when it grows nowhere
 
 
 class Bindings:
@@ -100,16 +101,24 @@ class Bindings:
                 at += c
 
     def _bind_one(self, r: Request, need: dict[GroupKind, int], plan: Placement) -> None:
-        """:meth:`_bind_split` of one request (the common call), with nothing to split."""
+        """:meth:`_bind_split` of one request (the common call), with nothing to split: each
+        group's ids take holes first, then the plan's growth below, then above."""
         for kind, a, owner in self._slots:
             n = need.get(kind, 0)
             if not n:
                 continue
-            if owner is None:  # swa
-                _bind(kind, a, r.full[len(r.full) - n :], [n], plan)
+            g_lo, g_hi, new_lo = plan.get(kind, _NO_GROWTH)
+            rest = n - a.n_holes if n > a.n_holes else 0
+            take_lo = g_lo if g_lo < rest else rest
+            take_hi = rest - take_lo
+            if take_hi > g_hi:
+                raise InternalError(f"{kind.value}: plan covers {n - rest + take_lo + g_hi} of {n} pages")
+            plan[kind] = (g_lo - take_lo, g_hi - take_hi, None)
+            if owner is None:  # swa: the window tail of the (already extended) full ids
+                a.bind(r.full[len(r.full) - n :], take_lo, take_hi, new_lo if a.hi == a.lo else None)
                 continue
             vids = owner[0].take_np(n)
-            _bind(kind, a, vids, [n], plan)
+            a.bind(vids, take_lo, take_hi, new_lo if a.hi == a.lo else None)
             owner[1].put(vids, r.handle)
             if kind is STATE:
                 r.state = int(vids[0])
