@@ -32,7 +32,7 @@ import torch
 
 from kvd.errors import InternalError
 
-__all__ = ["Direction", "IdRing", "GroupAllocator", "IDX", "IDX_NP", "as_np", "floor", "peak"]
+__all__ = ["Direction", "IdRing", "GroupAllocator", "IDX", "IDX_NP", "as_np"]
 
 #: dtype of every id tensor (virtual ids, physical page ids). 2^31 pages is far above any arena.
 IDX = torch.int32
@@ -58,12 +58,12 @@ _SMALL = 64
 _SCALAR = True
 
 
-def peak(a: np.ndarray) -> int:
+def _peak(a: np.ndarray) -> int:
     """The largest element of non-empty ``a``."""
     return max(a.tolist()) if len(a) < _SMALL else int(a.max())
 
 
-def floor(a: np.ndarray) -> int:
+def _floor(a: np.ndarray) -> int:
     """The smallest element of non-empty ``a``."""
     return min(a.tolist()) if len(a) < _SMALL else int(a.min())
 
@@ -250,7 +250,7 @@ class GroupAllocator:
             v2p[vid] = page
             self.used += 1
             return
-        if n and peak(v2p.take(v)) >= 0:
+        if n and _peak(v2p.take(v)) >= 0:
             raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
         if from_holes:
@@ -300,7 +300,7 @@ class GroupAllocator:
                 self.n_holes += 1
             return
         pages = v2p.take(v)
-        if floor(pages) < 0:
+        if _floor(pages) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
         self._p2v.put(pages, -1)
         v2p.put(v, -1)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from kvd.errors import (
