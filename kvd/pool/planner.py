@@ -87,6 +87,7 @@ class Planner:
         self._dirs = [a.direction for a in self._allocs]
         self._pbs = [a.pb for a in self._allocs]
         self._ring_at = [rings.get(k) for k in self._kinds]
+        self._state_at = self._kinds.index(STATE) if self._has_state else -1
 
     # =========================================================================================
     # steps: what each operation needs
@@ -232,8 +233,8 @@ class Planner:
         if not count:
             return self._weight
         typical = min(TYPICAL_TOKENS, max(self._ps_full, (live.tokens + sum(new)) // count))
-        w = list(self._weight)
-        w[self._kinds.index(STATE)] = self._slot_bytes / typical
+        w = self._weight.copy()
+        w[self._state_at] = self._slot_bytes / typical
         return w
 
     def attempt(self, steps: Sequence[Step], live: Live) -> tuple[Placement, int, bool]:
