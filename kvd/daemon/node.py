@@ -119,7 +119,7 @@ class Node:
         it); otherwise the proposal must be compatible with the pool's layout: LayoutMismatch
         naming both layouts if not, the pool unchanged. Returns the layout the daemon serves."""
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             if self.layout_pending:
                 pool = Pool(layout, self.pool.arena, post_capture=self.pool.post_capture)
                 pool.boot_id = self.pool.boot_id  # the same boot: sessions and tickets quote it
@@ -160,13 +160,15 @@ class Node:
     def touch(self, session_id: str) -> SessionInfo:
         """Mark the session alive (every call does this) and return it."""
         with self._lock:
-            s = self._sessions.get(session_id)
-            if s is None:
-                raise NotFound(
-                    f"session {quote(session_id)} is unknown or expired (no call within its TTL); open a new session"
-                )
-            s.last_seen = self.clock()
-            return s
+            return self._touch(session_id)
+
+    def _touch(self, session_id: str) -> SessionInfo:
+        """:meth:`touch`, the lock held."""
+        s = self._sessions.get(session_id)
+        if s is None:
+            raise NotFound(f"session {quote(session_id)} is unknown or expired (no call within its TTL); open a new session")
+        s.last_seen = self.clock()
+        return s
 
     def close_session(self, session_id: str, free_requests: bool = True) -> tuple[int, int]:
         """End a session: release its leases and free its requests. Returns (freed, released).
@@ -180,7 +182,7 @@ class Node:
         leases are released all the same: one under a transfer in progress ends it as
         :meth:`release_lease` does (aborted toward the sender, fenced)."""
         with self._lock:
-            s = self.touch(session_id)
+            s = self._touch(session_id)
             if free_requests or not s.rids:
                 return self._reap(s, "its engine closed its session")
             released = 0
@@ -218,26 +220,29 @@ class Node:
         * sending: the hooks hear of every ended request (:class:`~kvd.records.Ends`) and the
           Outbox aborts the transfers it still sends toward their receivers."""
         fenced: set[str] = set()
+        now: list[str] = []
         senders = []
+        leases, inbox = self.leases, self.inbox
         for rid in rids:
-            fence, tell = self.inbox.end(rid, reason)
-            if fence:
-                fenced.add(rid)
+            fence, tell = inbox.end(rid, reason)
             if tell:
                 senders.append(tell)
-        now = [rid for rid in rids if rid not in fenced]
-        for rid in now:
-            for lease in self.leases.for_rid(rid):
-                self.leases.drop(lease.lease_id)
+            if fence:
+                fenced.add(rid)
+            else:
+                now.append(rid)
+                for lease in leases.for_rid(rid):
+                    leases.drop(lease.lease_id)
         if now:  # freeing bumps the pool's epoch: not for nothing
             self.pool.free_many(now)
         self._doomed.update(fenced)
+        owner, born, mine = self._owner, self._born, s.rids
         for rid in rids:
-            self._owner.pop(rid, None)
-            self._born.pop(rid, None)
-            s.rids.discard(rid)
+            owner.pop(rid, None)
+            born.pop(rid, None)
+            mine.discard(rid)
             if rid not in fenced:
-                self.inbox.forget(rid)
+                inbox.forget(rid)
         self._announce(s.session_id, reason, rids, senders)
 
     def _end_lease(self, lease: Lease, reason: str) -> tuple[bool, tuple[str, TransferRef] | None]:
@@ -290,7 +295,7 @@ class Node:
         """Keep ``session_id`` alive and raise unless it created ``rid`` (NotFound / PermissionDenied),
         as every other call naming a request does."""
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             self._own(session_id, rid)
 
     def _own(self, session_id: str, rid: str) -> None:
@@ -309,7 +314,7 @@ class Node:
     # ---- requests ---------------------------------------------------------------------------
     def allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> list[IndexVectors]:
         with self._lock:
-            s = self.touch(session_id)
+            s = self._touch(session_id)
             self.require_layout()
             out = self.pool.allocate_many(specs)
             now = self.clock()
@@ -323,20 +328,20 @@ class Node:
     def can_allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> int:
         """Shortfall in bytes (0: fits). Changes nothing."""
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             self.require_layout()
             return self.pool.shortfall_bytes(specs)
 
     def extend(self, session_id: str, items: Sequence[tuple[str, int]]) -> list[IndexVectors]:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             for rid, _ in items:
                 self._own(session_id, rid)
             return self.pool.extend_many(items)
 
     def free(self, session_id: str, rids: Sequence[str]) -> int:
         with self._lock:
-            s = self.touch(session_id)
+            s = self._touch(session_id)
             if len(set(rids)) != len(rids):
                 raise InvalidArgument("free: a request id appears twice in one batch")
             for rid in rids:
@@ -349,7 +354,7 @@ class Node:
 
     def vectors(self, session_id: str, rids: Sequence[str]) -> list[IndexVectors]:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             for rid in rids:
                 self._own(session_id, rid)
             return [self.pool.vectors(rid) for rid in rids]
@@ -371,7 +376,7 @@ class Node:
         itself when those still are the request's vectors (:meth:`Pool.unchanged`; the gather is
         skipped), so ``vec is known`` tells the caller nothing moved since it read them."""
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             self._own(session_id, rid)
             if boot_id:
                 self._fresh(rid, epoch, boot_id)
@@ -385,13 +390,13 @@ class Node:
 
     def renew_lease(self, session_id: str, lease_id: int, ttl: float | None = None) -> Lease:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             self._lease_of(session_id, lease_id)
             return self.leases.renew(lease_id, ttl)
 
     def release_lease(self, session_id: str, lease_id: int) -> Lease:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             lease = self._lease_of(session_id, lease_id)
             reason = "its engine released the RECV lease"
             fenced, tell = self._end_lease(lease, reason)
@@ -415,26 +420,26 @@ class Node:
     # ---- maintenance ------------------------------------------------------------------------
     def compact(self, session_id: str, around_pinned: bool = False) -> CompactionResult:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             return self.pool.compact(self.leases.pinned(), around_pinned=around_pinned)
 
     def finalize(self, session_id: str, nbytes: int | None, resize: bool = False) -> None:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             (self.pool.resize if resize else self.pool.finalize)(nbytes)
             for fn in self.on_backing_change:
                 fn()
 
     def offload(self, session_id: str, rid: str) -> int:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             self._own(session_id, rid)
             self._no_leases(rid, "offload")
             return self.pool.offload(rid)
 
     def restore(self, session_id: str, rid: str) -> IndexVectors:
         with self._lock:
-            self.touch(session_id)
+            self._touch(session_id)
             self._own(session_id, rid)
             return self.pool.restore(rid)
 

@@ -40,11 +40,32 @@ IDX = torch.int32
 IDX_NP = np.int32
 
 
+_IDX_DTYPE = np.dtype(IDX_NP)
+
+
 def as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     """``ids`` as a numpy int32 array (a view of a CPU tensor's memory, no copy)."""
     if isinstance(ids, torch.Tensor):
         ids = ids.numpy()
-    return ids if ids.dtype == IDX_NP else ids.astype(IDX_NP)
+    return ids if ids.dtype is _IDX_DTYPE or ids.dtype == _IDX_DTYPE else ids.astype(IDX_NP)
+
+
+# A numpy reduction costs ~1 us whatever its size; a request's few ids reduce faster as a list.
+_SMALL = 64
+# One id (a state slot, the page a decode step adds) binds and unbinds through scalar reads and
+# writes of the tables: the same steps as for an array, at a fraction of the half-dozen numpy
+# calls. Tests turn this (and _SMALL) off to compare both ways.
+_SCALAR = True
+
+
+def _peak(a: np.ndarray) -> int:
+    """The largest element of non-empty ``a``."""
+    return max(a.tolist()) if len(a) < _SMALL else int(a.max())
+
+
+def _floor(a: np.ndarray) -> int:
+    """The smallest element of non-empty ``a``."""
+    return min(a.tolist()) if len(a) < _SMALL else int(a.min())
 
 
 class Direction(enum.Enum):
@@ -71,9 +92,15 @@ class IdRing:
         """The next ``n`` free ids (a new array), off the front."""
         if n > self.count:
             raise InternalError(f"id ring: asked for {n} ids with {self.count} free; the planner should have refused")
-        h, end = self._head, self._head + n
-        out = self._np[h:end].copy() if end <= self.size else np.concatenate((self._np[h:], self._np[: end - self.size]))
-        self._head = end % self.size
+        h = self._head
+        end = h + n
+        if end < self.size:
+            out: np.ndarray = self._np[h:end].copy()
+            self._head = end
+        else:
+            end -= self.size
+            out = self._np[h:].copy() if end == 0 else np.concatenate((self._np[h:], self._np[:end]))
+            self._head = end
         self.count -= n
         return out
 
@@ -81,14 +108,20 @@ class IdRing:
         return torch.from_numpy(self.take_np(n))
 
     def give(self, ids: torch.Tensor | np.ndarray) -> None:
+        """Put ``ids`` back at the end (the ring copies them)."""
         ids = as_np(ids)
         n = len(ids)
         if self.count + n > self.size:
             raise InternalError(f"id ring: {n} ids returned to a ring with {self.size - self.count} taken")
-        at = (self._head + self.count) % self.size
-        first = min(n, self.size - at)
-        self._np[at : at + first] = ids[:first]
-        self._np[: n - first] = ids[first:]
+        at = self._head + self.count
+        if at >= self.size:
+            at -= self.size
+        first = self.size - at
+        if n <= first:
+            self._np[at : at + n] = ids
+        else:
+            self._np[at:] = ids[:first]
+            self._np[: n - first] = ids[first:]
         self.count += n
 
     def free_ids(self) -> torch.Tensor:
@@ -180,20 +213,11 @@ class GroupAllocator:
     def empty(self) -> bool:
         return self.hi == self.lo
 
-    def physical(self, vids: np.ndarray) -> torch.Tensor:
-        """``v2p[vids]`` as a new tensor (gathered through numpy: the per-request path)."""
-        return torch.from_numpy(self._v2p[vids])
-
     # ---- bind / unbind ----------------------------------------------------------------------
-    def bind(self, vids: torch.Tensor | np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None) -> torch.Tensor:
-        """Bind ``vids`` to pages: holes first, then ``grow_lo`` pages below the region and
-        ``grow_hi`` above it. ``new_lo`` re-anchors an empty float first. Returns the pages,
-        in the order of ``vids``."""
-        return torch.from_numpy(self.bind_np(as_np(vids), grow_lo, grow_hi, new_lo))
-
-    def bind_np(self, v: np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
-                lo_parts: np.ndarray | None = None) -> np.ndarray:
-        """:meth:`bind` of int32 ids ``v``, the pages as an array.
+    def bind(self, v: np.ndarray, grow_lo: int, grow_hi: int, new_lo: int | None = None,
+             lo_parts: np.ndarray | None = None) -> None:
+        """Bind int32 ids ``v`` to pages: holes first, then ``grow_lo`` pages below the region and
+        ``grow_hi`` above it, in the order of ``v``. ``new_lo`` re-anchors an empty float first.
 
         ``lo_parts``: the growth below split among several requests bound in one call (their
         shares, in order, summing to ``grow_lo``): each share gets the pages that many one-by-one
@@ -201,67 +225,100 @@ class GroupAllocator:
         n = len(v)
         from_holes = n - grow_lo - grow_hi
         if new_lo is not None:
-            if not self.empty:
+            if self.hi != self.lo:
                 raise InternalError(f"{self.name}: re-anchor of a non-empty region")
             self.lo = self.hi = new_lo
-        if from_holes < 0 or from_holes > self.n_holes:
-            raise InternalError(f"{self.name}: plan takes {from_holes} holes of {self.n_holes}")
-        if self.lo - grow_lo < self.p_min or self.hi + grow_hi > self.p_max:
-            raise InternalError(f"{self.name}: region [{self.lo - grow_lo}, {self.hi + grow_hi}) left [{self.p_min}, {self.p_max})")
-        if n and int(self._v2p[v].max()) >= 0:  # unbound is -1
+        lo, hi, n_holes = self.lo, self.hi, self.n_holes
+        if from_holes < 0 or from_holes > n_holes:
+            raise InternalError(f"{self.name}: plan takes {from_holes} holes of {n_holes}")
+        if lo - grow_lo < self.p_min or hi + grow_hi > self.p_max:
+            raise InternalError(f"{self.name}: region [{lo - grow_lo}, {hi + grow_hi}) left [{self.p_min}, {self.p_max})")
+        v2p = self._v2p
+        if n == 1 and _SCALAR:
+            vid = int(v[0])
+            if v2p[vid] >= 0:  # unbound is -1
+                raise InternalError(f"{self.name}: binding virtual ids that are already bound")
+            if from_holes:
+                self.n_holes = n_holes = n_holes - 1
+                page = int(self._holes_np[n_holes])
+            elif grow_lo:
+                page = self.lo = lo - 1
+            else:
+                page = hi
+                self.hi = hi + 1
+            self._p2v[page] = vid
+            v2p[vid] = page
+            self.used += 1
+            return
+        if n and _peak(v2p.take(v)) >= 0:
             raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
         if from_holes:
-            parts.append(self._holes_np[self.n_holes - from_holes : self.n_holes][::-1])
-            self.n_holes -= from_holes
+            n_holes -= from_holes
+            parts.append(self._holes_np[n_holes : n_holes + from_holes][::-1])
+            self.n_holes = n_holes
         if grow_lo:
             # Ascending, so a request's pages form +1 runs on both sides of a transfer.
-            if lo_parts is None or len(lo_parts) <= 1:
-                parts.append(np.arange(self.lo - grow_lo, self.lo, dtype=IDX_NP))
+            if lo_parts is None:
+                parts.append(np.arange(lo - grow_lo, lo, dtype=IDX_NP))
             else:
                 ends = np.cumsum(lo_parts)
                 seg = np.repeat(np.arange(len(lo_parts)), lo_parts)
-                parts.append((self.lo - ends[seg] + (np.arange(grow_lo) - (ends - lo_parts)[seg])).astype(IDX_NP))
-            self.lo -= grow_lo
+                parts.append((lo - ends[seg] + (np.arange(grow_lo) - (ends - lo_parts)[seg])).astype(IDX_NP))
+            self.lo = lo - grow_lo
         if grow_hi:
-            parts.append(np.arange(self.hi, self.hi + grow_hi, dtype=IDX_NP))
-            self.hi += grow_hi
-        # one part: fresh from arange, or a view of the hole stack (copied: the stack is reused)
-        pages = np.concatenate(parts) if len(parts) != 1 else parts[0] if from_holes == 0 else parts[0].copy()
-        self._p2v[pages] = v
-        self._v2p[v] = pages
+            parts.append(np.arange(hi, hi + grow_hi, dtype=IDX_NP))
+            self.hi = hi + grow_hi
+        # one part: fresh from arange, or a view of the hole stack (put reads it before any
+        # later bind or unbind rewrites the stack)
+        pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self._p2v.put(pages, v)
+        v2p.put(v, pages)
         self.used += n
-        return pages
 
-    def unbind(self, vids: torch.Tensor | np.ndarray, parts: np.ndarray | None = None) -> torch.Tensor:
-        """Unbind ``vids``; their pages become holes. Returns the pages.
+    def unbind(self, v: np.ndarray, parts: np.ndarray | None = None) -> None:
+        """Unbind int32 ids ``v``; their pages become holes.
 
-        ``parts``: ``vids`` is several requests' ids (their counts, in order): the hole stack
-        ends as one-by-one unbinds in that order would leave it."""
-        v = as_np(vids)
-        if len(v) == 0:
-            return torch.from_numpy(v[:0].copy())
-        pages = self._v2p[v]
-        if int(pages.min()) < 0:
+        ``parts``: ``v`` is several requests' ids (their counts, in order): the hole stack ends
+        as one-by-one unbinds in that order would leave it."""
+        n = len(v)
+        if n == 0:
+            return
+        v2p = self._v2p
+        if n == 1 and _SCALAR:
+            vid = int(v[0])
+            page = int(v2p[vid])
+            if page < 0:
+                raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
+            self._p2v[page] = -1
+            v2p[vid] = -1
+            self.used -= 1
+            if self.used == 0:
+                self.collapse()
+            else:
+                self._holes_np[self.n_holes] = page
+                self.n_holes += 1
+            return
+        pages = v2p.take(v)
+        if _floor(pages) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
-        self._p2v[pages] = -1
-        self._v2p[v] = -1
-        self.used -= len(v)
+        self._p2v.put(pages, -1)
+        v2p.put(v, -1)
+        self.used -= n
         if self.used == 0:
             self.collapse()
+            return
+        # Pushed in reverse so bind() pops them back ascending: a request reusing freed pages
+        # gets the same runs (few transfer blocks) it had, not one block per page. Several
+        # requests: each one's pages reversed, the first request's pushed first.
+        if parts is None:
+            pushed = pages[::-1]
         else:
-            # Pushed in reverse so bind() pops them back ascending: a request reusing freed pages
-            # gets the same runs (few transfer blocks) it had, not one block per page. Several
-            # requests: each one's pages reversed, the first request's pushed first.
-            if parts is None or len(parts) <= 1:
-                pushed = pages[::-1]
-            else:
-                ends = np.cumsum(parts)
-                seg = np.repeat(np.arange(len(parts)), parts)
-                pushed = pages[(ends - 1)[seg] - (np.arange(len(v)) - (ends - parts)[seg])]
-            self._holes_np[self.n_holes : self.n_holes + len(v)] = pushed
-            self.n_holes += len(v)
-        return torch.from_numpy(pages)
+            ends = np.cumsum(parts)
+            seg = np.repeat(np.arange(len(parts)), parts)
+            pushed = pages[(ends - 1)[seg] - (np.arange(n) - (ends - parts)[seg])]
+        self._holes_np[self.n_holes : self.n_holes + n] = pushed
+        self.n_holes += n
 
     # ---- edges ------------------------------------------------------------------------------
     def trimmed_bounds(self) -> tuple[int, int]:

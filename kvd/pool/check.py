@@ -60,8 +60,8 @@ def check(pool: Pool) -> None:
     counts = {k: 0 for k in pool.groups}
     for r in pool._requests.values():
         n = pool._planner.pages(FULL, r.tokens)
-        if r.full.numel() != n:
-            fail(f"request {r.rid}: {r.full.numel()} full pages for {r.tokens} tokens (want {n})")
+        if len(r.full) != n:
+            fail(f"request {r.rid}: {len(r.full)} full pages for {r.tokens} tokens (want {n})")
         if r.base_tokens > r.tokens:
             fail(f"request {r.rid}: base_tokens {r.base_tokens} > tokens {r.tokens}")
         for k in pool.groups:
@@ -75,10 +75,10 @@ def check(pool: Pool) -> None:
         if SWA in pool.groups:
             if r.swa_first != pool._planner.swa_first(r.base_tokens):
                 fail(f"request {r.rid}: SWA pages start at page {r.swa_first}, window says {pool._planner.swa_first(r.base_tokens)}")
-            if r.swa_first > 0 and bool((pool.groups[SWA].v2p[r.full[: r.swa_first]] != -1).any()):
+            if r.swa_first > 0 and bool((pool.groups[SWA].v2p[torch.from_numpy(r.full[: r.swa_first])] != -1).any()):
                 fail(f"request {r.rid}: an SWA page outside the window is still bound")
-        if DRAFT in pool.groups and r.draft.numel() != pool._planner.pages(DRAFT, r.tokens):
-            fail(f"request {r.rid}: {r.draft.numel()} draft pages for {r.tokens} tokens")
+        if DRAFT in pool.groups and len(r.draft) != pool._planner.pages(DRAFT, r.tokens):
+            fail(f"request {r.rid}: {len(r.draft)} draft pages for {r.tokens} tokens")
         if STATE in pool.groups and r.state < 0:
             fail(f"request {r.rid}: no state slot")
     for k, a in pool.groups.items():

@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from functools import lru_cache
 from typing import Annotated, Any
 
 import torch
@@ -235,15 +234,38 @@ class Layout(BaseModel):
         return "\n".join(rows)
 
 
-# What the planner asks of a layout on every Send, computed once per distinct layout. Keyed by the
-# frozen model's value (equal fields, equal key), not stored on the instance: a copy made with
-# ``model_copy(update=...)`` must not inherit a stale digest.
-@lru_cache(maxsize=256)
+# What a Send asks of a layout (its fingerprint, its groups in arena order), computed once per
+# layout object: a frozen model's hash walks every field of every group (~1 us), too slow for a
+# cache keyed by value on every call. Keyed by identity instead, the object itself kept in the
+# entry so that its id can not be reused while the entry lives; a copy (``model_copy(update=...)``)
+# is another object and computes its own. Bounded: a daemon sees a handful of layouts.
+_DERIVED: dict[int, tuple[Layout, dict[str, Any]]] = {}
+_DERIVED_MAX = 256
+
+
+def _derived(layout: Layout) -> dict[str, Any]:
+    hit = _DERIVED.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    if len(_DERIVED) >= _DERIVED_MAX:
+        _DERIVED.clear()
+    memo: dict[str, Any] = {}
+    _DERIVED[id(layout)] = (layout, memo)
+    return memo
+
+
 def _fingerprint(layout: Layout) -> str:
-    blob = json.dumps(layout.canonical(), sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    memo = _derived(layout)
+    fp = memo.get("fingerprint")
+    if fp is None:
+        blob = json.dumps(layout.canonical(), sort_keys=True, separators=(",", ":")).encode()
+        fp = memo["fingerprint"] = hashlib.sha256(blob).hexdigest()[:16]
+    return str(fp)
 
 
-@lru_cache(maxsize=256)
 def _arena_order(layout: Layout) -> tuple[GroupSpec, ...]:
-    return tuple(layout.group(k) for k in ARENA_ORDER if layout.has(k))
+    memo = _derived(layout)
+    order = memo.get("order")
+    if order is None:
+        order = memo["order"] = tuple(layout.group(k) for k in ARENA_ORDER if layout.has(k))
+    return tuple(order)

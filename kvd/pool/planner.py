@@ -23,6 +23,7 @@ from kvd.pool.request import Request
 __all__ = ["Live", "Placement", "Planner", "Step", "TYPICAL_TOKENS"]
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
+UP, DOWN, FLOAT = Direction.UP, Direction.DOWN, Direction.FLOAT
 #: The longest request length the planner assumes when it shares free bytes with the state group.
 TYPICAL_TOKENS = 4096
 
@@ -72,7 +73,21 @@ class Planner:
         # Bytes per token each group tends to consume: how the planner shares a gap between
         # neighbouring groups. A state slot is spread over a typical request's tokens, which
         # :meth:`weights` takes from the requests at hand (at most TYPICAL_TOKENS).
-        self._weight = {g.kind: layout.entry_bytes(g) / (TYPICAL_TOKENS if g.kind is STATE else 1) for g in order}
+        self._weight = [layout.entry_bytes(g) / (TYPICAL_TOKENS if g.kind is STATE else 1) for g in order]
+        # What every step asks of the layout: the window (None: no swa group), page sizes (0: no
+        # draft group), whether there is a state group and a slot's bytes.
+        self._window = self._specs[SWA].window if SWA in self._specs else None
+        self._ps_full = self._ps[FULL]
+        self._ps_draft = self._ps.get(DRAFT, 0)
+        self._has_state = STATE in self._specs
+        self._slot_bytes = layout.entry_bytes(self._specs[STATE]) if self._has_state else 0
+        # The groups by position in arena order, for the plan's walk along the arena.
+        self._kinds = list(groups)
+        self._allocs = list(groups.values())
+        self._dirs = [a.direction for a in self._allocs]
+        self._pbs = [a.pb for a in self._allocs]
+        self._ring_at = [rings.get(k) for k in self._kinds]
+        self._state_at = self._kinds.index(STATE) if self._has_state else -1
 
     # =========================================================================================
     # steps: what each operation needs
@@ -81,32 +96,32 @@ class Planner:
         return -(-tokens // self._ps[kind])
 
     def swa_first(self, base_tokens: int) -> int:
-        if SWA not in self._specs:
+        if self._window is None:
             return 0
-        return max(0, base_tokens - (self._specs[SWA].window or 0)) // self._ps[FULL]
+        return max(0, base_tokens - self._window) // self._ps_full
 
     def alloc_step(self, tokens: int, receive: bool, base_tokens: int | None = None) -> Step:
-        n = self.pages(FULL, tokens)
+        n = -(-tokens // self._ps_full)
         need = {FULL: n}
-        if SWA in self.groups:
+        if self._window is not None:
             base = (tokens if receive else 0) if base_tokens is None else base_tokens
-            need[SWA] = n - self.swa_first(base)
-        if STATE in self.groups:
+            need[SWA] = n - max(0, base - self._window) // self._ps_full
+        if self._has_state:
             need[STATE] = 1
-        if DRAFT in self.groups:
-            need[DRAFT] = self.pages(DRAFT, tokens)
-        return Step(need, tokens=tokens)
+        if self._ps_draft:
+            need[DRAFT] = -(-tokens // self._ps_draft)
+        return Step(need, 0, tokens)
 
     def extend_step(self, r: Request, add: int) -> Step:
         new = r.tokens + add
-        n_old, n_new = r.full.numel(), self.pages(FULL, new)
+        n_old, n_new = len(r.full), self.pages(FULL, new)
         need = {FULL: n_new - n_old}
         release = 0
         if SWA in self.groups:
             need[SWA] = n_new - n_old
             release = self.swa_first(r.tokens) - r.swa_first
         if DRAFT in self.groups:
-            need[DRAFT] = self.pages(DRAFT, new) - r.draft.numel()
+            need[DRAFT] = self.pages(DRAFT, new) - len(r.draft)
         return Step(need, release, new)
 
     # =========================================================================================
@@ -123,88 +138,104 @@ class Planner:
         of that neighbour), so it does not eat the only gap of the group below (the state group
         grows up alone) while the gap above stays empty. Returns ``(plan, shortfall_bytes)``;
         plan maps kind -> ``(grow_lo, grow_hi, new_lo)``."""
-        total: dict[GroupKind, int] = {}
-        credit: dict[GroupKind, int] = {}
-        for s in steps:
-            for k, n in s.need.items():
-                total[k] = total.get(k, 0) + n
-            if s.swa_release:
-                credit[SWA] = credit.get(SWA, 0) + s.swa_release
-        bounds = {k: (a.trimmed_bounds() if trimmed else (a.lo, a.hi)) for k, a in self.groups.items()}
-        kinds = list(self.groups)
-        weight: dict[GroupKind, float] | None = None  # computed when a float first needs it
+        total, credit = _totals(steps)
+        kinds, allocs, dirs, pbs, rings = self._kinds, self._allocs, self._dirs, self._pbs, self._ring_at
+        n = len(kinds)
+        bounds = [a.trimmed_bounds() for a in allocs] if trimmed else [(a.lo, a.hi) for a in allocs]
+        # nxt[i]: the first non-empty group above group i (None: the top of the backing)
+        nxt: list[int | None] = [None] * n
+        j = None
+        for i in range(n - 1, -1, -1):
+            nxt[i] = j
+            if bounds[i][1] > bounds[i][0]:
+                j = i
+        backed = self.arena.backed
+        w: list[float] = []  # the weights by position, computed when a float first needs them
         plan: Placement = {}
         short = 0
         prev_hi_bytes = self.sink_bytes
-        for i, k in enumerate(kinds):
-            a = self.groups[k]
-            lo, hi = bounds[k]
+        for i in range(n):
+            k, a, d, pb = kinds[i], allocs[i], dirs[i], pbs[i]
+            lo, hi = bounds[i]
             need = total.get(k, 0)
-            holes = (hi - lo) - a.used + credit.get(k, 0)
-            extra = max(0, need - holes)
+            if not need:  # grows nowhere; only its region bounds the groups above
+                if hi > lo and hi * pb > prev_hi_bytes:
+                    prev_hi_bytes = hi * pb
+                continue
+            extra = need - ((hi - lo) - a.used + (credit if k is SWA else 0))
+            if extra < 0:
+                extra = 0
             new_lo = None
-            nxt = next((j for j in kinds[i + 1 :] if bounds[j][1] > bounds[j][0]), None)
-            upper = self.arena.backed if nxt is None else bounds[nxt][0] * self.groups[nxt].pb
-            floats = bool(extra) and a.direction is Direction.FLOAT  # grows, and may grow either way
-            w: dict[GroupKind, float] = {}  # the weights, where this group floats
+            up = nxt[i]
+            top = (backed if up is None else bounds[up][0] * pbs[up]) // pb  # this group's pages end below it
+            if a.p_max < top:
+                top = a.p_max
+            floats = extra > 0 and d is FLOAT  # grows, and may grow either way
             if floats:
-                weight = w = weight or self.weights(steps, live)
-            if floats and a.used == 0:
-                # An empty float re-anchors inside the gap it sits in, leaving the group below it
-                # room in proportion to their byte weights, so neighbours do not box each other in.
-                first, last = -(-prev_hi_bytes // a.pb), min(upper // a.pb, a.p_max) - extra
-                below = w[kinds[i - 1]]
-                above = sum(w[j] for j in kinds[i + 1 : None if nxt is None else kinds.index(nxt) + 1])
-                target = first + int((last + extra - first) * below / (below + w[k] + above))
-                new_lo = lo = hi = max(first, min(target, last))
-            down_room = lo - -(-prev_hi_bytes // a.pb) if a.direction is not Direction.UP else 0
-            up_room = min(upper // a.pb, a.p_max) - hi if a.direction is not Direction.DOWN else 0
-            if balanced and floats and self.up_first(kinds, i, nxt, down_room, up_room, w):
-                g_hi = min(extra, max(0, up_room))
-                g_lo = min(extra - g_hi, max(0, down_room))
+                if not w:
+                    w = self.weights(steps, live)
+                if a.used == 0:
+                    # An empty float re-anchors inside the gap it sits in, leaving the group below
+                    # it room in proportion to their byte weights, so neighbours do not box each
+                    # other in.
+                    first, last = -(-prev_hi_bytes // pb), top - extra
+                    below = w[i - 1]
+                    above = sum(w[i + 1 : n if up is None else up + 1])
+                    target = first + int((last + extra - first) * below / (below + w[i] + above))
+                    new_lo = lo = hi = max(first, min(target, last))
+            down_room = lo - -(-prev_hi_bytes // pb) if d is not UP else 0
+            up_room = top - hi if d is not DOWN else 0
+            if down_room < 0:
+                down_room = 0
+            if up_room < 0:
+                up_room = 0
+            if balanced and floats and self._up_first(i, up, down_room, up_room, w):
+                g_hi = extra if extra < up_room else up_room
+                g_lo = extra - g_hi if extra - g_hi < down_room else down_room
             else:
-                g_lo = min(extra, max(0, down_room))
-                g_hi = min(extra - g_lo, max(0, up_room))
+                g_lo = extra if extra < down_room else down_room
+                g_hi = extra - g_lo if extra - g_lo < up_room else up_room
             missing = extra - g_lo - g_hi
-            ring = self._rings.get(k)
-            if ring is not None and need > ring.count:
-                missing = max(missing, need - ring.count)
-            short += missing * a.pb
-            if need or new_lo is not None:
-                plan[k] = (g_lo, g_hi, new_lo)
-            prev_hi_bytes = max(prev_hi_bytes, (hi + g_hi) * a.pb) if (hi + g_hi) > lo - g_lo else prev_hi_bytes
+            ring = rings[i]
+            if ring is not None and need - ring.count > missing:
+                missing = need - ring.count
+            short += missing * pb
+            plan[k] = (g_lo, g_hi, new_lo)
+            if hi + g_hi > lo - g_lo and (hi + g_hi) * pb > prev_hi_bytes:
+                prev_hi_bytes = (hi + g_hi) * pb
         return plan, short
 
-    def up_first(self, kinds: list[GroupKind], i: int, nxt: GroupKind | None, down_room: int, up_room: int,
-                  w: dict[GroupKind, float]) -> bool:
-        """Whether float ``kinds[i]`` should grow into the gap above it first: that gap leaves
-        more room per byte weight of the neighbour it shares it with than the gap below does.
-        A neighbour that cannot grow into the gap (the top group's gap below the float is the
-        float's alone, and so on) weighs nothing there. ``w``: :meth:`weights` of the plan."""
-        a = self.groups[kinds[i]]
-        below = self.groups[kinds[i - 1]] if i > 0 else None
-        w_below = w[kinds[i - 1]] if below is not None and below.direction is not Direction.DOWN else 0.0
-        w_above = w[nxt] if nxt is not None and self.groups[nxt].direction is not Direction.UP else 0.0
+    def _up_first(self, i: int, up: int | None, down_room: int, up_room: int, w: list[float]) -> bool:
+        """Whether float ``i`` (a position in arena order) should grow into the gap above it
+        first: that gap leaves more room per byte weight of the neighbour it shares it with than
+        the gap below does. A neighbour that cannot grow into the gap (the top group's gap below
+        the float is the float's alone, and so on) weighs nothing there. ``up``: the first
+        non-empty group above (None: none); ``w``: :meth:`weights` of the plan, by position."""
+        w_below = w[i - 1] if i > 0 and self._dirs[i - 1] is not DOWN else 0.0
+        w_above = w[up] if up is not None and self._dirs[up] is not UP else 0.0
         if w_above == 0.0:
             return up_room > 0 and w_below > 0.0
         if w_below == 0.0:
             return False
-        return max(0, up_room) * a.pb / w_above > max(0, down_room) * a.pb / w_below
+        pb = self._pbs[i]
+        return up_room * pb / w_above > down_room * pb / w_below
 
-    def weights(self, steps: Sequence[Step], live: Live) -> dict[GroupKind, float]:
-        """Per-token byte weights of the groups, a state slot spread over the mean length of the
-        live requests and those being placed (at least a page, at most TYPICAL_TOKENS): short
-        requests need a slot per few tokens, and a state group weighed as if every request were
-        4k tokens long got only page-alignment room below a float (tiny-hybrid's short
-        requests were refused with 94% of the arena free until compaction)."""
-        if STATE not in self.groups:
+    def weights(self, steps: Sequence[Step], live: Live) -> list[float]:
+        """Per-token byte weights of the groups (by position in arena order), a state slot spread
+        over the mean length of the live requests and those being placed (at least a page, at
+        most TYPICAL_TOKENS): short requests need a slot per few tokens, and a state group weighed
+        as if every request were 4k tokens long got only page-alignment room below a float
+        (tiny-hybrid's short requests were refused with 94% of the arena free until compaction)."""
+        if not self._has_state:
             return self._weight
         new = [s.tokens for s in steps if s.need.get(STATE)]
         count = live.requests + len(new)
         if not count:
             return self._weight
-        typical = min(TYPICAL_TOKENS, max(self._ps[FULL], (live.tokens + sum(new)) // count))
-        return {**self._weight, STATE: self.layout.entry_bytes(self._specs[STATE]) / typical}
+        typical = min(TYPICAL_TOKENS, max(self._ps_full, (live.tokens + sum(new)) // count))
+        w = self._weight.copy()
+        w[self._state_at] = self._slot_bytes / typical
+        return w
 
     def attempt(self, steps: Sequence[Step], live: Live) -> tuple[Placement, int, bool]:
         """The first plan of ``steps`` that fits, trying balanced growth before lower-gap-first
@@ -228,12 +259,7 @@ class Planner:
         """The plan of ``steps`` when every group's holes (and SWA pages the steps release) and
         id ring cover them: no group grows, which is what :meth:`plan` would say at greater
         cost (churn in a busy pool, the common case). None when some group must grow."""
-        total: dict[GroupKind, int] = {}
-        credit = 0
-        for s in steps:
-            for k, n in s.need.items():
-                total[k] = total.get(k, 0) + n
-            credit += s.swa_release
+        total, credit = _totals(steps)
         plan: Placement = {}
         for k, need in total.items():
             if not need:
@@ -273,3 +299,17 @@ class Planner:
         """Free bytes between the groups' regions (not counting holes inside regions)."""
         used = sum((a.hi - a.lo) * a.pb for a in self.groups.values())
         return self.arena.backed - self.sink_bytes - used
+
+
+def _totals(steps: Sequence[Step]) -> tuple[dict[GroupKind, int], int]:
+    """Pages ``steps`` need per group, and the SWA pages they release first (holes for them all)."""
+    if len(steps) == 1:
+        s = steps[0]
+        return s.need, s.swa_release
+    total: dict[GroupKind, int] = {}
+    credit = 0
+    for s in steps:
+        for k, n in s.need.items():
+            total[k] = total.get(k, 0) + n
+        credit += s.swa_release
+    return total, credit

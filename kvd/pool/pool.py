@@ -42,7 +42,6 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 
 from kvd.errors import (
@@ -62,16 +61,12 @@ from kvd.pool.compaction import compact as compact_pool
 from kvd.pool.layout import GroupKind, Layout
 from kvd.pool.planner import Live, Placement, Planner, Step
 from kvd.pool.offload import Offloaded, load as load_pages, save as save_pages
-from kvd.pool.request import Request
+from kvd.pool.request import NO_IDS, Request
 from kvd.records import AllocSpec, CompactionResult, Envelope, GroupStats, IndexVectors, PoolStats
 
 __all__ = ["Pool"]
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
-
-
-#: the ids of a request that holds none in a group (never written: steps concatenate)
-_EMPTY = torch.empty(0, dtype=IDX)
 
 
 class Pool:
@@ -108,6 +103,11 @@ class Pool:
             # (seed 004: sizing it by the swa group's own page count breaks under churn).
             ids = full_ids if g.kind is SWA else table
             self.groups[g.kind] = GroupAllocator(g.name, pb, d, sink_bytes=self.sink_bytes, table_pages=table, id_space=ids)
+        # full, swa, state and draft (None: not in the layout), for the per-request paths
+        ga = self.groups
+        self._by_kind = (ga[FULL], ga.get(SWA), ga.get(STATE), ga.get(DRAFT))
+        # envelopes() as last made, and the (region, base, backed) they were made for
+        self._envelopes: tuple[tuple[str, int, int] | None, tuple[Envelope, ...]] = (None, ())
         self._bindings = Bindings(self.groups)
         self._planner = Planner(layout, self.groups, self._bindings.rings, arena, self.sink_bytes)
         self._requests: dict[str, Request] = {}
@@ -143,6 +143,7 @@ class Pool:
     def _set_capacity(self, backed: int) -> None:
         for a in self.groups.values():
             a.set_capacity(backed)
+        self._envelopes = None, ()
 
     def finalize(self, nbytes: int | None) -> None:
         """Post-capture sizing: back ``nbytes`` in place and re-derive every group's capacity.
@@ -233,8 +234,8 @@ class Pool:
         plan = self._fit(steps, f"allocation of {len(specs)} request(s)")
         epoch, swa_first = self.epoch, self._planner.swa_first
         reqs = [
-            Request(s.rid, self._bindings.new_handle(), s.tokens, s.tokens if s.receive else 0, _EMPTY,
-                    swa_first(s.tokens if s.receive else 0), -1, _EMPTY, epoch)
+            Request(s.rid, self._bindings.new_handle(), s.tokens, s.tokens if s.receive else 0, NO_IDS,
+                    swa_first(s.tokens if s.receive else 0), -1, NO_IDS, epoch)
             for s in specs
         ]
         # One allocator call per group for the whole batch (the pages one-by-one binds would give).
@@ -266,8 +267,7 @@ class Pool:
         for (rid, _), step in zip(items, steps):
             r = self._requests[rid]
             if step.swa_release:
-                old = r.full[r.swa_first : r.swa_first + step.swa_release]
-                self.groups[SWA].unbind(old)
+                self.groups[SWA].unbind(r.full[r.swa_first : r.swa_first + step.swa_release])
                 r.swa_first += step.swa_release
         reqs = [self._requests[rid] for rid, _ in items]
         for r, (_, add) in zip(reqs, items):
@@ -328,19 +328,19 @@ class Pool:
     def _vectors(self, r: Request) -> IndexVectors:
         # Gathers through numpy views of the (CPU) tables: a SEND lease takes these on every
         # Send's critical path, and a small torch index op costs several times a numpy one.
-        g = self.groups
-        full = r.full.numpy()
-        swa = g[SWA].physical(full[r.swa_first :]) if SWA in g else torch.empty(0, dtype=IDX)
-        draft = g[DRAFT].physical(r.draft.numpy()) if DRAFT in g else torch.empty(0, dtype=IDX)
-        state = int(g[STATE].physical(np.array([r.state]))[0]) if r.state >= 0 else None
+        full, swa, state, draft = self._by_kind
         return IndexVectors(
-            r.rid, self.boot_id, self.epoch, r.tokens, g[FULL].physical(full), r.swa_first, swa, state, draft, r.version
+            r.rid, self.boot_id, self.epoch, r.tokens, torch.from_numpy(full._v2p.take(r.full)), r.swa_first,
+            torch.from_numpy(swa._v2p.take(r.full[r.swa_first :])) if swa is not None else torch.empty(0, dtype=IDX),
+            int(state._v2p[r.state]) if state is not None and r.state >= 0 else None,
+            torch.from_numpy(draft._v2p.take(r.draft)) if draft is not None else torch.empty(0, dtype=IDX),
+            r.version,
         )
 
     def footprint(self, rid: str) -> tuple[int, int, int]:
         """``(tokens, full pages, swa pages)`` of live request ``rid`` (kvd top); NotFound if none."""
         r = self._live(rid)
-        return r.tokens, r.full.numel(), (r.full.numel() - r.swa_first) if SWA in self.groups else 0
+        return r.tokens, len(r.full), (len(r.full) - r.swa_first) if SWA in self.groups else 0
 
     def unchanged(self, vec: IndexVectors) -> bool:
         """Whether ``vec`` still is ``vec.rid``'s vectors here: same boot, the request live and
@@ -359,7 +359,7 @@ class Pool:
     def virtual_ids(self, rid: str) -> dict[str, torch.Tensor]:
         """The request's virtual ids per id owner (full, state, draft); stable until free/offload."""
         r = self._live(rid)
-        out = {"full": r.full.clone(), "draft": r.draft.clone()}
+        out = {"full": torch.from_numpy(r.full.copy()), "draft": torch.from_numpy(r.draft.copy())}
         out["state"] = torch.tensor([r.state] if r.state >= 0 else [], dtype=IDX)
         return out
 
@@ -377,11 +377,15 @@ class Pool:
         return r
 
     def envelopes(self) -> list[Envelope]:
-        """One envelope per group, arena order. Only the backed prefix is ever reported."""
-        return [
-            Envelope(k.value, self.arena.region_id, self.arena.base, self.arena.backed, a.pb, a.p_min, a.p_max - 1)
-            for k, a in self.groups.items()
-        ]
+        """One envelope per group, arena order (a new list). Only the backed prefix is ever reported."""
+        arena = self.arena
+        key = (arena.region_id, arena.base, arena.backed)
+        if self._envelopes[0] != key:  # made again only when the backing or a capacity changed
+            self._envelopes = (key, tuple(
+                Envelope(k.value, arena.region_id, arena.base, arena.backed, a.pb, a.p_min, a.p_max - 1)
+                for k, a in self.groups.items()
+            ))
+        return list(self._envelopes[1])
 
     def page_view(self, kind: GroupKind | str) -> torch.Tensor:
         """``uint8`` view ``[pages, page_bytes]`` of one group's pages in the backed arena (no copy)."""
@@ -434,8 +438,8 @@ class Pool:
             raise NotFinalized("restore before finalize: call finalize(bytes) first")
         step = self._planner.alloc_step(off.tokens, receive=False, base_tokens=off.base_tokens)
         plan = self._fit([step], f"restore of {quote(rid)}")
-        r = Request(rid, self._bindings.new_handle(), off.tokens, off.base_tokens, torch.empty(0, dtype=IDX),
-                    self._planner.swa_first(off.base_tokens), -1, torch.empty(0, dtype=IDX), 0)
+        r = Request(rid, self._bindings.new_handle(), off.tokens, off.base_tokens, NO_IDS,
+                    self._planner.swa_first(off.base_tokens), -1, NO_IDS, 0)
         self._bindings.bind_step(r, step, plan)
         load_pages(self.groups, self.page_view, self.arena.device, off, r)
         self._settle()

@@ -2,18 +2,23 @@
 release a whole batch in one allocator call per group. They must leave the pool exactly as binding
 or releasing the same requests one by one (under the same plan) does -- every page, id, hole stack,
 ring and version -- keep every invariant, and refuse a batch with one bad item having changed
-nothing. Also: the small-run fast path of ``coalesce_np`` and the lease table's per-request index."""
+nothing. The specialisations of the per-request path (one request not split, one id bound with
+scalar writes, a few ids reduced as a list) must leave every table as the general path does.
+Also: the small-run fast path of ``coalesce_np`` and the lease table's per-request index."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
 import pytest
 
 import kvd.copy.runs as runs
+import kvd.pool.allocator as allocator
 from kvd.daemon.leases import LeaseTable
 from kvd.errors import AlreadyExists, CapacityError, InvalidArgument, KvdError, NotFound
+from kvd.pool.planner import Step
 from kvd.pool.pool import Pool
 from kvd.records import AllocSpec, LeaseKind
 from pool_testkit import arena_for, assert_unchanged, sizings, snapshot, vec_key
@@ -33,6 +38,15 @@ def _one_by_one(pool: Pool) -> Pool:
 
     b.bind_steps = bind_each  # type: ignore[method-assign]
     b.release_many = lambda reqs: sum(release([r]) for r in reqs)  # type: ignore[method-assign]
+    return pool
+
+
+def _split_only(pool: Pool) -> Pool:
+    """Make ``pool`` bind and release a single request through the batch paths too (the ids
+    split among one request): the reference the one-request paths must match."""
+    b = pool._bindings
+    b._bind_one = lambda r, need, plan: b._bind_split([r], [Step(need)], plan)  # type: ignore[method-assign]
+    b._release_one = lambda r: b._release_split([r])  # type: ignore[method-assign]
     return pool
 
 
@@ -97,6 +111,97 @@ def test_batches_match_one_by_one(name: str, seed: int) -> None:
         ref.check()
     assert batches > 10  # the batch paths ran, several requests at once
     assert capacity_refusals < 120
+
+
+@pytest.mark.parametrize("name", sorted(SIZINGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_request_paths_match_the_split_paths(name: str, seed: int) -> None:
+    """Binding and releasing one request (``_bind_one``, ``_release_one``) leaves every table as
+    the batch paths given that one request do, over random single and batched operations."""
+    s = SIZINGS[name]
+    fast, ref = Pool(s.layout, arena_for(s)), _split_only(Pool(s.layout, arena_for(s)))
+    rng = random.Random(seed)
+    live: list[str] = []
+    seq = singles = 0
+    for _ in range(150):
+        roll, n = rng.random(), 1 if rng.random() < 0.7 else rng.randint(2, 4)
+        if roll < 0.45 or not live:
+            op, arg = "alloc", [AllocSpec(f"r{seq + i}", rng.randint(1, s.max_tokens // 2), rng.random() < 0.4) for i in range(n)]
+            seq += n
+        elif roll < 0.65:
+            op, arg = "extend", [(rid, rng.randint(1, s.max_tokens // 4)) for rid in rng.sample(live, min(len(live), n))]
+        else:
+            op, arg = "free", rng.sample(live, min(len(live), n))
+        got, want = _step(fast, op, arg), _step(ref, op, arg)
+        assert got == want, (op, arg)
+        if not isinstance(got, str):
+            singles += len(arg) == 1
+            if op == "alloc":
+                live += [x.rid for x in arg]
+            elif op == "free":
+                live = [rid for rid in live if rid not in arg]
+        assert _internals(fast) == _internals(ref), (op, arg)
+        fast.check()
+        ref.check()
+    assert singles > 40
+
+
+class _ArraysOnly:
+    """Binds and unbinds one id through the array path, and reduces a few ids in numpy, while
+    the block runs (the allocator's module switches)."""
+
+    def __enter__(self) -> None:
+        self.saved = allocator._SCALAR, allocator._SMALL
+        allocator._SCALAR, allocator._SMALL = False, 0
+
+    def __exit__(self, *exc: object) -> None:
+        allocator._SCALAR, allocator._SMALL = self.saved
+
+
+@pytest.mark.parametrize("name", sorted(SIZINGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_id_paths_match_the_array_paths(name: str, seed: int) -> None:
+    """Random allocations, one-page extensions (a decode step), frees and offload/restore on two
+    pools, one of them binding every id through the array path: every table stays equal."""
+    s = SIZINGS[name]
+    fast, ref = Pool(s.layout, arena_for(s)), Pool(s.layout, arena_for(s))
+    rng = random.Random(seed)
+    live: list[str] = []
+    seq = 0
+    for _ in range(150):
+        roll = rng.random()
+        if roll < 0.35 or not live:
+            op, arg = "alloc", [AllocSpec(f"r{seq}", rng.randint(1, s.max_tokens // 2), rng.random() < 0.4)]
+            seq += 1
+        elif roll < 0.7:
+            op, arg = "extend", [(rng.choice(live), rng.randint(1, s.layout.page_size))]
+        elif roll < 0.9:
+            op, arg = "free", [rng.choice(live)]
+        else:
+            rid = rng.choice(live)
+            for p, arrays in ((fast, False), (ref, True)):
+                with _ArraysOnly() if arrays else contextlib.nullcontext():
+                    p.offload(rid)
+                    try:
+                        p.restore(rid)
+                    except CapacityError:
+                        p.free(rid)
+            if rid not in fast.request_ids:
+                live.remove(rid)
+            assert _internals(fast) == _internals(ref)
+            continue
+        got = _step(fast, op, arg)
+        with _ArraysOnly():
+            want = _step(ref, op, arg)
+        assert got == want, (op, arg)
+        if not isinstance(got, str):
+            if op == "alloc":
+                live += [x.rid for x in arg]
+            elif op == "free":
+                live.remove(arg[0])
+        assert _internals(fast) == _internals(ref), (op, arg)
+        fast.check()
+        ref.check()
 
 
 def test_a_fresh_batch_gets_the_pages_one_by_one_binds_give() -> None:

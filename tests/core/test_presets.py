@@ -79,6 +79,23 @@ def test_fingerprints_are_stable_and_distinct() -> None:
     assert len(set(fps.values())) == len(fps), f"two presets share a fingerprint: {fps}"
 
 
+def test_derived_values_follow_each_layout_object() -> None:
+    """Fingerprint and arena order are kept per layout object: a copy with another field gets
+    its own, an equal copy the same, and they stay right past the cache's bound."""
+    base = preset("tiny-hybrid")
+    fp, order = base.fingerprint, base.arena_order()
+    changed = base.model_copy(update={"page_size": 8})
+    assert changed.fingerprint != fp and base.fingerprint == fp
+    fewer = base.model_copy(update={"groups": tuple(g for g in base.groups if g.kind is not GroupKind.DRAFT)})
+    assert [g.kind for g in fewer.arena_order()] == [GroupKind.STATE, GroupKind.SWA, GroupKind.FULL]
+    assert base.arena_order() == order and len(order) == 4
+    assert base.model_copy().fingerprint == fp
+    many = [base.model_copy(update={"page_size": 4 + i}) for i in range(300)]
+    assert len({x.fingerprint for x in many}) == 300
+    assert base.fingerprint == fp and base.arena_order() == order
+    assert Layout.model_validate(changed.model_dump(mode="json")).fingerprint == changed.fingerprint
+
+
 def test_fingerprints_are_stable_across_processes() -> None:
     """The fingerprint goes on the wire: another interpreter (other hash seed) must agree."""
     code = (
