@@ -28,7 +28,6 @@ from kvd.handoff.link import PeerLink
 from kvd.handoff.notices import Notices
 from kvd.limits import quote
 from kvd.handoff.ahead import plan_ahead
-from kvd.handoff.envelopes import Envelopes
 from kvd.handoff.flight import Flight, Outbound, SendItem, check_batch_size, refuse_duplicates
 from kvd.handoff.plan import Plan, check_envelopes, check_range, plan_chunk
 from kvd.handoff.ticket import check_for_sender
@@ -78,7 +77,6 @@ class Outbox:
         self.planned_ahead_total = 0  # items whose plan begin made (still valid at the Send)
         # Peer calls that the end of a request owes (ended): made there, never under the node's lock.
         self._notices = Notices(link, address)
-        self._envelopes = Envelopes(node)  # this pool's, built again when its backing changes
         node.on_ended.append(self.ended)
         # Test only, never configured (kvd.demo.faults): edits the destination vectors this
         # daemon plans from, after every check of the ticket -- a buggy sender misplacing KV.
@@ -206,7 +204,7 @@ class Outbox:
         try:
             if ob.began:
                 return False
-            env = self._envelopes()
+            env = self.node.pool.envelopes()
             check_envelopes(self.node.layout, env, ticket.envelopes)
             self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
             ob.began = True
@@ -299,7 +297,7 @@ class Outbox:
         # RECV lease pins the receiver's pages until the transfer ends or fails, the heartbeat
         # reports an abort, and each commit re-checks.
         pending = None
-        own_env = self._envelopes()
+        own_env = self.node.pool.envelopes()
         try:
             if not ob.began:
                 # What the ticket alone can show is refused before the receiver hears of it.

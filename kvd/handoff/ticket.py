@@ -43,7 +43,6 @@ from kvd.records import Envelope, IndexVectors, LeaseKind, TicketInfo
 from kvd.daemon.leases import Lease
 from kvd.limits import quote
 from kvd.daemon.node import Node
-from kvd.handoff.envelopes import Envelopes
 from kvd.pool.layout import Layout
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import envelope_from_pb, envelope_to_pb, vectors_from_pb, vectors_to_pb
@@ -192,7 +191,6 @@ class Tickets:
         self.issuer = issuer
         # Keyed once; each MAC starts from a copy (hmac.new per ticket re-derives the pads).
         self._hmac = hmac.new(key if key is not None else secrets.token_bytes(32), digestmod=_MAC)
-        self._envelopes = Envelopes(node)
         self._here: _Here | None = None
         self._lock = threading.Lock()
         self._minted: dict[bytes, _Minted] = {}  # by body bytes, oldest first
@@ -205,8 +203,8 @@ class Tickets:
 
     def _shape(self) -> _Here:
         """What this daemon's tickets state of it now: built again when its envelopes (its pool,
-        boot or backing: :class:`~kvd.handoff.envelopes.Envelopes`) or the issuer changed."""
-        env, who = self._envelopes(), self.issuer
+        boot or backing: a new list from :meth:`~kvd.pool.pool.Pool.envelopes`) or the issuer changed."""
+        env, who = self.node.pool.envelopes(), self.issuer
         here = self._here
         if here is None or here.envelopes is not env or here.issuer != who:
             pool = self.node.pool
@@ -287,27 +285,14 @@ class Tickets:
                     f"ticket sends the bytes to {info.backend!r} endpoint {info.transfer_endpoint!r}, but this daemon's "
                     f"is {self.issuer.backend!r} endpoint {self.issuer.transfer_endpoint!r}"
                 )
-            return info, check_fields(self.node, info, self._envelopes)
-
-
-_last_layout: tuple[Layout, str] | None = None
-
-
-def _fingerprint(layout: Layout) -> str:
-    """``layout.fingerprint``, kept for the layout object last asked about: a daemon has one, and
-    the fingerprint's own cache hashes the whole model on every call."""
-    global _last_layout
-    last = _last_layout
-    if last is None or last[0] is not layout:
-        last = _last_layout = (layout, layout.fingerprint)
-    return last[1]
+            return info, check_fields(self.node, info)
 
 
 def check_for_sender(info: TicketInfo, rid: str, layout: Layout, backend: str) -> None:
     """What the sending daemon alone can refuse in a ticket it read (:func:`read`) to send ``rid``
     from a pool of ``layout`` over ``backend``: another layout, backend or request. The seal and
     the rest are the minter's to check (:meth:`Tickets.check`)."""
-    if info.layout_fingerprint != _fingerprint(layout):
+    if info.layout_fingerprint != layout.fingerprint:
         raise LayoutMismatch(
             f"ticket layout fingerprint {info.layout_fingerprint} differs from this daemon's "
             f"{layout.fingerprint}: prefill and decode must run the same layout (page size, dtype, groups)"
@@ -318,11 +303,10 @@ def check_for_sender(info: TicketInfo, rid: str, layout: Layout, backend: str) -
         raise InvalidArgument(f"ticket is for request {quote(info.rid)}, not {quote(rid)}")
 
 
-def check_fields(node: Node, info: TicketInfo, envelopes: Envelopes | None = None) -> Lease:
+def check_fields(node: Node, info: TicketInfo) -> Lease:
     """Check a ticket's fields against ``node``, the daemon that issued it (boot, layout, lease,
     epoch, envelopes, destination vectors; see the module docstring) and return its RECV lease.
-    The seal is :meth:`Tickets.check`'s; this is the check the seal does not replace.
-    ``envelopes``: the node's, where the caller keeps them (else the pool's, built now)."""
+    The seal is :meth:`Tickets.check`'s; this is the check the seal does not replace."""
     with node.lock:
         pool = node.pool
         if info.boot_id != pool.boot_id:
@@ -331,7 +315,7 @@ def check_fields(node: Node, info: TicketInfo, envelopes: Envelopes | None = Non
                 f"ticket from boot {info.boot_id!r}, but this daemon is boot {pool.boot_id!r} (it restarted); "
                 "the decode side must allocate again and issue a new ticket"
             )
-        if info.layout_fingerprint != _fingerprint(pool.layout):
+        if info.layout_fingerprint != pool.layout.fingerprint:
             raise LayoutMismatch(
                 f"ticket layout fingerprint {info.layout_fingerprint!r} does not match this daemon's {pool.layout.fingerprint!r}"
             )
@@ -357,7 +341,7 @@ def check_fields(node: Node, info: TicketInfo, envelopes: Envelopes | None = Non
         except StaleEpoch:
             node.count_stale()
             raise
-        here = pool.envelopes() if envelopes is None else envelopes()
+        here = pool.envelopes()
         if info.envelopes != here:
             raise FailedPrecondition(
                 f"ticket for {quote(info.rid)} names envelopes {info.envelopes} but this arena's are {here}; "

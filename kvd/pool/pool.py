@@ -107,7 +107,7 @@ class Pool:
         ga = self.groups
         self._by_kind = (ga[FULL], ga.get(SWA), ga.get(STATE), ga.get(DRAFT))
         # envelopes() as last made, and the (region, base, backed) they were made for
-        self._envelopes: tuple[tuple[str, int, int] | None, tuple[Envelope, ...]] = (None, ())
+        self._envelopes: tuple[tuple[str, int, int] | None, list[Envelope]] = (None, [])
         self._bindings = Bindings(self.groups)
         self._planner = Planner(layout, self.groups, self._bindings.rings, arena, self.sink_bytes)
         self._requests: dict[str, Request] = {}
@@ -143,7 +143,7 @@ class Pool:
     def _set_capacity(self, backed: int) -> None:
         for a in self.groups.values():
             a.set_capacity(backed)
-        self._envelopes = None, ()
+        self._envelopes = None, []
 
     def finalize(self, nbytes: int | None) -> None:
         """Post-capture sizing: back ``nbytes`` in place and re-derive every group's capacity.
@@ -377,15 +377,19 @@ class Pool:
         return r
 
     def envelopes(self) -> list[Envelope]:
-        """One envelope per group, arena order (a new list). Only the backed prefix is ever reported."""
+        """One envelope per group, arena order. Only the backed prefix is ever reported.
+
+        The list is kept and shared (do not change it): the same object until the arena's
+        region, base or backed size changes (finalize, resize), then a new one. A caller may
+        key what it derives from the envelopes by this list's identity."""
         arena = self.arena
         key = (arena.region_id, arena.base, arena.backed)
         if self._envelopes[0] != key:  # made again only when the backing or a capacity changed
-            self._envelopes = (key, tuple(
+            self._envelopes = (key, [
                 Envelope(k.value, arena.region_id, arena.base, arena.backed, a.pb, a.p_min, a.p_max - 1)
                 for k, a in self.groups.items()
-            ))
-        return list(self._envelopes[1])
+            ])
+        return self._envelopes[1]
 
     def page_view(self, kind: GroupKind | str) -> torch.Tensor:
         """``uint8`` view ``[pages, page_bytes]`` of one group's pages in the backed arena (no copy)."""

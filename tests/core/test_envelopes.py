@@ -1,6 +1,6 @@
-"""A node's envelopes kept per backing (kvd/handoff/envelopes.py, pure core): whatever the node
-does -- allocate, extend, free, compact, offload, restore, finalize, resize -- the kept list is
-the pool's own envelopes, and it is built again only when the backing changed."""
+"""A pool's envelopes are kept per backing (Pool.envelopes, pure core): whatever the node does --
+allocate, extend, free, compact, offload, restore, finalize, resize -- the kept list equals the
+envelopes built afresh from the pool, and it is a new list exactly when the backing changed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import pool_testkit as pk
 from kvd.daemon.node import Node
 from kvd.errors import KvdError
-from kvd.handoff.envelopes import Envelopes
+from kvd.records import Envelope
 from kvd.pool.pool import Pool
 from kvd.records import AllocSpec
 
@@ -23,11 +23,18 @@ def test_kept_envelopes_are_the_pools_after_every_step(post_capture, ops):
     s = pk.sizings()["tiny-hybrid"]
     arena = pk.arena_for(pk.Sizing(s.layout, s.reserved, 0, s.max_tokens) if post_capture else s)
     node = Node(Pool(s.layout, arena, post_capture=post_capture))
-    env = Envelopes(node)
+
+    def env() -> list:
+        return node.pool.envelopes()
+
+    def fresh() -> list[Envelope]:
+        pool, a = node.pool, node.pool.arena
+        return [Envelope(k.value, a.region_id, a.base, a.backed, g.pb, g.p_min, g.p_max - 1) for k, g in pool.groups.items()]
+
     sid = node.open_session("e").session_id
     try:
         if post_capture:
-            assert env() == node.pool.envelopes()
+            assert env() == fresh()
             node.finalize(sid, s.backed)
         live: list[str] = []
         off: list[str] = []
@@ -55,7 +62,7 @@ def test_kept_envelopes_are_the_pools_after_every_step(post_capture, ops):
             except KvdError:
                 pass
             now = env()
-            assert now == node.pool.envelopes(), op
+            assert now == fresh(), op
             if op != "resize":
                 assert now is before, op  # built again only with the backing
     finally:
