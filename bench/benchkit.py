@@ -38,16 +38,17 @@ class BenchDaemon:
     metrics_port: int | None = None  # when started with --metrics-port
 
     @classmethod
-    def spawn(cls, *args: str, cpus: set[int] | None = None) -> BenchDaemon:
+    def spawn(cls, *args: str, cpus: set[int] | None = None, root: str = ROOT) -> BenchDaemon:
         """Start the process; call :meth:`wait_ready` before use (spawn several, then wait:
-        their start-ups overlap). ``cpus``: run it (every thread) on these cores only."""
+        their start-ups overlap). ``cpus``: run it (every thread) on these cores only. ``root``:
+        the checkout whose kvd it runs (another one's: a baseline in the same run)."""
         tmp = tempfile.mkdtemp(prefix="kvd-bench-")
         sock = os.path.join(tmp, "kvd.sock")
         cmd = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", sock, "--log-level", "WARNING", *args]
-        # ROOT first, then whatever the caller had (a GPU machine's extra packages live there).
-        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        # root first, then whatever the caller had (a GPU machine's extra packages live there).
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env={**os.environ, "PYTHONPATH": path}, preexec_fn=pin)
         return cls(proc, f"unix:{sock}", tmp)
 

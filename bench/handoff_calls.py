@@ -23,6 +23,13 @@ the last free:
   until both the Send reply (here) and the WaitReady answer (the child's stamp, same clock) are
   in + the child's ``free`` (timed there); the pipe between the two processes is not timed.
 * ``memcpy``: the same bytes (every page the Send moves) copied between two buffers here.
+* with ``--baseline-tree DIR`` (another checkout of kvd, e.g. ``git worktree add /tmp/base
+  <commit>``): ``old fast @base`` and ``new fast @base``, the same two flows against a second
+  pair of daemons running DIR's kvd, taking turns with the others: a before/after in one run.
+  The clients are this checkout's (the wire is the same; a daemon that predates doorbells
+  refuses the board, and its ``wait_ready`` is a call, as it was then).
+
+    .venv/bin/python bench/handoff_calls.py --quick --baseline-tree /tmp/base
 
 Flows take turns handoff by handoff (so drift on a shared host hits them alike); the garbage
 collector is off while timing. Reported: median and p99 per flow, and ratios to ``old grpc``.
@@ -54,6 +61,8 @@ def main() -> None:
     ap.add_argument("--layout", default="tiny-hybrid", help="layout preset (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=None, help="handoffs per flow (default 400; --quick 100)")
+    ap.add_argument("--baseline-tree", default=None, metavar="DIR",
+                    help="another kvd checkout: its daemons run the old and new fast flows too, in the same run")
     args = ap.parse_args()
     n = args.repeats or (100 if args.quick else 400)
 
@@ -63,14 +72,20 @@ def main() -> None:
 
     opts = ("--backend", "local", "--layout", args.layout, "--arena-bytes", str(256 << 20))
     cpu0, own0 = cpu_snap(), own_cpu()
+    base_tree = os.path.abspath(args.baseline_tree) if args.baseline_tree else None
     dp, dd = BenchDaemon.spawn(*opts), BenchDaemon.spawn(*opts)
+    bp, bd = (BenchDaemon.spawn(*opts, root=base_tree), BenchDaemon.spawn(*opts, root=base_tree)) if base_tree else (None, None)
     dp.wait_ready(), dd.wait_ready()
+    if bp is not None and bd is not None:
+        bp.wait_ready(), bd.wait_ready()
     apart = ApartWaiter.spawn(dd.unix, "decode-apart")
     try:
         apart.wait_started()
         cl = {}
         for tr in ("grpc", "fast"):
             cl[tr] = (Client.connect(dp.unix, name=f"prefill-{tr}", transport=tr), Client.connect(dd.unix, name=f"decode-{tr}", transport=tr))
+        if bp is not None and bd is not None:
+            cl["base"] = (Client.connect(bp.unix, name="prefill-base", transport="fast"), Client.connect(bd.unix, name="decode-base", transport="fast"))
         tok = args.tokens
         seq = [0]
         nbytes = [0]
@@ -122,6 +137,9 @@ def main() -> None:
 
         fns = {"old grpc": lambda: old("grpc"), "old fast": lambda: old("fast"), "new fast": lambda: new("fast"), "new grpc": lambda: new("grpc"),
                "new fast, decode apart": new_apart}
+        if "base" in cl:
+            fns["old fast @base"] = lambda: old("base")
+            fns["new fast @base"] = lambda: new("base")
         for _ in range(30):  # warm-up: connections, server threads, plans, peer sockets
             for f in fns.values():
                 f()
@@ -146,20 +164,22 @@ def main() -> None:
         pf.close()
     finally:
         apart.close()
-        dp.stop()
-        dd.stop()
+        for d in (dp, dd, bp, bd):
+            if d is not None:
+                d.stop()
 
     def pct(xs: list[float], q: float) -> float:
         s = sorted(xs)
         return s[min(len(s) - 1, int(q * len(s)))] * 1e3
 
     print(f"kvd handoff control path -- {cpu_model()}; {args.layout}, {args.tokens} tokens ({nbytes[0]:,d} B moved), "
-          f"backend local, {n} handoffs per flow")
+          f"backend local, {n} handoffs per flow" + (f"; @base: daemons of {base_tree}" if base_tree else ""))
     w = max(map(len, lat))
     print(f"| {'flow':<{w}} | calls | {'median ms':>9} | {'p99 ms':>7} | median / old grpc |")
     print(f"|{'-' * (w + 2)}|-------|-----------|---------|-------------------|")
     base = statistics.median(lat["old grpc"])
-    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "memcpy": 0}
+    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "memcpy": 0,
+             "old fast @base": 8, "new fast @base": 5}
     for k, xs in lat.items():
         print(f"| {k:<{w}} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
     print(others_line(cpu0, own0))
