@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import socket
 import statistics
 import sys
@@ -172,6 +173,7 @@ def main() -> None:
     finally:
         dp.stop(0)
         dd.stop(0)
+        shutil.rmtree(tmp, ignore_errors=True)
 
     med = {k: statistics.median(v) * 1e6 for k, v in lat.items()}
     print(f"kvd handlers, in process, hot -- {args.layout}, {tok} tokens, {n} handoffs; median per call")

@@ -20,7 +20,6 @@ the daemon frees its requests after the session TTL.
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -28,7 +27,8 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from kvd.client.attach import Attachment, _attach
-from kvd.errors import InvalidArgument, KvdError, Unavailable
+from kvd.client.bells import Bells
+from kvd.errors import InvalidArgument, KvdError, NotFound, Unavailable
 from kvd.memory.doorbells import DoorbellView
 from kvd.pool.layout import Layout
 from kvd.records import (
@@ -58,7 +58,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-log = logging.getLogger("kvd.client")
 
 
 class PoolInfo(NamedTuple):
@@ -184,24 +183,16 @@ def _kind(kind: LeaseKind | str) -> pb.LeaseKind.ValueType:
         raise InvalidArgument(f"lease kind must be 'send' or 'recv', got {kind!r}") from exc
 
 
-#: RECV leases whose doorbell a client remembers (the oldest is dropped past this: its
-#: wait_ready then asks the daemon).
-MAX_BELLS = 1 << 16
-
-
 class _Surface:
     """The engine-facing API, once. ``_call`` is the transport's (sync value or awaitable);
     ``_now`` makes a value the transport's kind of result without a call.
 
-    Doorbells: over the engine socket a client maps its daemon's doorbell board at connect
-    (:mod:`kvd.memory.doorbells`) and remembers each RECV lease's slot; :meth:`wait_ready` of a
+    Doorbells: over the engine socket a client maps its daemon's doorbell board on its first RECV
+    lease (:mod:`kvd.client.bells`) and remembers each such lease's slot; :meth:`wait_ready` of a
     transfer its doorbell shows READY returns without a call. Anything else asks the daemon."""
 
     session_id: str  # set by the transport on connect
-    _board: DoorbellView | None = None  # the daemon's doorbell board, read-only; None: none mapped
-    _board_boot = ""  # the boot that board belongs to
-    _bells: dict[str, tuple[int, int]]  # rid -> (doorbell slot, lease id) of its RECV lease
-    _bells_lock: threading.Lock
+    _bells: Bells
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -210,40 +201,20 @@ class _Surface:
         raise NotImplementedError
 
     def _note(self, lease: LeaseInfo) -> LeaseInfo:
-        """Remember ``lease``'s doorbell, when it has one on the board this client mapped."""
-        if lease.bell and self._board is not None and lease.boot_id == self._board_boot:
-            with self._bells_lock:
-                if len(self._bells) >= MAX_BELLS:
-                    del self._bells[next(iter(self._bells))]
-                self._bells[lease.rid] = (lease.bell - 1, lease.lease_id)
+        """Remember ``lease``'s doorbell, when it names one."""
+        self._bells.note(lease.rid, lease.bell, lease.lease_id, lease.boot_id)
         return lease
-
-    def _forget(self, rids: Sequence[str]) -> None:
-        with self._bells_lock:
-            for rid in rids:
-                self._bells.pop(rid, None)
-
-    def _rung(self, rid: str) -> TransferStatus | None:
-        """``rid``'s transfer READY as its doorbell shows it, or None (not READY, or no doorbell:
-        ask the daemon). Only READY: it is final, while a wait on anything else also keeps the
-        RECV lease alive on the daemon, and a failure's reason is the daemon's to tell."""
-        hit = self._bells.get(rid)
-        board = self._board
-        got = board.read(*hit) if hit is not None and board is not None else None
-        if got is None or got[0] is not TransferState.READY:
-            return None
-        return TransferStatus(rid, TransferState.READY, "", got[1])
 
     def doorbell(self, rid: str) -> TransferState | None:
         """The state of ``rid``'s inbound transfer as its doorbell shows it now, read from shared
         memory: no call, never blocks, the same for the sync and the asyncio client. None when
         this client has no doorbell for it (gRPC, a RECV lease taken by another client, the
-        daemon's board full, the request freed). A watcher of many transfers polls this and asks
-        :meth:`wait_ready` only for what it needs the daemon for: a failure's reason, and, while
-        a transfer waits for its sender, keeping the RECV lease alive (a wait does)."""
-        hit = self._bells.get(rid)
-        board = self._board
-        got = board.read(*hit) if hit is not None and board is not None else None
+        daemon's board full, the request freed, the daemon gone). A watcher of many transfers
+        polls this and asks :meth:`wait_ready` only for what it needs the daemon for: a failure's
+        reason, and, while a transfer waits for its sender, keeping the RECV lease alive (a wait
+        does). A daemon that died leaves its board as it was until this client's heartbeat finds
+        out: a watcher also calls the daemon now and then (any call raises Unavailable then)."""
+        got = self._bells.state(rid)
         return None if got is None else got[0]
 
     # -- description --
@@ -306,7 +277,7 @@ class _Surface:
         return self._call("Extend", req, lambda r: [vectors_from_pb(v) for v in r.vectors])
 
     def free(self, *rids: str) -> int:
-        self._forget(rids)
+        self._bells.forget(rids)
         return self._call("Free", pb.FreeRequest(rids=list(rids)), lambda r: r.freed)
 
     def vectors(self, rid: str) -> IndexVectors:
@@ -398,9 +369,9 @@ class _Surface:
         """Decode side: block until ``rid``'s KV is READY or the transfer FAILED, or ``timeout``
         passes (then the state is still WAITING/RECEIVING). A transfer READY on its doorbell
         returns at once, without a call (its ``reason`` is empty, as the daemon's would be)."""
-        rung = self._rung(rid)
-        if rung is not None:
-            return self._now(rung)
+        got = self._bells.state(rid)
+        if got is not None and got[0] is TransferState.READY:  # final; anything else: the daemon's to say
+            return self._now(TransferStatus(rid, TransferState.READY, "", got[1]))
         req = pb.WaitRequest(rid=rid, timeout_seconds=timeout)
         return self._call("WaitReady", req, lambda r: TransferStatus(r.rid, state_from_pb(r.state), r.reason, r.bytes))
 
@@ -436,18 +407,10 @@ class Client(_Surface):
         self.ttl = ttl
         self.timeout = timeout
         self._md = ((SESSION_KEY, session_id),)
-        self._bells, self._bells_lock = {}, threading.Lock()
-        if fast is not None:
-            self._map_board(lambda: _fast.fetch_doorbells(fast.path, session_id, timeout))
+        self._bells = Bells(_board_fetch(fast, session_id, timeout))
         self._closed = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="kvd-heartbeat", daemon=True)
         self._hb.start()
-
-    def _map_board(self, fetch: Callable[[], tuple[DoorbellView, str]]) -> None:
-        try:
-            self._board, self._board_boot = fetch()
-        except (KvdError, OSError, ValueError) as exc:  # no board there: wait_ready asks the daemon
-            log.debug("kvd client: no doorbell board (%s); wait_ready asks the daemon", exc)
 
     def _now(self, value: T) -> T:
         return value
@@ -507,6 +470,8 @@ class Client(_Surface):
         while not self._closed.wait(self.ttl / 3):
             try:
                 self._raw("KeepAlive", pb.KeepAliveRequest(), self.ttl / 3)
+            except (Unavailable, NotFound):
+                self._bells.close()  # the daemon is gone, or forgot the session: its board tells nothing more
             except KvdError:
                 pass  # the next call surfaces the error; the heartbeat only keeps the session warm
 
@@ -524,7 +489,7 @@ class Client(_Surface):
             self._fast.close()
         if self._channel is not None:
             self._channel.close()
-        _unmap(self)
+        self._bells.close()
 
     def __enter__(self) -> Client:
         return self
@@ -548,17 +513,9 @@ class AsyncClient(_Surface):
         self.ttl = ttl
         self.timeout = timeout
         self._md = ((SESSION_KEY, session_id),)
-        self._bells, self._bells_lock = {}, threading.Lock()
+        # Mapped on the first RECV lease, in the event loop's thread: one local round trip, once.
+        self._bells = Bells(_board_fetch(fast, session_id, timeout))
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
-
-    async def _map_board(self) -> None:
-        """Map the daemon's doorbell board (engine socket only), off the event loop."""
-        if self._fast is None:
-            return
-        try:
-            self._board, self._board_boot = await asyncio.to_thread(_fast.fetch_doorbells, self._fast.path, self.session_id, self.timeout)
-        except (KvdError, OSError, ValueError) as exc:
-            log.debug("kvd client: no doorbell board (%s); wait_ready asks the daemon", exc)
 
     def _now(self, value: T) -> T:
         async def done() -> T:
@@ -576,9 +533,7 @@ class AsyncClient(_Surface):
             fc = _fast.AsyncFastChannel(path)
             try:
                 s = await fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
-                c = cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
-                await c._map_board()
-                return c
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
             except Unavailable:
                 await fc.close()
                 if transport == "fast":
@@ -601,9 +556,7 @@ class AsyncClient(_Surface):
                 await fc.close()
             else:
                 await channel.close()
-                c = cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
-                await c._map_board()
-                return c
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
         return cls(channel, s.session_id, s.ttl_seconds, timeout)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
@@ -625,6 +578,8 @@ class AsyncClient(_Surface):
             await asyncio.sleep(self.ttl / 3)
             try:
                 await self._raw("KeepAlive", pb.KeepAliveRequest(), self.ttl / 3)
+            except (Unavailable, NotFound):
+                self._bells.close()  # as the sync client's heartbeat
             except KvdError:
                 pass
 
@@ -638,7 +593,7 @@ class AsyncClient(_Surface):
             await self._fast.close()
         if self._channel is not None:
             await self._channel.close()
-        _unmap(self)
+        self._bells.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -647,10 +602,11 @@ class AsyncClient(_Surface):
         await self.close()
 
 
-def _unmap(c: _Surface) -> None:
-    """Forget a closing client's doorbells and unmap its board."""
-    with c._bells_lock:
-        c._bells.clear()
-        board, c._board = c._board, None
-    if board is not None:
-        board.close()
+
+def _board_fetch(fast: _fast.FastChannel | _fast.AsyncFastChannel | None, session_id: str,
+                 timeout: float | None) -> Callable[[], tuple[DoorbellView, str]] | None:
+    """How a client maps its daemon's doorbell board: over the engine socket only."""
+    if fast is None:
+        return None
+    path = fast.path
+    return lambda: _fast.fetch_doorbells(path, session_id, timeout)

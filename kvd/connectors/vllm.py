@@ -91,8 +91,10 @@ HOLD_SEND_ENV = "KVDCONN_TEST_HOLD_FILE"
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_TICKET_BODY = 1 << 20  # a ticket request is a prompt's token ids
 #: How often the decode side reads its pending transfers' doorbells (kvd.memory.doorbells): a
-#: READY transfer is seen within this, with no call to the daemon.
-BELL_POLL_S = 0.001
+#: READY transfer is seen within this, with no call to the daemon (~1 us of Python a transfer).
+BELL_POLL_S = 0.002
+#: How often, while transfers are pending, the decode side checks its daemon still answers.
+ALIVE_S = 0.5
 
 
 class LayerSlot(NamedTuple):
@@ -314,9 +316,14 @@ class _TicketBook:
 
     def _watch_bells(self) -> None:
         """Every :data:`BELL_POLL_S`, the doorbell of each transfer in :attr:`_rung`: READY is
-        taken as it is; FAILED, or a doorbell gone (the request freed), is asked of the daemon
-        for its reason; a transfer past its deadline fails here. The RECV lease needs no
-        renewal meanwhile: it was taken for ``admit_ttl``, the deadline's length."""
+        taken as it is; FAILED is asked of the daemon for its reason; a transfer past its
+        deadline fails here. A transfer whose doorbell this client no longer reads (the daemon
+        gone or restarted: the client's heartbeat drops the board) is asked of the daemon too,
+        and one still pending there goes to a waiting thread. Every :data:`ALIVE_S` while any is
+        pending, one Echo: a daemon that stopped answering fails them all at once (its board
+        would show them pending for ever). The RECV lease needs no renewal meanwhile: it was
+        taken for ``admit_ttl``, the deadline's length."""
+        alive_at = 0.0
         while not self._stop.is_set():
             with self.lock:
                 rids = list(self._rung)
@@ -325,8 +332,15 @@ class _TicketBook:
                 self._ring.clear()
                 continue
             now = time.monotonic()
+            gone = ""
+            if now >= alive_at:
+                alive_at = now + ALIVE_S
+                try:
+                    self.kv.echo()
+                except KvdError as exc:
+                    gone = f"the decode daemon is unreachable: {type(exc).__name__}: {exc}"
             for rid in rids:
-                st = self.kv.doorbell(rid)
+                st = None if gone else self.kv.doorbell(rid)
                 if st is not None and st.name in ("WAITING", "RECEIVING"):
                     with self.lock:
                         p = self.pending.get(rid)
@@ -336,20 +350,20 @@ class _TicketBook:
                             p.state, p.reason = "FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket"
                         self._rung.discard(rid)
                     continue
-                state, reason = "READY", ""
-                if st is None or st.name != "READY":
-                    try:  # the daemon says why (FAILED), or that the request is gone
+                state, reason = ("READY", "") if st is not None and st.name == "READY" else ("FAILED", gone)
+                if not gone and state != "READY":
+                    try:  # the daemon says why (FAILED), that the request is gone, or that it is still pending
                         got = self.kv.wait_ready(rid, timeout=0)
                         state, reason = got.state.name, got.reason
                     except KvdError as exc:
                         state, reason = "FAILED", f"{type(exc).__name__}: {exc}"
-                    if state not in ("READY", "FAILED"):
-                        state, reason = "FAILED", f"the transfer's doorbell was lost while {state}"
                 with self.lock:
                     self._rung.discard(rid)
                     p = self.pending.get(rid)
-                    if p is not None and p.state == "WAITING":
+                    if p is not None and p.state == "WAITING" and state in ("READY", "FAILED"):
                         p.state, p.reason = state, reason
+                if state not in ("READY", "FAILED"):  # pending, but no doorbell to read: a waiter of its own
+                    threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
             self._stop.wait(BELL_POLL_S)
 
     def _reap(self) -> None:

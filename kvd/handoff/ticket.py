@@ -104,22 +104,6 @@ def _complete(version: int, t: pb.Ticket | TicketInfo, has_vectors: bool) -> Non
         raise InvalidArgument(f"ticket is incomplete (missing {missing or ['lease_id/vectors']}); pass it unchanged")
 
 
-_last_envelopes: tuple[list[pb.Envelope], list[Envelope]] | None = None
-
-
-def _envelopes(t: pb.Ticket) -> list[Envelope]:
-    """The ticket's envelopes as records; those of the ticket read before when they are equal (a
-    daemon reads ticket after ticket of the same few receivers, whose envelopes change with a
-    backing): comparing the messages costs a third of building the records."""
-    global _last_envelopes
-    last = _last_envelopes
-    if last is not None and t.envelopes == last[0]:
-        return last[1]
-    got = [envelope_from_pb(e) for e in t.envelopes]
-    _last_envelopes = (list(t.envelopes), got)
-    return got
-
-
 def _info(t: pb.Ticket) -> TicketInfo:
     return TicketInfo(
         peer_address=t.peer_address,
@@ -128,7 +112,7 @@ def _info(t: pb.Ticket) -> TicketInfo:
         lease_id=t.lease_id,
         rid=t.rid,
         layout_fingerprint=t.layout_fingerprint,
-        envelopes=_envelopes(t),
+        envelopes=[envelope_from_pb(e) for e in t.envelopes],
         vectors=vectors_from_pb(t.vectors),
         transfer_endpoint=t.transfer_endpoint,
         backend=t.backend,

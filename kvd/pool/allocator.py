@@ -180,6 +180,12 @@ class GroupAllocator:
     def v2p(self, t: torch.Tensor) -> None:
         self._v2p_t, self._v2p = t, t.numpy()
 
+    @property
+    def v2p_np(self) -> np.ndarray:
+        """``v2p``'s memory as a numpy array, for the pool's per-request reads (gathers); it is
+        written only by this allocator's binds, unbinds and moves."""
+        return self._v2p
+
     # ---- capacity ---------------------------------------------------------------------------
     def set_capacity(self, backed_bytes: int) -> None:
         """Re-derive the usable page range from the backed size. Only on an empty group."""

@@ -107,7 +107,8 @@ class Pool:
         ga = self.groups
         self._by_kind = (ga[FULL], ga.get(SWA), ga.get(STATE), ga.get(DRAFT))
         # envelopes() as last made, and the (region, base, backed) they were made for
-        self._envelopes: tuple[tuple[str, int, int] | None, list[Envelope]] = (None, [])
+        self._envelopes: tuple[tuple[str, int, int, int] | None, list[Envelope]] = (None, [])
+        self._capacities = 0  # capacity changes (_set_capacity): part of the envelopes' key
         self._bindings = Bindings(self.groups)
         self._planner = Planner(layout, self.groups, self._bindings.rings, arena, self.sink_bytes)
         self._requests: dict[str, Request] = {}
@@ -143,6 +144,7 @@ class Pool:
     def _set_capacity(self, backed: int) -> None:
         for a in self.groups.values():
             a.set_capacity(backed)
+        self._capacities += 1  # after the groups: envelopes() made meanwhile are not kept
         self._envelopes = None, []
 
     def finalize(self, nbytes: int | None) -> None:
@@ -330,10 +332,10 @@ class Pool:
         # Send's critical path, and a small torch index op costs several times a numpy one.
         full, swa, state, draft = self._by_kind
         return IndexVectors(
-            r.rid, self.boot_id, self.epoch, r.tokens, torch.from_numpy(full._v2p.take(r.full)), r.swa_first,
-            torch.from_numpy(swa._v2p.take(r.full[r.swa_first :])) if swa is not None else torch.empty(0, dtype=IDX),
-            int(state._v2p[r.state]) if state is not None and r.state >= 0 else None,
-            torch.from_numpy(draft._v2p.take(r.draft)) if draft is not None else torch.empty(0, dtype=IDX),
+            r.rid, self.boot_id, self.epoch, r.tokens, torch.from_numpy(full.v2p_np.take(r.full)), r.swa_first,
+            torch.from_numpy(swa.v2p_np.take(r.full[r.swa_first :])) if swa is not None else torch.empty(0, dtype=IDX),
+            int(state.v2p_np[r.state]) if state is not None and r.state >= 0 else None,
+            torch.from_numpy(draft.v2p_np.take(r.draft)) if draft is not None else torch.empty(0, dtype=IDX),
             r.version,
         )
 
@@ -383,13 +385,16 @@ class Pool:
         region, base or backed size changes (finalize, resize), then a new one. A caller may
         key what it derives from the envelopes by this list's identity."""
         arena = self.arena
-        key = (arena.region_id, arena.base, arena.backed)
-        if self._envelopes[0] != key:  # made again only when the backing or a capacity changed
-            self._envelopes = (key, [
-                Envelope(k.value, arena.region_id, arena.base, arena.backed, a.pb, a.p_min, a.p_max - 1)
-                for k, a in self.groups.items()
-            ])
-        return self._envelopes[1]
+        key = (arena.region_id, arena.base, arena.backed, self._capacities)
+        kept = self._envelopes
+        if kept[0] == key:
+            return kept[1]
+        # Made again only when the backing or a capacity changed; kept only if no capacity changed
+        # while they were made (a caller outside the node's lock during finalize/resize).
+        made = [Envelope(k.value, arena.region_id, arena.base, arena.backed, a.pb, a.p_min, a.p_max - 1) for k, a in self.groups.items()]
+        if self._capacities == key[3]:
+            self._envelopes = (key, made)
+        return made
 
     def page_view(self, kind: GroupKind | str) -> torch.Tensor:
         """``uint8`` view ``[pages, page_bytes]`` of one group's pages in the backed arena (no copy)."""

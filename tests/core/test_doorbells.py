@@ -99,3 +99,29 @@ def test_the_inbox_rings_every_state_change(board):
     assert board.in_use == 1 and v.read(inbox.bell("q"), again.lease_id) == (TransferState.WAITING, 0)
     v.close()
 
+
+
+def test_a_closed_board_hands_out_no_descriptor_and_a_view_checks_the_size():
+    from kvd.errors import FailedPrecondition, InvalidArgument
+
+    b = Doorbells(slots=4)
+    fd = b.reader_fd()
+    with pytest.raises(InvalidArgument, match="not one this client reads"):
+        DoorbellView(fd, 5)  # more slots than the file holds: refused (and the fd closed), not a SIGBUS later
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    b.close()
+    with pytest.raises(FailedPrecondition, match="closed"):
+        b.reader_fd()
+
+
+def test_many_doorbells_read_at_once(board):
+    import numpy as np
+
+    v = view_of(board)
+    a, b = board.take(10), board.take(11)
+    board.ring(b, 11, TransferState.READY, 5)
+    got = v.states(np.array([a, b, b]), np.array([10, 11, 10]))
+    assert got.tolist() == [1, 3, 0]  # WAITING, READY, another lease's slot
+    v.close()
+    assert v.states(np.array([a]), np.array([10])).tolist() == [0]

@@ -148,12 +148,27 @@ def test_remembering_answers_as_reading_the_bytes(tokens, issuer, change, how, s
 @settings(max_examples=100, deadline=None)
 @given(tokens=st.integers(1, 80), issuer=st.sampled_from(ISSUERS))
 def test_minted_bytes_are_the_body_serialised_at_once(tokens, issuer):
+    from kvd.handoff.ticket import TICKET_VERSION
+    from kvd.rpc.convert import envelope_to_pb, vectors_to_pb
+
     w = World(min(tokens, 40), issuer)
     try:
         sealed = pb.SealedTicket.FromString(w.raw)
-        body = pb.Ticket.FromString(sealed.body)
-        assert body.SerializeToString() == sealed.body
-        assert w.bare.seal(body) == w.raw
+        # Built here field by field from the node, as a body is defined: every field of Ticket
+        # must be set (a field added to the message and not to the minting fails here).
+        pool, vec = w.node.pool, w.node.vectors(w.sid, ["r"])[0]
+        want = pb.Ticket(
+            version=TICKET_VERSION, peer_address=issuer.peer_address, boot_id=pool.boot_id, epoch=vec.epoch,
+            lease_id=w.lease.lease_id, rid="r", layout_fingerprint=pool.layout.fingerprint,
+            envelopes=[envelope_to_pb(e) for e in pool.envelopes()], vectors=vectors_to_pb(vec),
+            transfer_endpoint=issuer.transfer_endpoint, backend=issuer.backend, peer_socket=issuer.peer_socket,
+        )
+        assert {f.name for f in pb.Ticket.DESCRIPTOR.fields} == {
+            "version", "peer_address", "boot_id", "epoch", "lease_id", "rid", "layout_fingerprint", "envelopes", "vectors",
+            "transfer_endpoint", "backend", "peer_socket",
+        }, "a Ticket field was added: set it above, and in Tickets.mint"
+        assert sealed.body == want.SerializeToString()
+        assert w.bare.seal(want) == w.raw
     finally:
         w.close()
 

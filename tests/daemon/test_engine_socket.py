@@ -152,3 +152,59 @@ def test_the_doorbell_board_goes_to_a_session_only_and_read_only(target):
         view.close()
     with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, "unknown or expired"):
         fetch_doorbells(path, "no-such-session", 5)
+
+
+def test_no_engine_can_write_or_shrink_the_doorbell_board(target):
+    """The descriptor an engine gets is read-only, and the board is sealed: reopened read-write
+    through /proc (a memfd's mode lets anyone), it still cannot be mapped writable, written or
+    resized, so no engine changes another's state or pulls the board from under the daemon."""
+    import mmap
+    import os
+
+    from kvd.rpc.engine_wire import DOORBELLS
+
+    with _raw(target) as s:
+        s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="raw-bells")))
+        assert read_frame(s)[0] == OK
+        s.sendall(HEAD.pack(0, DOORBELLS))
+        data, fds, _, _ = socket.recv_fds(s, 4096, 1)
+    assert len(fds) == 1 and data[HEAD.size - 1] == OK
+    fd = fds[0]
+    rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        assert size > 0
+        for f in (fd, rw):
+            with pytest.raises(PermissionError):
+                mmap.mmap(f, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(PermissionError):
+            os.write(rw, b"\x03")
+        with pytest.raises(PermissionError):
+            os.ftruncate(rw, 0)
+        assert os.fstat(fd).st_size == size
+    finally:
+        os.close(rw)
+        os.close(fd)
+
+
+def test_a_client_whose_daemon_stopped_reads_no_doorbell(tmp_path):
+    """A dead daemon's board stays as it was in the client's mapping: the client's heartbeat, once
+    the daemon no longer answers, drops the board, so nothing reads a frozen state as current."""
+    import daemon_kit as dk
+
+    from kvd.client import TransferState
+
+    t = dk.start_inproc(tmp_path, backend="local")
+    c = Client.connect(t.unix, name="bells", ttl=0.6, transport="fast")
+    try:
+        _, lease = c.allocate_recv(rid("bell-dead"), 16)
+        assert lease.bell and c.doorbell(lease.rid) is TransferState.WAITING
+        dk.stop_inproc(t)
+        end = time.monotonic() + 3.0
+        while c.doorbell(lease.rid) is not None and time.monotonic() < end:
+            time.sleep(0.05)
+        assert c.doorbell(lease.rid) is None
+        with expect(E.Unavailable, grpc.StatusCode.UNAVAILABLE, "engine socket"):
+            c.wait_ready(lease.rid, 0)
+    finally:
+        c.close()
