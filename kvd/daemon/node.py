@@ -53,10 +53,12 @@ from kvd.daemon.inbound import Inbound, NoInbound
 from kvd.daemon.leases import Lease, LeaseTable
 from kvd.pool.pool import Pool
 
-__all__ = ["Node", "MAX_SESSION_TTL"]
+__all__ = ["Node", "MAX_SESSION_TTL", "MAX_HANDED"]
 
 #: Upper bound of a client-chosen session TTL (the same cap as the session_ttl_s setting).
 MAX_SESSION_TTL = 3600.0
+#: Requests whose handed-out vectors a node keeps for their SEND lease (Node.acquire_lease).
+MAX_HANDED = 256
 
 log = logging.getLogger("kvd.daemon.node")
 
@@ -83,6 +85,9 @@ class Node:
         self._sessions: dict[str, SessionInfo] = {}
         self._owner: dict[str, str] = {}  # rid -> session id
         self._born: dict[str, float] = {}  # rid -> when it was allocated (kvd top's ages)
+        # rid -> the vectors last handed out for it (allocate, extend), the newest MAX_HANDED: a
+        # SEND lease takes them while they still are the request's instead of gathering again
+        self._handed: dict[str, IndexVectors] = {}
         self.allocations_total = 0  # requests allocated since boot (kvd top's rate)
         self._lock = threading.RLock()
         self.stale_refusals = 0
@@ -236,10 +241,11 @@ class Node:
         if now:  # freeing bumps the pool's epoch: not for nothing
             self.pool.free_many(now)
         self._doomed.update(fenced)
-        owner, born, mine = self._owner, self._born, s.rids
+        owner, born, mine, handed = self._owner, self._born, s.rids, self._handed
         for rid in rids:
             owner.pop(rid, None)
             born.pop(rid, None)
+            handed.pop(rid, None)
             mine.discard(rid)
             if rid not in fenced:
                 inbox.forget(rid)
@@ -323,7 +329,18 @@ class Node:
                 self._born[spec.rid] = now
                 s.rids.add(spec.rid)
             self.allocations_total += len(specs)
+            self._hand(out)
             return out
+
+    def _hand(self, vecs: list[IndexVectors]) -> list[IndexVectors]:
+        """Remember ``vecs`` as handed out (the newest :data:`MAX_HANDED`); returns them."""
+        handed = self._handed
+        for v in vecs:
+            handed.pop(v.rid, None)
+            handed[v.rid] = v
+        while len(handed) > MAX_HANDED:
+            del handed[next(iter(handed))]
+        return vecs
 
     def can_allocate(self, session_id: str, specs: Sequence[AllocSpec]) -> int:
         """Shortfall in bytes (0: fits). Changes nothing."""
@@ -337,7 +354,7 @@ class Node:
             self._touch(session_id)
             for rid, _ in items:
                 self._own(session_id, rid)
-            return self.pool.extend_many(items)
+            return self._hand(self.pool.extend_many(items))
 
     def free(self, session_id: str, rids: Sequence[str]) -> int:
         with self._lock:
@@ -374,12 +391,15 @@ class Node:
         """Pin ``rid``. If ``boot_id`` is given, the caller's vectors (``epoch``) must be fresh.
         Returns the lease and the request's current vectors (what the lease pins): ``known``
         itself when those still are the request's vectors (:meth:`Pool.unchanged`; the gather is
-        skipped), so ``vec is known`` tells the caller nothing moved since it read them."""
+        skipped), so ``vec is known`` tells the caller nothing moved since it read them. A SEND
+        lease given no ``known`` tries the vectors last handed out for ``rid`` (allocate, extend)."""
         with self._lock:
             self._touch(session_id)
             self._own(session_id, rid)
             if boot_id:
                 self._fresh(rid, epoch, boot_id)
+            if known is None and kind is LeaseKind.SEND:
+                known = self._handed.get(rid)
             vec = known if known is not None and self.pool.unchanged(known) else self.pool.vectors(rid)
             if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
                 raise FailedPrecondition(f"request {quote(rid)} already has a live RECV lease: one sender per request")

@@ -36,14 +36,12 @@ from kvd.handoff.ticket import read as read_ticket
 if TYPE_CHECKING:
     from kvd.daemon.node import Node
 
-__all__ = ["Outbox", "MAX_AHEAD_CHUNKS", "MAX_KNOWN"]
+__all__ = ["Outbox", "MAX_AHEAD_CHUNKS"]
 
 log = logging.getLogger("kvd.handoff.outbox")
 
 #: The most chunks :meth:`Outbox.begin` plans ahead for one request.
 MAX_AHEAD_CHUNKS = 1024
-#: The most requests whose vectors an Outbox keeps from the calls that handed them out (:meth:`Outbox.known`).
-MAX_KNOWN = 256
 
 
 class Outbox:
@@ -68,7 +66,6 @@ class Outbox:
         self._lock = threading.Lock()
         self._open: dict[tuple[str, int], Outbound] = {}  # (receiver boot, receiver lease) -> transfer
         self._by_raw: dict[bytes, Outbound] = {}  # the same transfers by their ticket's bytes (read_ticket)
-        self._known: dict[str, IndexVectors] = {}  # rid -> vectors handed out (known), oldest first
         self.bytes_total = 0
         self.sent_total = 0
         self.failed_total = 0
@@ -88,18 +85,6 @@ class Outbox:
         with contextlib.suppress(ValueError):
             self.node.on_ended.remove(self.ended)
         self._notices.close()
-
-    def known(self, vecs: Sequence[IndexVectors]) -> None:
-        """Vectors this daemon just handed its engine (Allocate, Extend). A Send of such a request
-        takes its SEND lease on them while they are still the request's (:meth:`Node.acquire_lease`'s
-        ``known``: nothing bound, released or moved since) instead of gathering them again. The
-        newest :data:`MAX_KNOWN` are kept; the last Send of a request forgets its vectors."""
-        with self._lock:
-            for v in vecs:
-                self._known.pop(v.rid, None)
-                self._known[v.rid] = v
-            while len(self._known) > MAX_KNOWN:
-                del self._known[next(iter(self._known))]
 
     def send(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, t0: int, t1: int | None, last: bool) -> SendResult:
         """Move tokens ``[t0, t1)`` of ``rid`` to the ticket's receiver: :meth:`send_many` of one
@@ -271,8 +256,6 @@ class Outbox:
         drops it after ``lease_ttl``."""
         with self._lock:
             ob.active -= 1
-            if last:
-                self._known.pop(ob.rid, None)
             if ob.aborted and not ob.aborted_at:
                 ob.aborted_at = time.monotonic()
             if (last or not ob.began) and ob.active == 0:
@@ -308,7 +291,7 @@ class Outbox:
             ahead = ob.ahead if ob.ahead is not None and ob.ahead.env == own_env else None
             f.step("prep")
             lease, src = self.node.acquire_lease(
-                session, rid, LeaseKind.SEND, ttl=self.lease_ttl, known=ahead.src if ahead is not None else self._known.get(rid)
+                session, rid, LeaseKind.SEND, ttl=self.lease_ttl, known=ahead.src if ahead is not None else None
             )
             f.lease_id = lease.lease_id
             f.step("lease")

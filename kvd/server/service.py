@@ -231,10 +231,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
             session = self._session(context)
             if not any(s.lease for s in request.requests):
-                vecs = self.node.allocate(session, specs)
-                if self.outbox is not None:
-                    self.outbox.known(vecs)
-                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in vecs])
+                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in self.node.allocate(session, specs)])
             return self._allocate_leased(session, specs, [s.lease for s in request.requests])
 
         return self._run(context, go)
@@ -271,10 +268,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Extend(self, request: pb.ExtendRequest, context):
         def go():
             items = [(i.rid, i.tokens) for i in request.items]
-            vecs = self.node.extend(self._session(context), items)
-            if self.outbox is not None:
-                self.outbox.known(vecs)
-            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in vecs])
+            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in self.node.extend(self._session(context), items)])
 
         return self._run(context, go)
 

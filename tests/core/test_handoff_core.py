@@ -15,7 +15,8 @@ from link_kit import CheckingLink
 from kvd.backends.local import LocalBackend
 from kvd.errors import Aborted, InvalidArgument, LayoutMismatch, NotFound, PermissionDenied, StaleEpoch
 from kvd.records import AllocSpec, LeaseKind, TicketInfo, TransferRef, TransferState
-from kvd.handoff.outbox import MAX_KNOWN, Outbox
+from kvd.daemon.node import MAX_HANDED
+from kvd.handoff.outbox import Outbox
 from kvd.daemon.node import Node
 from kvd.handoff.inbox import Inbox
 from kvd.pool.pool import Pool
@@ -269,26 +270,26 @@ def test_a_request_compacted_after_begin_is_planned_again_at_the_send(pair):
 
 @pytest.mark.parametrize("then", ["nothing", "compacted", "extended", "freed and allocated again"])
 def test_a_send_leases_the_vectors_handed_out_while_they_are_the_requests(pair, monkeypatch, then):
-    """Vectors the daemon handed its engine (Outbox.known: Allocate, Extend) are what the Send
-    leases and plans from while the request's pages are unchanged -- no gather; once they moved,
-    grew or belong to a new request of that id, the Send gathers the request's own and writes
-    from those."""
+    """Vectors the node handed its engine (Node.allocate, Node.extend) are what the Send leases
+    and plans from while the request's pages are unchanged -- no gather; once they moved, grew or
+    belong to a new request of that id, the Send gathers the request's own and writes from those."""
     p, ps, d, _, rid, ticket = pair
     ob, _, ticket, raw = _writing_outbox(p, d, ticket)
     if then == "compacted":
         p.free(ps, [rid])
         p.allocate(ps, [AllocSpec("filler", TOKENS), AllocSpec(rid, TOKENS)])
-    ob.known(p.vectors(ps, [rid]))
+    assert rid in p._handed  # the fixture allocated it through the node
     if then == "compacted":
         before = pk.phys_key(p.pool.vectors(rid))
         p.free(ps, ["filler"])
         p.compact(ps)
         assert pk.phys_key(p.pool.vectors(rid)) != before
-    elif then == "extended":
-        p.extend(ps, [(rid, TOKENS + 4)])
+    elif then == "extended":  # in the pool, behind the node: what it handed out is stale now
+        p.pool.extend(rid, 4)
     elif then == "freed and allocated again":
-        p.free(ps, [rid])
-        p.allocate(ps, [AllocSpec("filler", TOKENS), AllocSpec(rid, TOKENS)])
+        p.pool.free(rid)
+        p.allocate(ps, [AllocSpec("filler", TOKENS)])  # on rid's old pages
+        p.pool.allocate_many([AllocSpec(rid, TOKENS)])
     keys = _keyed(p, d, rid)
     gathers = []
     real = p.pool.vectors
@@ -303,16 +304,17 @@ def test_a_send_leases_the_vectors_handed_out_while_they_are_the_requests(pair, 
     assert gathers == ([] if then == "nothing" else [rid])
     keys.verify(d.pool.vectors(rid))
     assert d.inbox.status(rid).state is TransferState.READY
-    assert rid not in ob._known  # the last Send forgets them
+    p.free(ps, [rid])
+    assert rid not in p._handed  # a request's end forgets them
     ob.backend.close()
 
 
-def test_known_vectors_are_bounded(pair):
+def test_handed_vectors_are_bounded_and_follow_what_the_node_hands_out(pair):
     p, ps, d, _, rid, ticket = pair
-    ob = Outbox(p, LocalBackend(), CheckingLink(d), address="prefill")
-    (v,) = p.vectors(ps, [rid])
-    ob.known([v._replace(rid=f"r{i}") for i in range(MAX_KNOWN + 10)])
-    assert len(ob._known) == MAX_KNOWN and "r9" not in ob._known and f"r{MAX_KNOWN + 9}" in ob._known
+    (v,) = p.extend(ps, [(rid, 4)])
+    assert p._handed[rid] is v  # the newest vectors of the request
+    p._hand([v._replace(rid=f"h{i}") for i in range(MAX_HANDED + 10)])
+    assert len(p._handed) == MAX_HANDED and "h9" not in p._handed and f"h{MAX_HANDED + 9}" in p._handed
 
 
 def test_a_request_freed_after_begin_ends_its_transfer_at_both_ends(pair):
