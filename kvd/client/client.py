@@ -41,6 +41,8 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.client import fast as _fast
 from kvd.rpc.convert import (
     SESSION_KEY,
+    IDS_KEY,
+    IDS_LE,
     activity_from_pb,
     envelope_from_pb,
     grpc_target,
@@ -406,7 +408,7 @@ class Client(_Surface):
         self.session_id = session_id
         self.ttl = ttl
         self.timeout = timeout
-        self._md = ((SESSION_KEY, session_id),)
+        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
         self._bells = Bells(_board_fetch(fast, session_id, timeout))
         self._closed = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="kvd-heartbeat", daemon=True)
@@ -512,7 +514,7 @@ class AsyncClient(_Surface):
         self.session_id = session_id
         self.ttl = ttl
         self.timeout = timeout
-        self._md = ((SESSION_KEY, session_id),)
+        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
         # Mapped on the first RECV lease, in the event loop's thread: one local round trip, once.
         self._bells = Bells(_board_fetch(fast, session_id, timeout))
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())

@@ -208,14 +208,14 @@ class Tickets:
 
     def mint(self, lease: Lease, vec: IndexVectors, vec_pb: pb.IndexVectors | None = None) -> bytes:
         """The sealed ticket of RECV lease ``lease``, naming ``vec`` (the request's vectors the
-        lease pins) as the destination; ``vec_pb``: ``vectors_to_pb(vec)``, when the caller has
+        lease pins) as the destination (packed ids); ``vec_pb``: ``vectors_to_pb(vec, packed=True)``, when the caller has
         it already. Call under the node's lock, with the lease just granted."""
         here, who = self._shape(), self.issuer
         raw = b"".join((
             here.head,
             pb.Ticket(epoch=vec.epoch, lease_id=lease.lease_id, rid=lease.rid).SerializeToString(),
             here.middle,
-            pb.Ticket(vectors=vectors_to_pb(vec) if vec_pb is None else vec_pb).SerializeToString(),
+            pb.Ticket(vectors=vectors_to_pb(vec, packed=True) if vec_pb is None else vec_pb).SerializeToString(),
             here.tail,
         ))
         seal = self._mac(raw)

@@ -48,7 +48,7 @@ from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame
 from kvd.ipc.unix_socket import recv_exact
 from kvd.memory.doorbells import SLOT_BYTES, Doorbells
-from kvd.rpc.convert import SESSION_KEY, parse_request, status_to_pb
+from kvd.rpc.convert import IDS_KEY, IDS_LE, SESSION_KEY, parse_request, status_to_pb
 from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, Method, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.server.framed import Close, FramedServer, refusal
@@ -141,7 +141,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         # (~20 us; a Send's reply is on the critical path of every handoff).
         if self.observe is not None:
             self.observe(name, code, time.perf_counter() - t0)
-        return ((SESSION_KEY, sid),) if sid else md
+        return _md(sid) if sid else md
 
     def _hello(self, conn: socket.socket, n: int) -> tuple[tuple[str, str], ...]:
         """A hello names the session this connection acts for: answered with it, or refused
@@ -157,7 +157,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         except KvdError as exc:
             raise Close(refusal(exc)) from exc
         conn.sendall(frame(OK, pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.service.node.pool.boot_id)))
-        return ((SESSION_KEY, s.session_id),)
+        return _md(s.session_id)
 
     def _doorbells(self, conn: socket.socket, n: int, md: tuple[tuple[str, str], ...]) -> None:
         """Hand this connection's engine a read-only descriptor of the doorbell board, or refuse:
@@ -215,3 +215,9 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
 
 
 _OPEN = METHOD_IDS["OpenSession"]
+
+
+def _md(sid: str) -> tuple[tuple[str, str], ...]:
+    """A connection's metadata once it acts for session ``sid``: the session, and packed ids
+    (the engine socket's replies always carry IndexVectors as bytes)."""
+    return ((SESSION_KEY, sid), (IDS_KEY, IDS_LE))

@@ -45,6 +45,8 @@ from kvd.rpc.convert import (
     stats_to_pb,
     activity_to_pb,
     vectors_to_pb,
+    IDS_KEY,
+    IDS_LE,
 )
 
 __all__ = ["KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint", "add_to_server"]
@@ -104,6 +106,10 @@ class _Base:
             if k == key and isinstance(v, str):  # bytes only under -bin keys, which kvd does not use
                 return v
         return ""
+
+    def _packed(self, context: grpc.ServicerContext) -> bool:
+        """Whether the caller reads packed ids (metadata :data:`IDS_KEY`: the engine socket always says so)."""
+        return self._meta(context, IDS_KEY) == IDS_LE
 
     def _session(self, context: grpc.ServicerContext) -> str:
         sid = self._meta(context, SESSION_KEY)
@@ -230,25 +236,27 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         def go():
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
             session = self._session(context)
+            packed = self._packed(context)
             if not any(s.lease for s in request.requests):
-                return pb.AllocateResponse(vectors=[vectors_to_pb(v) for v in self.node.allocate(session, specs)])
-            return self._allocate_leased(session, specs, [s.lease for s in request.requests])
+                return pb.AllocateResponse(vectors=[vectors_to_pb(v, packed) for v in self.node.allocate(session, specs)])
+            return self._allocate_leased(session, specs, [s.lease for s in request.requests], packed)
 
         return self._run(context, go)
 
-    def _allocate_leased(self, session: str, specs: list[AllocSpec], lease: list[bool]) -> pb.AllocateResponse:
+    def _allocate_leased(self, session: str, specs: list[AllocSpec], lease: list[bool], packed: bool) -> pb.AllocateResponse:
         """Allocate ``specs`` and take a RECV lease (its ticket minted) on each one ``lease``
         marks, all under the node's lock: all or nothing (a failure releases what it leased and
-        frees what it allocated, then raises)."""
+        frees what it allocated, then raises). ``packed``: the reply's ids as bytes."""
         with self.node.lock:
             vecs = self.node.allocate(session, specs)
-            wire = [vectors_to_pb(v) for v in vecs]
+            wire = [vectors_to_pb(v, packed) for v in vecs]
             leases: list[pb.Lease] = []
             try:
                 for spec, v, m, want in zip(specs, vecs, wire, lease):
                     if want:
                         got, vec = self.node.acquire_lease(session, spec.rid, LeaseKind.RECV, boot_id=v.boot_id, epoch=v.epoch, known=v)
-                        leases.append(self._lease_pb(got, vec, m if vec is v else None))
+                        # a ticket's vectors are packed: the reply's message serves when it is too
+                        leases.append(self._lease_pb(got, vec, m if vec is v and packed else None))
             except BaseException:
                 for le in leases:
                     self.node.release_lease(session, le.lease_id)
@@ -268,7 +276,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def Extend(self, request: pb.ExtendRequest, context):
         def go():
             items = [(i.rid, i.tokens) for i in request.items]
-            return pb.ExtendResponse(vectors=[vectors_to_pb(v) for v in self.node.extend(self._session(context), items)])
+            packed = self._packed(context)
+            return pb.ExtendResponse(vectors=[vectors_to_pb(v, packed) for v in self.node.extend(self._session(context), items)])
 
         return self._run(context, go)
 
@@ -278,7 +287,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
     def GetVectors(self, request: pb.GetVectorsRequest, context):
         def go():
             vecs = self.node.vectors(self._session(context), list(request.rids))
-            return pb.GetVectorsResponse(vectors=[vectors_to_pb(v) for v in vecs])
+            packed = self._packed(context)
+            return pb.GetVectorsResponse(vectors=[vectors_to_pb(v, packed) for v in vecs])
 
         return self._run(context, go)
 
@@ -347,7 +357,9 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         return self._run(context, lambda: pb.OffloadResponse(bytes=self.node.offload(self._session(context), request.rid)))
 
     def Restore(self, request: pb.RestoreRequest, context):
-        return self._run(context, lambda: pb.RestoreResponse(vectors=vectors_to_pb(self.node.restore(self._session(context), request.rid))))
+        return self._run(
+            context, lambda: pb.RestoreResponse(vectors=vectors_to_pb(self.node.restore(self._session(context), request.rid), self._packed(context)))
+        )
 
     def Echo(self, request: pb.EchoRequest, context):
         return pb.EchoResponse(payload=request.payload)

@@ -213,6 +213,9 @@ class IndexVectors(_message.Message):
     SWA_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     DRAFT_FIELD_NUMBER: _builtins.int
+    FULL_LE_FIELD_NUMBER: _builtins.int
+    SWA_LE_FIELD_NUMBER: _builtins.int
+    DRAFT_LE_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
     boot_id: _builtins.str
     epoch: _builtins.int
@@ -221,6 +224,14 @@ class IndexVectors(_message.Message):
     """request page of swa[0]"""
     state: _builtins.int
     """physical state slot; -1 when the layout has none"""
+    full_le: _builtins.bytes
+    """The same three vectors as little-endian int32 bytes, each set instead of its repeated field
+    (never both): kvd's engine socket and its tickets always, gRPC when the call carries metadata
+    kvd-ids: le (kvd's clients send it). No per-id work to write or read 512 ids; grpcurl and
+    other callers that do not ask get the repeated fields.
+    """
+    swa_le: _builtins.bytes
+    draft_le: _builtins.bytes
     @_builtins.property
     def full(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """physical full pages, one per request page"""
@@ -245,10 +256,13 @@ class IndexVectors(_message.Message):
         swa: _abc.Iterable[_builtins.int] | None = ...,
         state: _builtins.int = ...,
         draft: _abc.Iterable[_builtins.int] | None = ...,
+        full_le: _builtins.bytes = ...,
+        swa_le: _builtins.bytes = ...,
+        draft_le: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "draft", b"draft", "epoch", b"epoch", "full", b"full", "rid", b"rid", "state", b"state", "swa", b"swa", "swa_first_page", b"swa_first_page", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "draft", b"draft", "draft_le", b"draft_le", "epoch", b"epoch", "full", b"full", "full_le", b"full_le", "rid", b"rid", "state", b"state", "swa", b"swa", "swa_first_page", b"swa_first_page", "swa_le", b"swa_le", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

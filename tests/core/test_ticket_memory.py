@@ -155,12 +155,12 @@ def test_minted_bytes_are_the_body_serialised_at_once(tokens, issuer):
     try:
         sealed = pb.SealedTicket.FromString(w.raw)
         # Built here field by field from the node, as a body is defined: every field of Ticket
-        # must be set (a field added to the message and not to the minting fails here).
+        # must be set (a field added to the message and not to the minting fails here); ids packed.
         pool, vec = w.node.pool, w.node.vectors(w.sid, ["r"])[0]
         want = pb.Ticket(
             version=TICKET_VERSION, peer_address=issuer.peer_address, boot_id=pool.boot_id, epoch=vec.epoch,
             lease_id=w.lease.lease_id, rid="r", layout_fingerprint=pool.layout.fingerprint,
-            envelopes=[envelope_to_pb(e) for e in pool.envelopes()], vectors=vectors_to_pb(vec),
+            envelopes=[envelope_to_pb(e) for e in pool.envelopes()], vectors=vectors_to_pb(vec, packed=True),
             transfer_endpoint=issuer.transfer_endpoint, backend=issuer.backend, peer_socket=issuer.peer_socket,
         )
         assert {f.name for f in pb.Ticket.DESCRIPTOR.fields} == {

@@ -314,7 +314,7 @@ class Gen:
         elif edit == 1:  # another lease
             t.lease_id = other.lease_id
         elif edit == 2:  # the victim's pages, own rid and lease
-            t.vectors.full[:] = other.vectors.full[: len(t.vectors.full)]
+            hk.set_ids(t.vectors, "full", hk.ids(other.vectors, "full")[: len(hk.ids(t.vectors, "full"))])
         elif edit == 3:
             t.rid = other.rid
         elif edit == 4 and t.envelopes:
@@ -325,7 +325,7 @@ class Gen:
             e.page_bytes = r.choice([0, 1, e.page_bytes * 2, 2**63])
             e.backed_bytes = r.choice([e.backed_bytes, 2**64 - 1])
         elif edit == 6:
-            t.vectors.full.extend([r.choice([-1, 2**31 - 1, 0, 5000])] * r.randint(1, 3))
+            hk.set_ids(t.vectors, "full", hk.ids(t.vectors, "full") + [r.choice([-1, 2**31 - 1, 0, 5000])] * r.randint(1, 3))
         elif edit == 7:
             t.vectors.state = r.choice([-1, 2**31 - 1, 0])
             t.vectors.tokens = r.choice([0, 2**64 - 1, t.vectors.tokens + 100])

@@ -140,8 +140,8 @@ def _vectors_of(v) -> Callable[[pb.Ticket], None]:
 
     def edit(t: pb.Ticket) -> None:
         m = t.vectors
-        del m.full[:], m.swa[:], m.draft[:]
-        m.full.extend(v.full.tolist()), m.swa.extend(v.swa.tolist()), m.draft.extend(v.draft.tolist())
+        for g in ("full", "swa", "draft"):
+            hk.set_ids(m, g, getattr(v, g).tolist())
         m.swa_first_page, m.state, m.tokens = v.swa_first_page, -1 if v.state is None else v.state, v.tokens
 
     return edit
@@ -167,10 +167,10 @@ def _edits(s: Scene) -> list[tuple[str, Callable[[pb.Ticket], object], type[KvdE
         ("layout_fingerprint", _set("layout_fingerprint", "f" * 16), LayoutMismatch),
         ("envelopes", lambda t: setattr(t.envelopes[0], "region_id", "another-arena"), PermissionDenied),
         ("vectors=victim", _vectors_of(victim), PermissionDenied),
-        ("vectors.full[0]", lambda t: t.vectors.full.__setitem__(0, int(victim.full[0])), PermissionDenied),
-        ("vectors.swa[0]", lambda t: t.vectors.swa.__setitem__(0, int(victim.swa[0])), PermissionDenied),
+        ("vectors.full[0]", lambda t: hk.set_id(t.vectors, "full", 0, int(victim.full[0])), PermissionDenied),
+        ("vectors.swa[0]", lambda t: hk.set_id(t.vectors, "swa", 0, int(victim.swa[0])), PermissionDenied),
         ("vectors.state", lambda t: setattr(t.vectors, "state", victim.state), PermissionDenied),
-        ("vectors.draft[0]", lambda t: t.vectors.draft.__setitem__(0, int(victim.draft[0])), PermissionDenied),
+        ("vectors.draft[0]", lambda t: hk.set_id(t.vectors, "draft", 0, int(victim.draft[0])), PermissionDenied),
         ("vectors.rid", lambda t: setattr(t.vectors, "rid", "victim"), PermissionDenied),
         ("transfer_endpoint", _set("transfer_endpoint", s.pair.prefill.t.daemon.backend.endpoint), PermissionDenied),
         ("backend", _set("backend", "nixl"), InvalidArgument),
@@ -267,10 +267,10 @@ def test_the_vector_check_stands_without_the_seal(scene):
     victim = s.victim_vec
     cases = [
         ("vectors=victim", _vectors_of(victim), FailedPrecondition, "not request 'r''s pages"),
-        ("full[3]", lambda t: t.vectors.full.__setitem__(3, int(victim.full[0])), FailedPrecondition, "group full"),
-        ("swa[1]", lambda t: t.vectors.swa.__setitem__(1, int(victim.swa[0])), FailedPrecondition, "group swa"),
+        ("full[3]", lambda t: hk.set_id(t.vectors, "full", 3, int(victim.full[0])), FailedPrecondition, "group full"),
+        ("swa[1]", lambda t: hk.set_id(t.vectors, "swa", 1, int(victim.swa[0])), FailedPrecondition, "group swa"),
         ("state", lambda t: setattr(t.vectors, "state", victim.state), FailedPrecondition, "state"),
-        ("draft[2]", lambda t: t.vectors.draft.__setitem__(2, int(victim.draft[0])), FailedPrecondition, "group draft"),
+        ("draft[2]", lambda t: hk.set_id(t.vectors, "draft", 2, int(victim.draft[0])), FailedPrecondition, "group draft"),
         ("tokens", lambda t: setattr(t.vectors, "tokens", TOKENS - 4), FailedPrecondition, "tokens"),
         ("lease_id", _set("lease_id", s.victim.lease_id), InvalidArgument, "lease on 'victim'"),
         ("epoch", _set("epoch", hk.ticket_body(s.ticket).epoch + 1), StaleEpoch, "epoch"),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import daemon_kit as dk
+import numpy as np
 import torch
 
 from kvd.client import Attachment, Client
@@ -406,6 +407,23 @@ def leftovers() -> list[str]:
 def ticket_body(ticket: bytes) -> pb.Ticket:
     """The body of sealed ticket bytes: what anyone carrying the ticket can read."""
     return pb.Ticket.FromString(pb.SealedTicket.FromString(ticket).body)
+
+
+def ids(m: pb.IndexVectors, group: str) -> list[int]:
+    """The ids of vector ``group`` ("full", "swa", "draft") of a ticket's vectors, which carry them packed."""
+    return np.frombuffer(getattr(m, f"{group}_le"), "<i4").tolist()
+
+
+def set_ids(m: pb.IndexVectors, group: str, values: list[int]) -> None:
+    """Vector ``group`` of ``m`` rewritten, packed as tickets carry it (as int32: a value past it raises)."""
+    setattr(m, f"{group}_le", np.asarray(values, dtype="<i4").tobytes())
+
+
+def set_id(m: pb.IndexVectors, group: str, i: int, value: int) -> None:
+    """One id of vector ``group`` of ``m`` rewritten (:func:`set_ids`)."""
+    xs = ids(m, group)
+    xs[i] = value
+    set_ids(m, group, xs)
 
 
 def tampered(ticket: bytes, edit: Callable[[pb.Ticket], object]) -> bytes:
