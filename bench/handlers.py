@@ -40,6 +40,7 @@ from kvd.config import load_settings  # noqa: E402
 from kvd.ipc.frames import HEAD  # noqa: E402
 from kvd.rpc.engine_wire import METHOD_IDS  # noqa: E402
 from kvd.server.app import Daemon  # noqa: E402
+from kvd.server.engine_socket import session_md  # noqa: E402
 from kvd.server.peer_calls import PeerCalls  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 
@@ -93,7 +94,7 @@ class Engine:
         self.a, self.b = socket.socketpair()
         self.md: tuple[tuple[str, str], ...] = ()
         reply = self.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=3600))
-        self.md = (("kvd-session", reply.session_id),)
+        self.md = session_md(reply.session_id)  # as the engine socket keeps it: the session, packed ids
 
     def call(self, method: str, request):
         from kvd.rpc.engine_wire import METHODS

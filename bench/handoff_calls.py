@@ -12,9 +12,11 @@ the last free:
   (recv)``; prefill ``allocate``, ``begin_send``, ``send``; decode ``wait_ready``; both ``free``.
 * ``old fast``: the same 8 calls over the engine socket (``transport="fast"``).
 * ``new fast``: 5 calls over the engine socket -- decode ``allocate_recv`` (allocate + RECV lease +
-  ticket); prefill ``allocate``, ``send(free=True)`` (the receiver's check runs inside the Send,
-  overlapped with its lease and plan, and the request is freed there); decode ``wait_ready``
-  (answered the moment the transfer is ready: no polling), ``free``.
+  ticket); prefill ``allocate(ticket=)`` (allocate, and begin the transfer: the receiver's check
+  runs while the reply goes back, and the Send collects its answer), ``send(free=True)`` (the
+  request is freed there); decode ``wait_ready`` (a READY doorbell: no call), ``free``. A daemon
+  that predates ``allocate(ticket=)`` (``@base``) ignores the ticket there and checks it in the
+  Send.
 * ``new grpc``: the 5 calls over gRPC.
 * ``new fast, decode apart``: the 5 calls over the engine socket with the decode engine in
   another process (:class:`benchkit.ApartWaiter`, its own session), as in a deployment; its
@@ -110,7 +112,7 @@ def main() -> None:
             seq[0] += 1
             rid = f"h{seq[0]}"
             _, lease = d.allocate_recv(rid, tok)
-            p.allocate(rid, tok)
+            p.allocate(rid, tok, ticket=lease.ticket)
             r = p.send(rid, lease.ticket, free=True)
             st = d.wait_ready(rid, 5)
             d.free(rid)
@@ -127,7 +129,7 @@ def main() -> None:
             apart.arm([rid], 5)
             time.sleep(HEAD_START_S)
             a = pc()
-            pf.allocate(rid, tok)
+            pf.allocate(rid, tok, ticket=tickets[rid])
             r = pf.send(rid, tickets[rid], free=True)
             replied = pc()
             st, at = apart.collect()[rid]

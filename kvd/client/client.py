@@ -168,6 +168,13 @@ def _chunk_tokens(n: object) -> int:
     return n
 
 
+def _ticket(t: object) -> bytes:
+    """A ticket as the wire carries it: the decode daemon's bytes, unchanged."""
+    if not isinstance(t, (bytes, bytearray, memoryview)):
+        raise InvalidArgument(f"allocate: ticket must be the bytes of the decode daemon's RECV lease, got {type(t).__name__}")
+    return bytes(t)
+
+
 def _specs(specs: Sequence[AllocSpec | tuple]) -> list[pb.AllocSpec]:
     out = []
     for s in specs:
@@ -248,9 +255,18 @@ class _Surface:
         return self._call("Echo", pb.EchoRequest(payload=payload), lambda r: r.payload)
 
     # -- requests --
-    def allocate(self, rid: str, tokens: int, *, receive: bool = False) -> IndexVectors:
-        req = pb.AllocateRequest(requests=_specs([AllocSpec(rid, tokens, receive)]))
-        return self._call("Allocate", req, lambda r: vectors_from_pb(r.vectors[0]))
+    def allocate(self, rid: str, tokens: int, *, receive: bool = False, ticket: bytes | None = None, chunk_tokens: int = 0) -> IndexVectors:
+        """Room for ``rid`` (``tokens`` tokens): its physical index vectors. ``receive``: its KV
+        arrives by transfer (decode side). ``ticket`` (prefill side, the decode daemon's ticket
+        for ``rid``): the transfer is also begun, as :meth:`begin_send` ``(rid, ticket,
+        chunk_tokens)`` begins it, in this same call, without waiting for the decode daemon's
+        check: that runs while the prompt computes, and the first :meth:`send` reports its
+        refusal (a stale or foreign ticket) before writing. What the ticket shows on its own
+        (another layout, backend or request) is refused here, and nothing is allocated then."""
+        (spec,) = _specs([AllocSpec(rid, tokens, receive)])
+        if ticket is not None:
+            spec.ticket, spec.chunk_tokens = _ticket(ticket), _chunk_tokens(chunk_tokens)
+        return self._call("Allocate", pb.AllocateRequest(requests=[spec]), lambda r: vectors_from_pb(r.vectors[0]))
 
     def allocate_recv(self, rid: str, tokens: int) -> tuple[IndexVectors, LeaseInfo]:
         """Decode side, in one call: :meth:`allocate` ``rid`` with ``receive=True`` and

@@ -7,8 +7,9 @@ items (checked before anything is sent).
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -84,6 +85,10 @@ class Outbound:
     active: int = 0  # Send calls in progress
     began: bool = False  # the receiver accepted the ticket at least once
     ahead: Ahead | None = None  # the Sends begin planned (the whole request, or each chunk)
+    #: the receiver's answer to a check begin left running (:meth:`Outbox.begin` with ``wait=False``):
+    #: collected once (:meth:`Outbox._settle`); while set it holds one count of ``active``
+    pending: Callable[[], object] | None = None
+    settling: threading.Lock = field(default_factory=threading.Lock)
     started: float = field(default_factory=time.monotonic)  # kvd top's ages
     nbytes: int = 0  # bytes committed so far
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, cast
 
 from kvd.backends.base import Backend, PeerRegion
 from kvd.errors import Aborted, InternalError, InvalidArgument, KvdError, PermissionDenied
-from kvd.records import Ends, IndexVectors, LeaseKind, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
+from kvd.records import Ends, Envelope, IndexVectors, LeaseKind, OutboxStats, SendResult, SocketRoute, TicketInfo, TransferRef
 from kvd.handoff.link import PeerLink
 from kvd.handoff.notices import Notices
 from kvd.limits import quote
@@ -156,7 +156,7 @@ class Outbox:
 
     # -- the steps of one item ---------------------------------------------------------------
 
-    def begin(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, *, chunk_tokens: int = 0) -> bool:
+    def begin(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, *, chunk_tokens: int = 0, wait: bool = True) -> bool:
         """Open the transfer of ``rid`` to the ticket's receiver before its first Send: the
         receiver checks the ticket now (CheckTicket) and the transfer is RECEIVING there, so the
         Sends that follow -- the first included -- skip that round trip, as later chunks do. A
@@ -170,12 +170,48 @@ class Outbox:
         changed, plans at the Send. InvalidArgument, before the receiver hears of it, for more
         than :data:`MAX_AHEAD_CHUNKS` chunks.
 
+        ``wait=False`` (Allocate with a ticket): the check is sent and not waited for; the
+        receiver's answer is collected by the first Send (its refusal raised there, before any
+        byte, as a Send without begin meets it), else by the heartbeat loop, an abort or the
+        request's end -- whichever comes first (:meth:`_settle`). Only what the ticket shows
+        here, and the request's ownership, are refused at once.
+
         Returns False when the transfer was open already (nothing asked). Refuses what the
         first Send would refuse before its first byte (the ticket for another layout, backend or
         request; its range of envelopes; the receiver's refusal: StaleEpoch, NotFound, ...) and a
         request this session does not hold here; nothing changes then, on either side. Once
         open, the transfer lives as one between two chunks does: heartbeats keep it, an abort on
         either side ends it, and the receiver's RECV lease bounds it."""
+        env = self.precheck(rid, ticket, chunk_tokens)
+        self.node.own(session, rid)
+        ob = self._enter(session, rid, ticket, raw)
+        parked = False
+        try:
+            if ob.began or ob.pending is not None:
+                return False
+            pending = self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)
+            if not wait:
+                # The check's answer is collected later; this call's count of ``active`` stays
+                # with it until then, so that nothing forgets the transfer meanwhile. Planning
+                # runs while the receiver checks (plan_ahead never raises).
+                ob.pending, parked = pending, True
+                ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
+                return True
+            pending()
+            ob.began = True
+            if ob.aborted:  # the request ended (or was aborted) while the receiver checked
+                self._notices.tell_receiver(ticket, ob.aborted)
+                raise Aborted(f"transfer of {quote(rid)} was aborted: {ob.aborted}")
+            ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
+            return True
+        finally:
+            if not parked:
+                self._leave(ob, last=False)
+
+    def precheck(self, rid: str, ticket: TicketInfo, chunk_tokens: int = 0) -> list[Envelope]:
+        """What :meth:`begin` refuses from the ticket alone, before anyone hears of it: another
+        layout, backend or request; envelopes out of range; too many chunks. Returns this pool's
+        envelopes (checked against the ticket's); changes nothing."""
         check_for_sender(ticket, rid, self.node.layout, self.backend.name)
         n = ticket.vectors.tokens
         if chunk_tokens and -(-n // chunk_tokens) > MAX_AHEAD_CHUNKS:
@@ -184,22 +220,40 @@ class Outbox:
                 f"{-(-n // chunk_tokens):,d} chunks; at most {MAX_AHEAD_CHUNKS:,d} are planned ahead: give the prefill chunk "
                 "(larger), or 0 for one Send of the whole request"
             )
-        self.node.own(session, rid)
-        ob = self._enter(session, rid, ticket, raw)
-        try:
-            if ob.began:
+        env = self.node.pool.envelopes()
+        check_envelopes(self.node.layout, env, ticket.envelopes)
+        return env
+
+    def _settle(self, ob: Outbound) -> bool:
+        """Collect the receiver's answer to the check :meth:`begin` left running, once (a Send,
+        the heartbeat loop, an abort and the request's end may all try): the transfer has begun
+        from then on, or the refusal is raised to the caller that collected it. Returns whether
+        this call collected an accepted check (False: there was none left to collect)."""
+        with ob.settling:
+            pending, ob.pending = ob.pending, None
+            if pending is None:
                 return False
-            env = self.node.pool.envelopes()
-            check_envelopes(self.node.layout, env, ticket.envelopes)
-            self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)()
-            ob.began = True
-            if ob.aborted:  # the request ended (or was aborted) while the receiver checked
-                self._notices.tell_receiver(ticket, ob.aborted)
-                raise Aborted(f"transfer of {quote(rid)} was aborted: {ob.aborted}")
-            ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
+            try:
+                pending()
+                ob.began = True
+            finally:
+                self._leave(ob, last=False)  # the count begin left with the check
             return True
-        finally:
-            self._leave(ob, last=False)
+
+    def _settle_ended(self, ob: Outbound) -> None:
+        """On a notice thread: a transfer whose check was still running ended (its request, an
+        abort): once the receiver's answer is in, a receiver that accepted the ticket is told
+        (nothing of it was written); one that refused it has nothing to hear."""
+        try:
+            accepted = self._settle(ob)
+        except KvdError:
+            return
+        if accepted:
+            self._notices.tell_receiver(ob.ticket, ob.aborted or "the sender's transfer ended before its first Send")
+            key = (ob.ticket.boot_id, ob.ticket.lease_id)
+            with self._lock:
+                if ob.active == 0 and self._open.get(key) is ob:
+                    self._forget(key)
 
     def _dest(self, ticket: TicketInfo) -> IndexVectors:
         """The destination vectors to plan from: the ticket's (unless a test set :attr:`dest_fault`)."""
@@ -271,6 +325,10 @@ class Outbox:
         # touches the open transfer at all (a failure below, once it began, aborts it).
         self.node.own(session, rid)
         ob = f.ob = self._enter(session, rid, ticket, f.item.raw)
+        if ob.pending is not None:
+            # begin's check, answered by now in the common case (it ran while the engine went
+            # from its Allocate to this Send): a refusal is raised before any byte.
+            self._settle(ob)
         # A transfer the receiver accepted before (an earlier chunk, begin) fails there too if
         # this Send fails, whatever step it fails in.
         f.began = ob.began
@@ -410,7 +468,7 @@ class Outbox:
 
         The peer calls run on the outbox's notice threads, each within the link's deadline."""
         rids = set(e.rids)
-        tell = []
+        tell, settle = [], []
         with self._lock:
             for key, ob in list(self._open.items()):
                 if ob.session != e.session or ob.rid not in rids:
@@ -419,15 +477,24 @@ class Outbox:
                     ob.aborted = f"request {quote(ob.rid)} ended at the sender before its last Send: {e.reason}"
                     if ob.began and ob.active == 0:
                         tell.append(ob)
+                if ob.pending is not None:
+                    settle.append(ob)  # its check's count keeps it listed until the answer is in
                 if ob.active == 0:
                     self._forget(key)  # it names a request that is gone
         for ob in tell:
             self._notices.later(self._notices.tell_receiver, ob.ticket, ob.aborted)
+        for ob in settle:
+            self._notices.later(self._settle_ended, ob)
         for address, ref in e.senders:
             self._notices.later(self._notices.tell_sender, address, ref, f"the receiving request ended mid-transfer: {e.reason}")
 
     def abort_local(self, session: str, rid: str, reason: str) -> bool:
         """The prefill engine aborts its transfer(s) of ``rid``. Returns whether one was open."""
+        with self._lock:
+            parked = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session and ob.pending is not None]
+        for ob in parked:  # their checks' answers first: then nothing of them is in flight
+            with contextlib.suppress(KvdError):
+                self._settle(ob)
         with self._lock:
             obs = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session]
             for ob in obs:
@@ -466,7 +533,14 @@ class Outbox:
     def heartbeat_once(self) -> None:
         """Tell every receiver with an open transfer that this sender is alive; stop transfers
         the receiver no longer accepts, and those whose receiver cannot be reached. Forgets
-        transfers the receiver aborted while idle once ``lease_ttl`` has passed."""
+        transfers the receiver aborted while idle once ``lease_ttl`` has passed. Checks that
+        :meth:`begin` left running and no Send collected yet are collected first (a refused one
+        is forgotten; an accepted one is kept alive from now on)."""
+        with self._lock:
+            parked = [ob for ob in self._open.values() if ob.pending is not None]
+        for ob in parked:
+            with contextlib.suppress(KvdError):
+                self._settle(ob)
         with self._lock:
             now = time.monotonic()
             for key, ob in list(self._open.items()):
@@ -509,7 +583,7 @@ class Outbox:
         """``(rid, receiver address, state, bytes committed, started)`` of every transfer in
         progress (kvd top): state ``sending`` while a Send runs, ``idle`` between chunks."""
         with self._lock:
-            return [(ob.rid, ob.ticket.peer_address, "sending" if ob.active else "idle", ob.nbytes, ob.started)
+            return [(ob.rid, ob.ticket.peer_address, "sending" if ob.active > (ob.pending is not None) else "idle", ob.nbytes, ob.started)
                     for ob in self._open.values() if ob.active or not ob.aborted]
 
     def open_count(self) -> int:

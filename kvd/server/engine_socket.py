@@ -55,7 +55,7 @@ from kvd.server.framed import Close, FramedServer, refusal
 from kvd.server.service import KvdService
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["EngineSocketServer", "METHODS", "METHOD_IDS", "Method", "MAX_CONNECTIONS", "fast_path"]
+__all__ = ["EngineSocketServer", "METHODS", "METHOD_IDS", "Method", "MAX_CONNECTIONS", "fast_path", "session_md"]
 
 log = logging.getLogger("kvd.engine_socket")
 
@@ -141,7 +141,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         # (~20 us; a Send's reply is on the critical path of every handoff).
         if self.observe is not None:
             self.observe(name, code, time.perf_counter() - t0)
-        return _md(sid) if sid else md
+        return session_md(sid) if sid else md
 
     def _hello(self, conn: socket.socket, n: int) -> tuple[tuple[str, str], ...]:
         """A hello names the session this connection acts for: answered with it, or refused
@@ -157,7 +157,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         except KvdError as exc:
             raise Close(refusal(exc)) from exc
         conn.sendall(frame(OK, pb.Session(session_id=s.session_id, ttl_seconds=s.ttl, boot_id=self.service.node.pool.boot_id)))
-        return _md(s.session_id)
+        return session_md(s.session_id)
 
     def _doorbells(self, conn: socket.socket, n: int, md: tuple[tuple[str, str], ...]) -> None:
         """Hand this connection's engine a read-only descriptor of the doorbell board, or refuse:
@@ -217,7 +217,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
 _OPEN = METHOD_IDS["OpenSession"]
 
 
-def _md(sid: str) -> tuple[tuple[str, str], ...]:
+def session_md(sid: str) -> tuple[tuple[str, str], ...]:
     """A connection's metadata once it acts for session ``sid``: the session, and packed ids
     (the engine socket's replies always carry IndexVectors as bytes)."""
     return ((SESSION_KEY, sid), (IDS_KEY, IDS_LE))

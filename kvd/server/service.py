@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 import grpc
@@ -237,6 +237,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
             session = self._session(context)
             packed = self._packed(context)
+            if any(s.ticket for s in request.requests):
+                return self._allocate_sending(session, specs, request.requests, packed)
             if not any(s.lease for s in request.requests):
                 return pb.AllocateResponse(vectors=[vectors_to_pb(v, packed) for v in self.node.allocate(session, specs)])
             return self._allocate_leased(session, specs, [s.lease for s in request.requests], packed)
@@ -263,6 +265,43 @@ class KvdService(_Base, pb_grpc.KvdServicer):
                 self.node.free(session, [s.rid for s in specs])
                 raise
             return pb.AllocateResponse(vectors=wire, leases=leases)
+
+    def _allocate_sending(self, session: str, specs: list[AllocSpec], wire: Sequence[pb.AllocSpec], packed: bool) -> pb.AllocateResponse:
+        """Prefill side: allocate ``specs`` and begin the transfer of each one that carries a
+        ticket (:meth:`Outbox.begin` with ``wait=False``: the receiver's check is not waited for).
+        Every ticket is read and checked against this daemon first, so that a refusal there
+        leaves nothing allocated and no receiver asked; a failure once checks were sent (a
+        peer connection lost) frees what this call allocated, and the requests' end aborts the
+        transfers begun."""
+        if self.outbox is None:
+            raise FailedPrecondition("allocate with a ticket: this daemon has no transfer backend (backend=none); start it with backend=mooncake or local")
+        outbox = self.outbox
+        seen: dict[bytes, str] = {}
+        begins = []
+        for s in wire:
+            if not s.ticket:
+                continue
+            if s.receive or s.lease:
+                raise InvalidArgument(
+                    f"allocate {quote(s.rid)}: a ticket is for the prefill side (the request is computed here and sent to the "
+                    "ticket's receiver); it cannot be allocated with receive or lease"
+                )
+            if s.ticket in seen:
+                raise InvalidArgument(f"allocate: requests {quote(seen[s.ticket])} and {quote(s.rid)} carry the same ticket; each request has its own")
+            seen[s.ticket] = s.rid
+            info = outbox.read_ticket(s.ticket)
+            outbox.precheck(s.rid, info, s.chunk_tokens)
+            begins.append((s.rid, info, s.ticket, s.chunk_tokens))
+        if any(s.lease for s in wire):
+            raise InvalidArgument("allocate: RECV leases (decode side) and tickets (prefill side) go in separate calls")
+        vecs = self.node.allocate(session, specs)
+        try:
+            for rid, info, raw, chunk in begins:
+                outbox.begin(session, rid, info, raw, chunk_tokens=chunk, wait=False)
+        except BaseException:
+            self.node.free(session, [s.rid for s in specs])
+            raise
+        return pb.AllocateResponse(vectors=[vectors_to_pb(v, packed) for v in vecs])
 
     def CanAllocate(self, request: pb.CanAllocateRequest, context):
         def go():

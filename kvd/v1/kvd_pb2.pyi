@@ -414,6 +414,8 @@ class AllocSpec(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     RECEIVE_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    CHUNK_TOKENS_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
     """the caller's request id: 1 to 256 bytes of UTF-8"""
     tokens: _builtins.int
@@ -422,6 +424,16 @@ class AllocSpec(_message.Message):
     """KV arrives by transfer: bind only the SWA window tail"""
     lease: _builtins.bool
     """also take a RECV lease on it (its ticket minted), as AcquireLease(rid, RECV)"""
+    ticket: _builtins.bytes
+    """with these vectors would: one call for the decode side's allocate + lease
+    Prefill side: the decode daemon's ticket for this request. The transfer is begun as BeginSend
+    (rid, ticket, chunk_tokens) begins it, but the decode daemon's check is not waited for: it runs
+    while the reply goes back and the prompt computes, and the first Send collects its answer (a
+    refusal is raised there, before any byte). What the ticket shows here is checked at once (a
+    refusal undoes the whole call). Not with receive or lease.
+    """
+    chunk_tokens: _builtins.int
+    """with ticket: as BeginSendRequest.chunk_tokens (0: one Send of the whole request)"""
     def __init__(
         self,
         *,
@@ -429,10 +441,12 @@ class AllocSpec(_message.Message):
         tokens: _builtins.int = ...,
         receive: _builtins.bool = ...,
         lease: _builtins.bool = ...,
+        ticket: _builtins.bytes = ...,
+        chunk_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "receive", b"receive", "rid", b"rid", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_tokens", b"chunk_tokens", "lease", b"lease", "receive", b"receive", "rid", b"rid", "ticket", b"ticket", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

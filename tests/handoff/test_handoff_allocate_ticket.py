@@ -1,0 +1,146 @@
+"""Allocate with a ticket (issue 16) between two real daemons (every variant of ``pair``), over
+both engine transports: the prefill engine's Allocate also begins the transfer, the decode
+daemon's check runs without being waited for, and the first Send collects its answer -- skipping
+the check and the planning when it was accepted, raising the refusal before any byte when not.
+Whatever the ticket shows on its own is refused by the Allocate itself, nothing allocated; a
+request freed or aborted before its Send tells the receiver, nothing written."""
+
+from __future__ import annotations
+
+import daemon_kit as dk
+import grpc
+import handoff_kit as hk
+import pytest
+
+from kvd.client import TransferState
+from kvd.errors import InvalidArgument, NotFound
+
+READY, WAITING, RECEIVING, FAILED = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING, TransferState.FAILED
+
+TRANSPORTS = ("fast", "grpc")
+
+
+def _checks(hp) -> float:
+    return sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="CheckTicket", path=p) for p in ("socket", "grpc"))
+
+
+def _decode_side(hp, tokens: int, prefix: str):
+    """The decode engine's half: ``rid`` allocated receive=True with its RECV lease; both arenas
+    filled with random bytes. Returns ``(rid, dst vectors, lease)``."""
+    rid = dk.rid(prefix)
+    dst = hp.d.alloc(rid, tokens, receive=True)
+    lease = hp.d.c.acquire_lease(rid, "recv")
+    return rid, dst, lease
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_allocate_with_a_ticket_begins_the_transfer_and_the_send_only_writes(hp, transport):
+    c = hp.pair.prefill.connect(f"prefill-{transport}", transport=transport)
+    try:
+        rid, dst, lease = _decode_side(hp, 70, "alloc-ticket")
+        checks0, ahead0 = _checks(hp), hp.pair.prefill.counter("kvd_send_planned_ahead_total")
+        src = c.allocate(rid, 70, ticket=lease.ticket)
+        assert src.tokens == 70 and len(src.full) == len(dst.full)
+        # The check runs on its own: the decode daemon accepts the ticket without a Send.
+        dk.wait_for(lambda: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, "the decode daemon accepted the ticket")
+        hk.randomize(hp.p.arena, hp.seed)
+        hk.randomize(hp.d.arena, hp.seed + 1)
+        before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+        res = c.send(rid, lease.ticket)
+        assert "check" not in res.phases and "plan" in res.phases, res.phases
+        assert _checks(hp) == checks0 + 1  # the Allocate's, and only that one
+        assert hp.pair.prefill.counter("kvd_send_planned_ahead_total") == ahead0 + 1  # planned while the check ran
+        assert hp.d.c.wait_ready(rid, 5).state is READY
+        hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+        assert c.free(rid) == 1
+        assert c.stats().leases_live == 0
+    finally:
+        c.close()
+    hp.check()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_what_the_ticket_shows_is_refused_by_the_allocate_and_nothing_is_allocated(hp, transport):
+    c = hp.pair.prefill.connect(f"prefill-{transport}", transport=transport)
+    try:
+        rid, _, lease = _decode_side(hp, 20, "alloc-ticket-bad")
+        before = c.stats().pool
+        cases = [
+            (dict(rid="another-request", ticket=lease.ticket), "ticket is for request"),
+            (dict(rid=rid, ticket=b"not a ticket"), "do not parse as a kvd ticket"),
+            (dict(rid=rid, ticket=lease.ticket, receive=True), "cannot be allocated with receive or lease"),
+        ]
+        for kw, words in cases:
+            name = kw.pop("rid")
+            with dk.expect(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, words):
+                c.allocate(name, 20, **kw)
+            assert c.stats().pool == before, kw
+        with pytest.raises(InvalidArgument, match="ticket must be the bytes"):
+            c.allocate(rid, 20, ticket="a string")  # type: ignore[arg-type]  # refused by the client
+        assert hp.d.c.wait_ready(rid, 0).state is WAITING  # the decode daemon never heard of any of them
+        c.allocate(rid, 20, ticket=lease.ticket)
+        c.send(rid, lease.ticket, free=True)
+        assert hp.d.c.wait_ready(rid, 5).state is READY
+    finally:
+        c.close()
+    hp.check()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_ticket_the_receiver_refuses_fails_the_first_send_before_any_byte(hp, transport):
+    c = hp.pair.prefill.connect(f"prefill-{transport}", transport=transport)
+    try:
+        rid, _, lease = _decode_side(hp, 30, "alloc-ticket-stale")
+        hp.d.c.release_lease(lease.lease_id)  # the ticket names a lease that is gone
+        c.allocate(rid, 30, ticket=lease.ticket)  # what the ticket shows holds: allocated
+        hk.randomize(hp.d.arena, hp.seed + 1)
+        before_d = hp.d.arena.clone()
+        with dk.expect(NotFound, grpc.StatusCode.NOT_FOUND, "is not live"):
+            c.send(rid, lease.ticket, free=True)
+        assert hp.d.arena.equal(before_d), "a refused ticket wrote into the decode arena"
+        assert c.stats().leases_live == 0
+        assert c.free(rid) == 1  # not freed by the failed Send: the engine may send elsewhere
+    finally:
+        c.close()
+    hp.check()
+
+
+@pytest.mark.parametrize("end", ["free", "abort"])
+def test_a_request_that_ends_before_its_send_tells_the_receiver(hp, end):
+    rid, _, lease = _decode_side(hp, 30, f"alloc-ticket-{end}")
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_d = hp.d.arena.clone()
+    hp.p.c.allocate(rid, 30, ticket=lease.ticket)
+    if end == "free":
+        assert hp.p.c.free(rid) == 1
+    else:
+        hp.p.c.abort(rid, "the prompt failed")
+    st = hp.d.c.wait_ready(rid, 5)
+    assert st.state is FAILED, st
+    assert hp.d.arena.equal(before_d), "nothing was sent, yet the decode arena changed"
+    dk.wait_for(lambda: hp.pair.prefill.counter("kvd_transfers_open", direction="out") == 0, 5, "the sender's transfer ended")
+    if end == "abort":
+        hp.p.c.free(rid)
+    assert hp.d.free(rid) == 1
+    hp.check()
+
+
+def test_the_heartbeat_collects_an_answer_no_send_came_for(hp):
+    """Left alone, a begun transfer is collected by the sender's heartbeat and kept alive by it
+    (not forgotten, not failed): the Send that comes later writes at once."""
+    if hp.p.side.node is None:
+        pytest.skip("drives the sender's heartbeat by hand: in-process pair only")
+    rid, dst, lease = _decode_side(hp, 30, "alloc-ticket-hb")
+    src = hp.p.c.allocate(rid, 30, ticket=lease.ticket)
+    outbox = hp.pair.prefill.t.daemon.outbox
+    outbox.heartbeat_once()
+    (ob,) = [o for o in outbox._open.values() if o.rid == rid]
+    assert ob.pending is None and ob.began and ob.active == 0 and not ob.aborted, ob
+    assert hp.d.c.wait_ready(rid, 0).state is RECEIVING
+    hk.randomize(hp.p.arena, hp.seed)
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    res = hp.p.c.send(rid, lease.ticket, free=True)
+    assert "check" not in res.phases
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+    hp.check()
