@@ -13,7 +13,7 @@ the decode vLLM admits the request; the prefill side never waits for decode's fr
     proxy ── POST /v1/kvd/tickets {prompt_token_ids} ──▶ decode connector (scheduler side)
           ◀── {kvd_rid, kvd_tokens: L, kvd_ticket} ──── allocate(rid, L, receive) + RECV lease
     proxy ── prompt[:L], max_tokens=1, kv_transfer_params {kvd_ticket, kvd_rid, kvd_tokens} ──▶ prefill vLLM
-             prefill connector (worker): allocate(req, L), begin_send(ticket); save_kv_layer writes
+             prefill connector (worker): allocate(req, L, ticket) (the transfer begun too); save_kv_layer writes
              each layer's KV of the request into its kvd pages; wait_for_save: Mamba state slots,
              then Send + free on a background thread (vLLM frees its blocks at once)
     proxy ── prompt, kv_transfer_params {kvd_rid} ──▶ decode vLLM
@@ -749,11 +749,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         v = self._vecs.get(sv.req_id)
         if v is None and sv.req_id not in self._bad_saves:
             try:
-                vec = self._kv.allocate(sv.rid, sv.tokens)
+                # allocated and the transfer begun in one call: the decode daemon checks the
+                # ticket while the prompt computes, and the first Send collects its answer
+                vec = self._kv.allocate(sv.rid, sv.tokens, ticket=sv.ticket)
                 v = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
                 self._vecs[sv.req_id] = v
-                # the decode daemon checks the ticket now, while the prompt computes
-                self._kv.begin_send(sv.rid, sv.ticket)
             except KvdError as exc:
                 log.error("kvd: cannot open the transfer of request %s: %s", sv.req_id, exc)
                 self._bad_saves.add(sv.req_id)

@@ -8,7 +8,7 @@ would do it on top of kvd::
       | Admit(r) ──▶ allocate_recv(r, n): allocate + RECV lease
       |              + ticket, one call ──────────────┐
       | ◀────────────────────────────────────────────┘
-      | Prefill(r, prompt, ticket) ─────────────────────▶ allocate(r, n), begin_send(r, ticket)
+      | Prefill(r, prompt, ticket) ─────────────────────▶ allocate(r, n, ticket): the transfer begun too
       |                                                    per chunk: forward, write KV, send(r, ticket, chunk)
       | ◀─────────────────────────────── first token ──── (the last send frees r: free=True)
       | Start(r, first token) ──▶ wait_ready(r) -> READY; decode (greedy or speculative)

@@ -3,7 +3,7 @@
 ::
 
     allocate(r, n)                      every page of the prompt (SWA pages for every token)
-    begin_send(r, ticket, chunk)        the decode daemon checks the ticket now, not in the first send;
+    allocate(r, n, ticket, chunk)       the transfer begun too: the decode daemon checks the ticket meanwhile, not in the first send;
                                         this daemon plans every chunk's send
     for each chunk [t0, t1):
         target + draft forward          reads earlier chunks from the arena, writes this one
@@ -49,18 +49,23 @@ class PrefillEngine:
         if n == 0:
             raise ValueError(f"request {req.rid!r} has an empty prompt")
         t_start = time.perf_counter()
-        vec = self.kv.allocate(req.rid, n)
-        seq = self.paged.seq(vec)
         if ticket is not None and self.ticket_rewrite is not None:
             ticket = self.ticket_rewrite(ticket)
-        draft = self.models.draft if self.cfg.spec_k else None
         step = self.cfg.chunk or n
         nbytes, secs, chunks = 0, 0.0, 0
+        if ticket is None:
+            vec = self.kv.allocate(req.rid, n)
+        else:
+            # The Allocate also begins the transfer: the decode daemon checks the ticket while
+            # the prompt computes (the first Send collects its answer), and this daemon plans
+            # the chunks' Sends meanwhile. A ticket refused on sight allocates nothing.
+            try:
+                vec = self.kv.allocate(req.rid, n, ticket=ticket, chunk_tokens=step if step < n else 0)  # type: ignore[call-arg]
+            except KvdError as exc:
+                return FirstToken(req.rid, -1, 0.0, 0, 0.0, 0, error=f"{type(exc).__name__}: {exc}", prefill_s=time.perf_counter() - t_start)
+        seq = self.paged.seq(vec)
+        draft = self.models.draft if self.cfg.spec_k else None
         try:
-            if ticket is not None:
-                # The decode daemon checks the ticket while the prompt computes, not in the first
-                # Send, and this daemon plans the chunks' Sends meanwhile.
-                self.kv.begin_send(req.rid, ticket, chunk_tokens=step if step < n else 0)  # type: ignore[attr-defined]
             for t0 in range(0, n, step):
                 t1 = min(n, t0 + step)
                 pend = Pending(t0)

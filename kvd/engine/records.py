@@ -17,8 +17,8 @@ TicketRewrite = Callable[[bytes], bytes]
 
 class KVApi(Protocol):
     """What the engines call on their daemon: :class:`kvd.client.Client` or, for the colocated
-    reference, :class:`kvd.engine.local.LocalKV`. The handoff calls (``allocate_recv``,
-    ``begin_send``, ``send``, ``wait_ready``, ``abort``) exist only on a client and are used only
+    reference, :class:`kvd.engine.local.LocalKV`. The handoff calls (``allocate_recv``, ``allocate``
+    with a ticket, ``send``, ``wait_ready``, ``abort``) exist only on a client and are used only
     with one."""
 
     def allocate(self, rid: str, tokens: int, *, receive: bool = False) -> IndexVectors: ...
@@ -58,8 +58,8 @@ class FirstToken:
     chunks: int = 0
     error: str = ""
     #: seconds inside :meth:`PrefillEngine.prefill <kvd.engine.prefill.PrefillEngine.prefill>`, its
-    #: allocate to its first token: with a ticket every daemon call of the handoff (begin_send,
-    #: the Sends) included; colocated, the compute alone. Queueing before it is not.
+    #: allocate to its first token: with a ticket every daemon call of the handoff (the allocate
+    #: that begins the transfer, the Sends) included; colocated, the compute alone. Queueing before it is not.
     prefill_s: float = 0.0
 
 
