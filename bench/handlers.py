@@ -102,7 +102,9 @@ class Engine:
         body = request.SerializeToString()
         self.a.sendall(body)
         kind = METHOD_IDS[method]
-        reply, sid, _, code = self.srv._answer(self.b, len(body), kind, self.md)
+        reply, sid, _, code, after = self.srv._answer(self.b, len(body), kind, self.md)
+        for fn in after:  # the work the handler left for after its reply: part of its cost here
+            fn()
         n, ok = HEAD.unpack_from(reply)
         if ok != 0:
             raise RuntimeError(f"{method} refused: {pb.PeerStatus.FromString(reply[HEAD.size:])}")

@@ -85,10 +85,17 @@ class Outbound:
     active: int = 0  # Send calls in progress
     began: bool = False  # the receiver accepted the ticket at least once
     ahead: Ahead | None = None  # the Sends begin planned (the whole request, or each chunk)
-    #: the receiver's answer to a check begin left running (:meth:`Outbox.begin` with ``wait=False``):
-    #: collected once (:meth:`Outbox._settle`); while set it holds one count of ``active``
+    #: a check :meth:`Outbox.begin` left running (``wait=False``), collected once (:meth:`Outbox._settle`);
+    #: while either is set the check holds one count of ``active``. ``unsent``: sends it (its
+    #: caller deferred that past its reply) and returns ``pending``, what waits for the answer.
+    unsent: Callable[[], Callable[[], object]] | None = None
     pending: Callable[[], object] | None = None
     settling: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def parked(self) -> bool:
+        """A check begin left running (sent or not) that nobody collected yet."""
+        return self.pending is not None or self.unsent is not None
     started: float = field(default_factory=time.monotonic)  # kvd top's ages
     nbytes: int = 0  # bytes committed so far
 

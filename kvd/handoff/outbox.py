@@ -156,7 +156,10 @@ class Outbox:
 
     # -- the steps of one item ---------------------------------------------------------------
 
-    def begin(self, session: str, rid: str, ticket: TicketInfo, raw: bytes, *, chunk_tokens: int = 0, wait: bool = True) -> bool:
+    def begin(
+        self, session: str, rid: str, ticket: TicketInfo, raw: bytes, *, chunk_tokens: int = 0, wait: bool = True,
+        defer: Callable[[Callable[[], None]], None] | None = None,
+    ) -> bool:
         """Open the transfer of ``rid`` to the ticket's receiver before its first Send: the
         receiver checks the ticket now (CheckTicket) and the transfer is RECEIVING there, so the
         Sends that follow -- the first included -- skip that round trip, as later chunks do. A
@@ -174,7 +177,9 @@ class Outbox:
         receiver's answer is collected by the first Send (its refusal raised there, before any
         byte, as a Send without begin meets it), else by the heartbeat loop, an abort or the
         request's end -- whichever comes first (:meth:`_settle`). Only what the ticket shows
-        here, and the request's ownership, are refused at once.
+        here, and the request's ownership, are refused at once. ``defer`` (with ``wait=False``):
+        sending the check and planning are handed to it (the engine socket runs them once the
+        caller has its reply); a Send that comes first sends the check itself.
 
         Returns False when the transfer was open already (nothing asked). Refuses what the
         first Send would refuse before its first byte (the ticket for another layout, backend or
@@ -187,16 +192,24 @@ class Outbox:
         ob = self._enter(session, rid, ticket, raw)
         parked = False
         try:
-            if ob.began or ob.pending is not None:
+            if ob.began or ob.parked:
                 return False
-            pending = self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)
             if not wait:
                 # The check's answer is collected later; this call's count of ``active`` stays
                 # with it until then, so that nothing forgets the transfer meanwhile. Planning
                 # runs while the receiver checks (plan_ahead never raises).
-                ob.pending, parked = pending, True
-                ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
+                ob.unsent, parked = (lambda: self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)), True
+
+                def start() -> None:
+                    self._send_parked(ob)
+                    ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
+
+                if defer is None:
+                    start()
+                else:
+                    defer(start)
                 return True
+            pending = self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)
             pending()
             ob.began = True
             if ob.aborted:  # the request ended (or was aborted) while the receiver checked
@@ -224,12 +237,37 @@ class Outbox:
         check_envelopes(self.node.layout, env, ticket.envelopes)
         return env
 
+    @staticmethod
+    def _send_parked(ob: Outbound) -> None:
+        """Send the check :meth:`begin` left unsent, unless that happened already. Call with
+        ``ob.settling`` held or take it here; a failure to send is kept as the answer."""
+        with ob.settling:
+            Outbox._send_unsent(ob)
+
+    @staticmethod
+    def _send_unsent(ob: Outbound) -> None:
+        """Under ``ob.settling``: ``ob.unsent`` sent, its waiter (or its failure) in ``ob.pending``."""
+        unsent = ob.unsent
+        if unsent is None:
+            return
+        try:
+            ob.pending = unsent()
+        except KvdError as exc:
+            def failed(exc: KvdError = exc) -> object:
+                raise exc
+
+            ob.pending = failed
+        finally:
+            ob.unsent = None  # after pending is set: ``parked`` holds throughout, read without the lock
+
     def _settle(self, ob: Outbound) -> bool:
         """Collect the receiver's answer to the check :meth:`begin` left running, once (a Send,
-        the heartbeat loop, an abort and the request's end may all try): the transfer has begun
-        from then on, or the refusal is raised to the caller that collected it. Returns whether
-        this call collected an accepted check (False: there was none left to collect)."""
+        the heartbeat loop, an abort and the request's end may all try), sending it first if
+        that was deferred and has not happened yet: the transfer has begun from then on, or the
+        refusal is raised to the caller that collected it. Returns whether this call collected
+        an accepted check (False: there was none left to collect)."""
         with ob.settling:
+            self._send_unsent(ob)
             pending, ob.pending = ob.pending, None
             if pending is None:
                 return False
@@ -325,7 +363,7 @@ class Outbox:
         # touches the open transfer at all (a failure below, once it began, aborts it).
         self.node.own(session, rid)
         ob = f.ob = self._enter(session, rid, ticket, f.item.raw)
-        if ob.pending is not None:
+        if ob.parked:
             # begin's check, answered by now in the common case (it ran while the engine went
             # from its Allocate to this Send): a refusal is raised before any byte.
             self._settle(ob)
@@ -477,7 +515,7 @@ class Outbox:
                     ob.aborted = f"request {quote(ob.rid)} ended at the sender before its last Send: {e.reason}"
                     if ob.began and ob.active == 0:
                         tell.append(ob)
-                if ob.pending is not None:
+                if ob.parked:
                     settle.append(ob)  # its check's count keeps it listed until the answer is in
                 if ob.active == 0:
                     self._forget(key)  # it names a request that is gone
@@ -491,7 +529,7 @@ class Outbox:
     def abort_local(self, session: str, rid: str, reason: str) -> bool:
         """The prefill engine aborts its transfer(s) of ``rid``. Returns whether one was open."""
         with self._lock:
-            parked = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session and ob.pending is not None]
+            parked = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session and ob.parked]
         for ob in parked:  # their checks' answers first: then nothing of them is in flight
             with contextlib.suppress(KvdError):
                 self._settle(ob)
@@ -537,7 +575,7 @@ class Outbox:
         :meth:`begin` left running and no Send collected yet are collected first (a refused one
         is forgotten; an accepted one is kept alive from now on)."""
         with self._lock:
-            parked = [ob for ob in self._open.values() if ob.pending is not None]
+            parked = [ob for ob in self._open.values() if ob.parked]
         for ob in parked:
             with contextlib.suppress(KvdError):
                 self._settle(ob)
@@ -583,7 +621,7 @@ class Outbox:
         """``(rid, receiver address, state, bytes committed, started)`` of every transfer in
         progress (kvd top): state ``sending`` while a Send runs, ``idle`` between chunks."""
         with self._lock:
-            return [(ob.rid, ob.ticket.peer_address, "sending" if ob.active > (ob.pending is not None) else "idle", ob.nbytes, ob.started)
+            return [(ob.rid, ob.ticket.peer_address, "sending" if ob.active > ob.parked else "idle", ob.nbytes, ob.started)
                     for ob in self._open.values() if ob.active or not ob.aborted]
 
     def open_count(self) -> int:

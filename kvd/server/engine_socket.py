@@ -79,11 +79,17 @@ class _Context:
     metadata, trailing metadata and abort (both filled by ``_run``), and no deadline (the client
     bounds WaitReady by its own timeout before it sends)."""
 
-    __slots__ = ("_md", "_trailing")
+    __slots__ = ("_md", "_trailing", "after")
 
     def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
         self._md = md
         self._trailing: Sequence[tuple[str, str]] = ()
+        self.after: list[Callable[[], None]] = []  # run once the reply is out (defer)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on this connection's thread once the caller has its reply, before its next
+        frame is read (work the reply does not depend on; its failure is logged)."""
+        self.after.append(fn)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._md
@@ -134,13 +140,18 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
             self._doorbells(conn, n, md)
             return md
         t0 = time.perf_counter()
-        reply, sid, name, code = self._answer(conn, n, kind, md)
+        reply, sid, name, code, after = self._answer(conn, n, kind, md)
         self._count(name, code)  # counted before the caller hears (a counter bump: what it saw is counted)
         conn.sendall(reply)
         # The latency histogram after the reply is out: the caller is not kept waiting for it
         # (~20 us; a Send's reply is on the critical path of every handoff).
         if self.observe is not None:
             self.observe(name, code, time.perf_counter() - t0)
+        for fn in after:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 -- the caller has its reply; the work says how it ended itself
+                self.log.exception("%s: work deferred past the reply of %s failed", self.label, name)
         return session_md(sid) if sid else md
 
     def _hello(self, conn: socket.socket, n: int) -> tuple[tuple[str, str], ...]:
@@ -183,16 +194,19 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
             os.close(fd)
         self._count("Doorbells", "OK")
 
-    def _answer(self, conn: socket.socket, n: int, kind: int, md: tuple[tuple[str, str], ...]) -> tuple[bytes, str, str, str]:
+    def _answer(
+        self, conn: socket.socket, n: int, kind: int, md: tuple[tuple[str, str], ...]
+    ) -> tuple[bytes, str, str, str, list[Callable[[], None]]]:
         """The reply frame to one call whose head was read (its body is read here), the
-        session id an OpenSession opened ("" otherwise), and the method's name and status code
-        name for the books."""
+        session id an OpenSession opened ("" otherwise), the method's name and status code
+        name for the books, and the work the handler deferred past the reply."""
         if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
             raise Close(refusal(InvalidArgument(f"engine socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
         body = recv_exact(conn, n) if n else b""
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         sid = ""
+        after: list[Callable[[], None]] = []
         try:
             if m is None:
                 raise InvalidArgument(
@@ -200,6 +214,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
                 )
             request = parse_request(m.name, m.request, body)  # the words gRPC refuses it in
             ctx = _Context(md)
+            after = ctx.after
             try:
                 response = self._handlers[kind](request, ctx)
             except _Aborted as a:
@@ -211,7 +226,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place (a refusal before the handler)
             st = status_to_pb(exc)
             reply, code = frame(REFUSED, st), code_from_int(st.code).name
-        return reply, sid, name, code
+        return reply, sid, name, code, after
 
 
 _OPEN = METHOD_IDS["OpenSession"]

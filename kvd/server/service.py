@@ -238,7 +238,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             session = self._session(context)
             packed = self._packed(context)
             if any(s.ticket for s in request.requests):
-                return self._allocate_sending(session, specs, request.requests, packed)
+                return self._allocate_sending(session, specs, request.requests, packed, getattr(context, "defer", None))
             if not any(s.lease for s in request.requests):
                 return pb.AllocateResponse(vectors=[vectors_to_pb(v, packed) for v in self.node.allocate(session, specs)])
             return self._allocate_leased(session, specs, [s.lease for s in request.requests], packed)
@@ -266,13 +266,17 @@ class KvdService(_Base, pb_grpc.KvdServicer):
                 raise
             return pb.AllocateResponse(vectors=wire, leases=leases)
 
-    def _allocate_sending(self, session: str, specs: list[AllocSpec], wire: Sequence[pb.AllocSpec], packed: bool) -> pb.AllocateResponse:
+    def _allocate_sending(
+        self, session: str, specs: list[AllocSpec], wire: Sequence[pb.AllocSpec], packed: bool,
+        defer: Callable[[Callable[[], None]], None] | None,
+    ) -> pb.AllocateResponse:
         """Prefill side: allocate ``specs`` and begin the transfer of each one that carries a
-        ticket (:meth:`Outbox.begin` with ``wait=False``: the receiver's check is not waited for).
-        Every ticket is read and checked against this daemon first, so that a refusal there
-        leaves nothing allocated and no receiver asked; a failure once checks were sent (a
-        peer connection lost) frees what this call allocated, and the requests' end aborts the
-        transfers begun."""
+        ticket (:meth:`Outbox.begin` with ``wait=False``: the receiver's check is not waited for;
+        over the engine socket, ``defer``, it is not even sent before the reply is out, nor are
+        the Sends planned: the caller goes on meanwhile). Every ticket is read and checked
+        against this daemon first, so that a refusal there leaves nothing allocated and no
+        receiver asked; a failure once checks were sent (a peer connection lost) frees what this
+        call allocated, and the requests' end aborts the transfers begun."""
         if self.outbox is None:
             raise FailedPrecondition("allocate with a ticket: this daemon has no transfer backend (backend=none); start it with backend=mooncake or local")
         outbox = self.outbox
@@ -297,7 +301,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         vecs = self.node.allocate(session, specs)
         try:
             for rid, info, raw, chunk in begins:
-                outbox.begin(session, rid, info, raw, chunk_tokens=chunk, wait=False)
+                outbox.begin(session, rid, info, raw, chunk_tokens=chunk, wait=False, defer=defer)
         except BaseException:
             self.node.free(session, [s.rid for s in specs])
             raise

@@ -144,3 +144,28 @@ def test_the_heartbeat_collects_an_answer_no_send_came_for(hp):
     assert hp.d.c.wait_ready(rid, 5).state is READY
     hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
     hp.check()
+
+
+def test_a_send_that_comes_before_the_deferred_check_sends_it_itself(hp):
+    """Over the engine socket the check is sent once the Allocate's reply is out; a Send on
+    another connection can come first: it sends the check itself, and the deferred work that
+    runs later sends nothing more."""
+    if hp.p.side.node is None:
+        pytest.skip("holds the engine socket's deferred work by hand: in-process pair only")
+    rid, dst, lease = _decode_side(hp, 30, "alloc-ticket-defer")
+    src = hp.p.alloc(rid, 30)
+    outbox = hp.pair.prefill.t.daemon.outbox
+    held: list = []
+    checks0 = _checks(hp)
+    assert outbox.begin(hp.p.c.session_id, rid, outbox.read_ticket(lease.ticket), lease.ticket, wait=False, defer=held.append)
+    assert len(held) == 1 and _checks(hp) == checks0  # nothing sent yet
+    assert hp.d.c.wait_ready(rid, 0).state is WAITING
+    hk.randomize(hp.p.arena, hp.seed)
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    res = hp.p.c.send(rid, lease.ticket, last=True)
+    assert "check" not in res.phases and _checks(hp) == checks0 + 1
+    held[0]()  # the deferred work, late: the check went already
+    assert _checks(hp) == checks0 + 1
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+    hp.check()
