@@ -482,7 +482,7 @@ def _summary(out: TextIO, opts: DemoOptions, backend: str, layout, cfg: EngineCo
         ("decode", f"{decode_tokens:,d} tokens in {result.decode_window_s:.1f} s = {decode_tokens / max(result.decode_window_s, 1e-9):,.0f} tokens/s"
                    + (f"   (speculative k={cfg.spec_k}: {dec.get('accepted', 0):,d} of {dec.get('proposed', 0):,d} draft tokens accepted)" if cfg.spec_k else "")),
         ("KV bytes moved", f"{nbytes / 2**20:,.2f} MiB in {chunks} Send calls; {send_s:.2f} s inside Send = "
-                           f"{nbytes / max(send_s, 1e-9) / 1e9:.3f} GB/s (per call: lease, data, commit; BeginSend checked each ticket once and planned its chunks)"),
+                           f"{nbytes / max(send_s, 1e-9) / 1e9:.3f} GB/s (per call: lease, data, commit; the Allocate that began each transfer had its ticket checked once and its chunks planned)"),
         ("compactions", f"{ds.pool.compactions_done} on the decode node ({dec.get('compactions_refused', 0)} refused for live leases, "
                         f"then done around them; {ds.pool.pages_moved:,d} pages moved)"),
         ("retractions", f"{dec.get('retractions', 0)} offloaded to host, {dec.get('restores', 0)} restored; "
