@@ -25,6 +25,12 @@ the last free:
   until both the Send reply (here) and the WaitReady answer (the child's stamp, same clock) are
   in + the child's ``free`` (timed there); the pipe between the two processes is not timed.
 * ``memcpy``: the same bytes (every page the Send moves) copied between two buffers here.
+* with ``--prompt-ms T`` (a prompt computing T ms between the prefill engine's Allocate and its
+  Send, as in a real engine; the decode side's calls come before, untimed), three more rows time
+  only the prefill engine's calls (Allocate, BeginSend where used, Send(free)), the prompt left
+  out: ``prefill, check in Send`` (``allocate``; the Send runs the check), ``prefill, begin_send``
+  (``allocate`` + ``begin_send``: the check waited for before the prompt), ``prefill, allocate
+  (ticket)`` (the check runs during the prompt, the Send finds it answered).
 * with ``--baseline-tree DIR`` (another checkout of kvd, e.g. ``git worktree add /tmp/base
   <commit>``): ``old fast @base`` and ``new fast @base``, the same two flows against a second
   pair of daemons running DIR's kvd, taking turns with the others: a before/after in one run.
@@ -32,6 +38,7 @@ the last free:
   refuses the board, and its ``wait_ready`` is a call, as it was then).
 
     .venv/bin/python bench/handoff_calls.py --quick --baseline-tree /tmp/base
+    .venv/bin/python bench/handoff_calls.py --quick --prompt-ms 2
 
 Flows take turns handoff by handoff (so drift on a shared host hits them alike); the garbage
 collector is off while timing. Reported: median and p99 per flow, and ratios to ``old grpc``.
@@ -63,6 +70,8 @@ def main() -> None:
     ap.add_argument("--layout", default="tiny-hybrid", help="layout preset (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=None, help="handoffs per flow (default 400; --quick 100)")
+    ap.add_argument("--prompt-ms", type=float, default=0.0, metavar="T",
+                    help="also time the prefill engine's calls around a prompt computing T ms (three ways)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="another kvd checkout: its daemons run the old and new fast flows too, in the same run")
     args = ap.parse_args()
@@ -139,6 +148,32 @@ def main() -> None:
 
         fns = {"old grpc": lambda: old("grpc"), "old fast": lambda: old("fast"), "new fast": lambda: new("fast"), "new grpc": lambda: new("grpc"),
                "new fast, decode apart": new_apart}
+        def prefill(way: str) -> float:
+            """The prefill engine's calls around a prompt of ``--prompt-ms`` (not counted)."""
+            p, d = cl["fast"]
+            seq[0] += 1
+            rid = f"h{seq[0]}"
+            _, lease = d.allocate_recv(rid, tok)
+            a = pc()
+            if way == "ticket":
+                p.allocate(rid, tok, ticket=lease.ticket)
+            else:
+                p.allocate(rid, tok)
+                if way == "begin":
+                    p.begin_send(rid, lease.ticket)
+            b = pc()
+            time.sleep(args.prompt_ms / 1e3)
+            c = pc()
+            r = p.send(rid, lease.ticket, free=True)
+            e = pc()
+            assert d.wait_ready(rid, 5).ready and "free" in r.phases
+            d.free(rid)
+            return (b - a) + (e - c)
+
+        if args.prompt_ms > 0:
+            fns["prefill, check in Send"] = lambda: prefill("send")
+            fns["prefill, begin_send"] = lambda: prefill("begin")
+            fns["prefill, allocate(ticket)"] = lambda: prefill("ticket")
         if "base" in cl:
             fns["old fast @base"] = lambda: old("base")
             fns["new fast @base"] = lambda: new("base")
@@ -181,7 +216,7 @@ def main() -> None:
     print(f"|{'-' * (w + 2)}|-------|-----------|---------|-------------------|")
     base = statistics.median(lat["old grpc"])
     calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "memcpy": 0,
-             "old fast @base": 8, "new fast @base": 5}
+             "old fast @base": 8, "new fast @base": 5, "prefill, check in Send": 2, "prefill, begin_send": 3, "prefill, allocate(ticket)": 2}
     for k, xs in lat.items():
         print(f"| {k:<{w}} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
     print(others_line(cpu0, own0))
