@@ -20,88 +20,84 @@ READY, WAITING, RECEIVING, FAILED = TransferState.READY, TransferState.WAITING, 
 TRANSPORTS = ("fast", "grpc")
 
 
+@pytest.fixture(params=TRANSPORTS)
+def prefill(hp, request):
+    """A prefill engine's client over each engine transport (its own session)."""
+    c = hp.pair.prefill.connect(f"prefill-{request.param}", transport=request.param)
+    yield c
+    c.close()
+
+
 def _checks(hp) -> float:
     return sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="CheckTicket", path=p) for p in ("socket", "grpc"))
 
 
 def _decode_side(hp, tokens: int, prefix: str):
-    """The decode engine's half: ``rid`` allocated receive=True with its RECV lease; both arenas
-    filled with random bytes. Returns ``(rid, dst vectors, lease)``."""
+    """The decode engine's half: ``rid`` allocated receive=True with its RECV lease. Returns
+    ``(rid, dst vectors, lease)``."""
     rid = dk.rid(prefix)
     dst = hp.d.alloc(rid, tokens, receive=True)
     lease = hp.d.c.acquire_lease(rid, "recv")
     return rid, dst, lease
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_allocate_with_a_ticket_begins_the_transfer_and_the_send_only_writes(hp, transport):
-    c = hp.pair.prefill.connect(f"prefill-{transport}", transport=transport)
-    try:
-        rid, dst, lease = _decode_side(hp, 70, "alloc-ticket")
-        checks0, ahead0 = _checks(hp), hp.pair.prefill.counter("kvd_send_planned_ahead_total")
-        src = c.allocate(rid, 70, ticket=lease.ticket)
-        assert src.tokens == 70 and len(src.full) == len(dst.full)
-        # The check runs on its own: the decode daemon accepts the ticket without a Send.
-        dk.wait_for(lambda: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, "the decode daemon accepted the ticket")
-        hk.randomize(hp.p.arena, hp.seed)
-        hk.randomize(hp.d.arena, hp.seed + 1)
-        before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
-        res = c.send(rid, lease.ticket)
-        assert "check" not in res.phases and "plan" in res.phases, res.phases
-        assert _checks(hp) == checks0 + 1  # the Allocate's, and only that one
-        assert hp.pair.prefill.counter("kvd_send_planned_ahead_total") == ahead0 + 1  # planned while the check ran
-        assert hp.d.c.wait_ready(rid, 5).state is READY
-        hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
-        assert c.free(rid) == 1
-        assert c.stats().leases_live == 0
-    finally:
-        c.close()
+def test_allocate_with_a_ticket_begins_the_transfer_and_the_send_only_writes(hp, prefill):
+    c = prefill
+    rid, dst, lease = _decode_side(hp, 70, "alloc-ticket")
+    checks0, ahead0 = _checks(hp), hp.pair.prefill.counter("kvd_send_planned_ahead_total")
+    src = c.allocate(rid, 70, ticket=lease.ticket)
+    assert src.tokens == 70 and len(src.full) == len(dst.full)
+    # The check runs on its own: the decode daemon accepts the ticket without a Send.
+    dk.wait_for(lambda: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, "the decode daemon accepted the ticket")
+    hk.randomize(hp.p.arena, hp.seed)
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    res = c.send(rid, lease.ticket)
+    assert "check" not in res.phases and "plan" in res.phases, res.phases
+    assert _checks(hp) == checks0 + 1  # the Allocate's, and only that one
+    assert hp.pair.prefill.counter("kvd_send_planned_ahead_total") == ahead0 + 1  # planned while the check ran
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+    assert c.free(rid) == 1
+    assert c.stats().leases_live == 0
     hp.check()
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_what_the_ticket_shows_is_refused_by_the_allocate_and_nothing_is_allocated(hp, transport):
-    c = hp.pair.prefill.connect(f"prefill-{transport}", transport=transport)
-    try:
-        rid, _, lease = _decode_side(hp, 20, "alloc-ticket-bad")
-        before = c.stats().pool
-        cases = [
-            (dict(rid="another-request", ticket=lease.ticket), "ticket is for request"),
-            (dict(rid=rid, ticket=b"not a ticket"), "do not parse as a kvd ticket"),
-            (dict(rid=rid, ticket=lease.ticket, receive=True), "cannot be allocated with receive or lease"),
-        ]
-        for kw, words in cases:
-            name = kw.pop("rid")
-            with dk.expect(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, words):
-                c.allocate(name, 20, **kw)
-            assert c.stats().pool == before, kw
-        with pytest.raises(InvalidArgument, match="ticket must be the bytes"):
-            c.allocate(rid, 20, ticket="a string")  # type: ignore[arg-type]  # refused by the client
-        assert hp.d.c.wait_ready(rid, 0).state is WAITING  # the decode daemon never heard of any of them
-        c.allocate(rid, 20, ticket=lease.ticket)
+def test_what_the_ticket_shows_is_refused_by_the_allocate_and_nothing_is_allocated(hp, prefill):
+    c = prefill
+    rid, _, lease = _decode_side(hp, 20, "alloc-ticket-bad")
+    before = c.stats().pool
+    cases = [
+        (dict(rid="another-request", ticket=lease.ticket), "ticket is for request"),
+        (dict(rid=rid, ticket=b"not a ticket"), "do not parse as a kvd ticket"),
+        (dict(rid=rid, ticket=lease.ticket, receive=True), "cannot be allocated with receive or lease"),
+    ]
+    for kw, words in cases:
+        name = kw.pop("rid")
+        with dk.expect(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, words):
+            c.allocate(name, 20, **kw)
+        assert c.stats().pool == before, kw
+    with pytest.raises(InvalidArgument, match="ticket must be the bytes"):
+        c.allocate(rid, 20, ticket="a string")  # type: ignore[arg-type]  # refused by the client
+    assert hp.d.c.wait_ready(rid, 0).state is WAITING  # the decode daemon never heard of any of them
+    c.allocate(rid, 20, ticket=lease.ticket)
+    c.send(rid, lease.ticket, free=True)
+    assert hp.d.c.wait_ready(rid, 5).state is READY
+    hp.check()
+
+
+def test_a_ticket_the_receiver_refuses_fails_the_first_send_before_any_byte(hp, prefill):
+    c = prefill
+    rid, _, lease = _decode_side(hp, 30, "alloc-ticket-stale")
+    hp.d.c.release_lease(lease.lease_id)  # the ticket names a lease that is gone
+    c.allocate(rid, 30, ticket=lease.ticket)  # what the ticket shows holds: allocated
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_d = hp.d.arena.clone()
+    with dk.expect(NotFound, grpc.StatusCode.NOT_FOUND, "is not live"):
         c.send(rid, lease.ticket, free=True)
-        assert hp.d.c.wait_ready(rid, 5).state is READY
-    finally:
-        c.close()
-    hp.check()
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_a_ticket_the_receiver_refuses_fails_the_first_send_before_any_byte(hp, transport):
-    c = hp.pair.prefill.connect(f"prefill-{transport}", transport=transport)
-    try:
-        rid, _, lease = _decode_side(hp, 30, "alloc-ticket-stale")
-        hp.d.c.release_lease(lease.lease_id)  # the ticket names a lease that is gone
-        c.allocate(rid, 30, ticket=lease.ticket)  # what the ticket shows holds: allocated
-        hk.randomize(hp.d.arena, hp.seed + 1)
-        before_d = hp.d.arena.clone()
-        with dk.expect(NotFound, grpc.StatusCode.NOT_FOUND, "is not live"):
-            c.send(rid, lease.ticket, free=True)
-        assert hp.d.arena.equal(before_d), "a refused ticket wrote into the decode arena"
-        assert c.stats().leases_live == 0
-        assert c.free(rid) == 1  # not freed by the failed Send: the engine may send elsewhere
-    finally:
-        c.close()
+    assert hp.d.arena.equal(before_d), "a refused ticket wrote into the decode arena"
+    assert c.stats().leases_live == 0
+    assert c.free(rid) == 1  # not freed by the failed Send: the engine may send elsewhere
     hp.check()
 
 
