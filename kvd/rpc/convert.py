@@ -9,7 +9,7 @@ parse, or a string over its bound (:mod:`kvd.limits`), are INVALID_ARGUMENT nami
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ from kvd.v1 import kvd_pb2 as pb
 __all__ = [
     "vectors_to_pb",
     "vectors_from_pb",
+    "vectors_fill",
+    "vectors_into",
     "IDS_KEY",
     "IDS_LE",
     "envelope_to_pb",
@@ -80,18 +82,17 @@ _LE = np.dtype("<i4")
 
 
 def _le(ids: torch.Tensor) -> bytes:
-    return np.asarray(ids.numpy(), dtype=_LE).tobytes()
+    a = ids.numpy()
+    return (a if a.dtype == _LE else a.astype(_LE)).tobytes()
 
 
 def vectors_to_pb(v: IndexVectors, packed: bool = False) -> pb.IndexVectors:
     """``v`` as a message; ``packed``: its ids as little-endian bytes (``full_le``, ``swa_le``,
     ``draft_le``), written without a per-id step, for readers that asked (see :data:`IDS_KEY`)."""
     if packed:
-        return pb.IndexVectors(
-            rid=v.rid, boot_id=v.boot_id, epoch=v.epoch, tokens=v.tokens, full_le=_le(v.full),
-            swa_first_page=v.swa_first_page, swa_le=_le(v.swa), state=-1 if v.state is None else v.state,
-            draft_le=_le(v.draft),
-        )
+        m = pb.IndexVectors()
+        vectors_fill(m, v, True)
+        return m
     return pb.IndexVectors(
         rid=v.rid,
         boot_id=v.boot_id,
@@ -103,6 +104,25 @@ def vectors_to_pb(v: IndexVectors, packed: bool = False) -> pb.IndexVectors:
         state=-1 if v.state is None else v.state,
         draft=v.draft.tolist(),
     )
+
+
+def vectors_fill(m: pb.IndexVectors, v: IndexVectors, packed: bool) -> None:
+    """Write ``v`` into ``m`` (an empty message, typically a reply's ``vectors.add()``), as
+    :func:`vectors_to_pb` would build it: a reply built in place, not built and then copied."""
+    m.rid, m.boot_id, m.epoch, m.tokens, m.swa_first_page = v.rid, v.boot_id, v.epoch, v.tokens, v.swa_first_page
+    m.state = -1 if v.state is None else v.state
+    if packed:
+        m.full_le, m.swa_le, m.draft_le = _le(v.full), _le(v.swa), _le(v.draft)
+    else:
+        m.full.extend(v.full.tolist())
+        m.swa.extend(v.swa.tolist())
+        m.draft.extend(v.draft.tolist())
+
+
+def vectors_into(out: Any, vecs: Sequence[IndexVectors], packed: bool) -> None:
+    """Append each of ``vecs`` to a reply's repeated ``vectors`` field ``out``, in place."""
+    for v in vecs:
+        vectors_fill(out.add(), v, packed)
 
 
 def _ids(name: str, xs: Sequence[int], le: bytes) -> torch.Tensor:

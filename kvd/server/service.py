@@ -44,6 +44,7 @@ from kvd.rpc.convert import (
     status_to_pb,
     stats_to_pb,
     activity_to_pb,
+    vectors_into,
     vectors_to_pb,
     IDS_KEY,
     IDS_LE,
@@ -240,7 +241,9 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             if any(s.ticket for s in request.requests):
                 return self._allocate_sending(session, specs, request.requests, packed, getattr(context, "defer", None))
             if not any(s.lease for s in request.requests):
-                return pb.AllocateResponse(vectors=[vectors_to_pb(v, packed) for v in self.node.allocate(session, specs)])
+                r = pb.AllocateResponse()
+                vectors_into(r.vectors, self.node.allocate(session, specs), packed)
+                return r
             return self._allocate_leased(session, specs, [s.lease for s in request.requests], packed)
 
         return self._run(context, go)
@@ -251,7 +254,9 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         frees what it allocated, then raises). ``packed``: the reply's ids as bytes."""
         with self.node.lock:
             vecs = self.node.allocate(session, specs)
-            wire = [vectors_to_pb(v, packed) for v in vecs]
+            reply = pb.AllocateResponse()
+            vectors_into(reply.vectors, vecs, packed)
+            wire = reply.vectors
             leases: list[pb.Lease] = []
             try:
                 for spec, v, m, want in zip(specs, vecs, wire, lease):
@@ -264,7 +269,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
                     self.node.release_lease(session, le.lease_id)
                 self.node.free(session, [s.rid for s in specs])
                 raise
-            return pb.AllocateResponse(vectors=wire, leases=leases)
+            reply.leases.extend(leases)
+            return reply
 
     def _allocate_sending(
         self, session: str, specs: list[AllocSpec], wire: Sequence[pb.AllocSpec], packed: bool,
@@ -305,7 +311,9 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         except BaseException:
             self.node.free(session, [s.rid for s in specs])
             raise
-        return pb.AllocateResponse(vectors=[vectors_to_pb(v, packed) for v in vecs])
+        r = pb.AllocateResponse()
+        vectors_into(r.vectors, vecs, packed)
+        return r
 
     def CanAllocate(self, request: pb.CanAllocateRequest, context):
         def go():
@@ -320,7 +328,9 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         def go():
             items = [(i.rid, i.tokens) for i in request.items]
             packed = self._packed(context)
-            return pb.ExtendResponse(vectors=[vectors_to_pb(v, packed) for v in self.node.extend(self._session(context), items)])
+            r = pb.ExtendResponse()
+            vectors_into(r.vectors, self.node.extend(self._session(context), items), packed)
+            return r
 
         return self._run(context, go)
 
@@ -331,7 +341,9 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         def go():
             vecs = self.node.vectors(self._session(context), list(request.rids))
             packed = self._packed(context)
-            return pb.GetVectorsResponse(vectors=[vectors_to_pb(v, packed) for v in vecs])
+            r = pb.GetVectorsResponse()
+            vectors_into(r.vectors, vecs, packed)
+            return r
 
         return self._run(context, go)
 
