@@ -45,7 +45,7 @@ class Notices:
             log.info("could not tell sender %s about the abort of %s: %s", address, ref.rid, exc)
 
     def later(self, fn: Callable[..., None], *args: object) -> None:
-        """Run ``fn(*args)`` (one of the two above) on the notice threads; dropped once closed."""
+        """Run ``fn(*args)`` (a tell above, or the outbox's own) on the notice threads; dropped once closed."""
         try:
             self._threads.submit(fn, *args)
         except RuntimeError:  # shut down: the daemon stops, its peers see it gone

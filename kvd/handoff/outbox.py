@@ -278,19 +278,23 @@ class Outbox:
                 self._leave(ob, last=False)  # the count begin left with the check
             return True
 
-    def _settle_ended(self, ob: Outbound) -> None:
+    def _settle_ended(self, ob: Outbound, forget: bool = True) -> None:
         """On a notice thread: a transfer whose check was still running ended (its request, an
-        abort): once the receiver's answer is in, a receiver that accepted the ticket is told
-        (nothing of it was written); one that refused it has nothing to hear."""
+        abort on either side): once the receiver's answer is in, a receiver that accepted the
+        ticket is told (nothing of it was written); one that refused it has nothing to hear.
+        ``forget``: drop the transfer then (its request is gone); else it stays listed, aborted,
+        so that the engine's next Send hears why (the receiver's abort)."""
         try:
-            accepted = self._settle(ob)
+            self._settle(ob)
         except KvdError:
             return
-        if accepted:
+        # Accepted, whoever collected the answer (the heartbeat may have, meanwhile); a Send
+        # in it tells the receiver itself.
+        if ob.began and ob.active == 0:
             self._notices.tell_receiver(ob.ticket, ob.aborted or "the sender's transfer ended before its first Send")
             key = (ob.ticket.boot_id, ob.ticket.lease_id)
             with self._lock:
-                if ob.active == 0 and self._open.get(key) is ob:
+                if forget and ob.active == 0 and self._open.get(key) is ob:
                     self._forget(key)
 
     def _dest(self, ticket: TicketInfo) -> IndexVectors:
@@ -556,13 +560,17 @@ class Outbox:
         An idle transfer has nothing in flight, and no Send can start in it any more (it is
         aborted): the receiver hears so at once (AbortReceive, drained), so that the fence on
         its pages ends now rather than ``fence_s`` later. A Send in progress says so itself
-        once its writes returned."""
+        once its writes returned. One whose check begin left running is acknowledged once the
+        check's answer is in (on a notice thread: this runs on the receiver's call)."""
         with self._lock:
             ob = self._open.get((ref.boot_id, ref.lease_id))
-            ack = False
+            ack = parked = False
             if ob is not None and (not ob.aborted or ob.presumed):
                 ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
                 ack = ob.began and ob.active == 0
+                parked = ob.parked
+        if parked and ob is not None:
+            self._notices.later(self._settle_ended, ob, False)
         if ack:
             if ob is None:
                 raise InternalError("abort_remote: an ack without its transfer")

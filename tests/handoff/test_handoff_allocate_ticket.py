@@ -13,7 +13,7 @@ import handoff_kit as hk
 import pytest
 
 from kvd.client import TransferState
-from kvd.errors import InvalidArgument, NotFound
+from kvd.errors import Aborted, InvalidArgument, NotFound
 
 READY, WAITING, RECEIVING, FAILED = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING, TransferState.FAILED
 
@@ -164,4 +164,28 @@ def test_a_send_that_comes_before_the_deferred_check_sends_it_itself(hp):
     assert _checks(hp) == checks0 + 1
     assert hp.d.c.wait_ready(rid, 5).state is READY
     hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+    hp.check()
+
+
+def test_a_receiver_abort_before_the_send_is_acknowledged_and_heard_by_the_send(hp, prefill):
+    """The decode engine aborts while the prefill's check is still uncollected: the prefill
+    daemon collects it and tells the receiver nothing is in flight (AbortReceive), and the
+    prefill engine's Send hears the receiver's reason, writing nothing."""
+    c = prefill
+    rid, _, lease = _decode_side(hp, 30, "alloc-ticket-dabort")
+    c.allocate(rid, 30, ticket=lease.ticket)
+    dk.wait_for(lambda: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, "the decode daemon accepted the ticket")
+    told0 = sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="AbortReceive", path=p) for p in ("socket", "grpc"))
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_d = hp.d.arena.clone()
+    assert hp.d.c.abort(rid, "engine preempted it") is True
+    dk.wait_for(
+        lambda: sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="AbortReceive", path=p) for p in ("socket", "grpc")) == told0 + 1,
+        5, "the prefill daemon acknowledged the abort",
+    )
+    with dk.expect(Aborted, grpc.StatusCode.ABORTED, "receiver aborted: engine preempted it"):
+        c.send(rid, lease.ticket, free=True)
+    assert hp.d.arena.equal(before_d)
+    assert c.free(rid) == 1
+    assert hp.d.free(rid) == 1
     hp.check()
