@@ -89,21 +89,9 @@ def _le(ids: torch.Tensor) -> bytes:
 def vectors_to_pb(v: IndexVectors, packed: bool = False) -> pb.IndexVectors:
     """``v`` as a message; ``packed``: its ids as little-endian bytes (``full_le``, ``swa_le``,
     ``draft_le``), written without a per-id step, for readers that asked (see :data:`IDS_KEY`)."""
-    if packed:
-        m = pb.IndexVectors()
-        vectors_fill(m, v, True)
-        return m
-    return pb.IndexVectors(
-        rid=v.rid,
-        boot_id=v.boot_id,
-        epoch=v.epoch,
-        tokens=v.tokens,
-        full=v.full.tolist(),
-        swa_first_page=v.swa_first_page,
-        swa=v.swa.tolist(),
-        state=-1 if v.state is None else v.state,
-        draft=v.draft.tolist(),
-    )
+    m = pb.IndexVectors()
+    vectors_fill(m, v, packed)
+    return m
 
 
 def vectors_fill(m: pb.IndexVectors, v: IndexVectors, packed: bool) -> None:
