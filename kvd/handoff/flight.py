@@ -91,13 +91,13 @@ class Outbound:
     unsent: Callable[[], Callable[[], object]] | None = None
     pending: Callable[[], object] | None = None
     settling: threading.Lock = field(default_factory=threading.Lock)
+    started: float = field(default_factory=time.monotonic)  # kvd top's ages
+    nbytes: int = 0  # bytes committed so far
 
     @property
     def parked(self) -> bool:
         """A check begin left running (sent or not) that nobody collected yet."""
         return self.pending is not None or self.unsent is not None
-    started: float = field(default_factory=time.monotonic)  # kvd top's ages
-    nbytes: int = 0  # bytes committed so far
 
 
 @dataclass(slots=True)

@@ -239,8 +239,8 @@ class Outbox:
 
     @staticmethod
     def _send_parked(ob: Outbound) -> None:
-        """Send the check :meth:`begin` left unsent, unless that happened already. Call with
-        ``ob.settling`` held or take it here; a failure to send is kept as the answer."""
+        """Send the check :meth:`begin` left unsent, unless that happened already (it takes
+        ``ob.settling``); a failure to send is kept as the answer."""
         with ob.settling:
             Outbox._send_unsent(ob)
 
