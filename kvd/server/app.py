@@ -9,6 +9,7 @@ in-flight calls for ``grace_s`` and releases the arena.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -437,6 +438,18 @@ class Daemon:
         self._stop.wait()
 
 
+def settle_heap() -> int:
+    """Collect once, then move every object alive now out of the garbage collector's sight
+    (:func:`gc.freeze`); returns how many. A started daemon holds ~190k objects (torch, grpc, the
+    pool's tables) that live as long as it does, and a full collection walks them all with the
+    interpreter lock held: 130-160 ms on a 2-core VM, a stall of every call in flight. Frozen,
+    they are never walked again; what the daemon allocates while serving is collected as before.
+    For a process that runs one daemon (:func:`serve`): objects frozen are never freed."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None) -> None:
     """Run a daemon in the foreground until SIGTERM or SIGINT. ``on_start`` (test launchers only,
     :mod:`kvd.demo.faults`) sees the started daemon before it announces itself."""
@@ -447,6 +460,7 @@ def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = Non
         except BaseException:
             d.stop(0)
             raise
+    settle_heap()
     done = threading.Event()
 
     def on_signal(signum, frame):  # noqa: ARG001

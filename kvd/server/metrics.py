@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -156,6 +156,12 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.collector = _NodeCollector(node)
         self.registry.register(self.collector)
+        # The process's own series, as on any Python exporter's default registry (kvd keeps its
+        # own registry): process_* (RSS, CPU seconds, open fds), python_gc_* (collections by
+        # generation: a daemon's calls stall while one runs) and python_info.
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
         self.rpc_seconds = Histogram(
             "kvd_rpc_duration_seconds", "gRPC call latency by method and status code", ["method", "code"],
             buckets=_BUCKETS, registry=self.registry,
