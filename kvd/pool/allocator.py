@@ -52,10 +52,12 @@ def as_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:
 
 # A numpy reduction costs ~1 us whatever its size; a request's few ids reduce faster as a list.
 _SMALL = 64
-# One id (a state slot, the page a decode step adds) binds and unbinds through scalar reads and
-# writes of the tables: the same steps as for an array, at a fraction of the half-dozen numpy
-# calls. Tests turn this (and _SMALL) off to compare both ways.
+# One id (a state slot, the page a decode step adds), and up to _FEW ids (a short request's
+# pages), bind and unbind through scalar reads and writes of the tables: the same steps as for an
+# array, at a fraction of the half-dozen numpy calls (~1 us each). Tests turn this (and _SMALL)
+# off to compare both ways.
 _SCALAR = True
+_FEW = 8
 
 
 def _peak(a: np.ndarray) -> int:
@@ -256,6 +258,9 @@ class GroupAllocator:
             v2p[vid] = page
             self.used += 1
             return
+        if n <= _FEW and _SCALAR and lo_parts is None:
+            self._bind_few(v.tolist(), from_holes, grow_lo, grow_hi)
+            return
         if n and _peak(v2p.take(v)) >= 0:
             raise InternalError(f"{self.name}: binding virtual ids that are already bound")
         parts = []
@@ -278,9 +283,41 @@ class GroupAllocator:
         # one part: fresh from arange, or a view of the hole stack (put reads it before any
         # later bind or unbind rewrites the stack)
         pages = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        self._p2v.put(pages, v)
+        if not from_holes and lo_parts is None and (not grow_lo or not grow_hi):
+            start = lo - grow_lo if grow_lo else hi  # one ascending run: a slice, not a scatter
+            self._p2v[start : start + n] = v
+        else:
+            self._p2v.put(pages, v)
         v2p.put(v, pages)
         self.used += n
+
+    def _bind_few(self, ids: list[int], from_holes: int, grow_lo: int, grow_hi: int) -> None:
+        """:meth:`bind` of a few ids (checked, no ``lo_parts``) through scalar reads and writes:
+        the same pages, in the same order, as the array path."""
+        v2p = self._v2p
+        item = v2p.item
+        for vid in ids:
+            if item(vid) >= 0:  # unbound is -1
+                raise InternalError(f"{self.name}: binding virtual ids that are already bound")
+        pages: list[int] = []
+        if from_holes:
+            n_holes = self.n_holes - from_holes
+            pages = self._holes_np[n_holes : n_holes + from_holes].tolist()
+            pages.reverse()
+            self.n_holes = n_holes
+        if grow_lo:
+            lo = self.lo
+            pages += range(lo - grow_lo, lo)
+            self.lo = lo - grow_lo
+        if grow_hi:
+            hi = self.hi
+            pages += range(hi, hi + grow_hi)
+            self.hi = hi + grow_hi
+        p2v = self._p2v
+        for vid, page in zip(ids, pages):
+            p2v[page] = vid
+            v2p[vid] = page
+        self.used += len(ids)
 
     def unbind(self, v: np.ndarray, parts: np.ndarray | None = None) -> None:
         """Unbind int32 ids ``v``; their pages become holes.
@@ -305,6 +342,9 @@ class GroupAllocator:
                 self._holes_np[self.n_holes] = page
                 self.n_holes += 1
             return
+        if n <= _FEW and _SCALAR and parts is None:
+            self._unbind_few(v.tolist())
+            return
         pages = v2p.take(v)
         if _floor(pages) < 0:
             raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
@@ -325,6 +365,28 @@ class GroupAllocator:
             pushed = pages[(ends - 1)[seg] - (np.arange(n) - (ends - parts)[seg])]
         self._holes_np[self.n_holes : self.n_holes + n] = pushed
         self.n_holes += n
+
+    def _unbind_few(self, ids: list[int]) -> None:
+        """:meth:`unbind` of a few ids of one request through scalar reads and writes: the same
+        tables and hole stack as the array path."""
+        v2p, p2v = self._v2p, self._p2v
+        item = v2p.item
+        pages = [item(vid) for vid in ids]
+        if min(pages) < 0:
+            raise InternalError(f"{self.name}: unbinding virtual ids that are not bound")
+        for vid, page in zip(ids, pages):
+            p2v[page] = -1
+            v2p[vid] = -1
+        self.used -= len(ids)
+        if self.used == 0:
+            self.collapse()
+            return
+        at = self.n_holes
+        holes = self._holes_np
+        for page in reversed(pages):  # pushed in reverse, as the array path does
+            holes[at] = page
+            at += 1
+        self.n_holes = at
 
     # ---- edges ------------------------------------------------------------------------------
     def trimmed_bounds(self) -> tuple[int, int]:

@@ -119,9 +119,12 @@ class Bindings:
                 continue
             vids = owner[0].take_np(n)
             a.bind(vids, take_lo, take_hi, new_lo if a.hi == a.lo else None)
-            owner[1].put(vids, r.handle)
+            if n == 1:  # a state slot, a decode step's page: a scalar write
+                owner[1][vids.item(0)] = r.handle
+            else:
+                owner[1].put(vids, r.handle)
             if kind is STATE:
-                r.state = int(vids[0])
+                r.state = vids.item(0)
             elif kind is FULL:
                 r.full = np.concatenate((r.full, vids)) if len(r.full) else vids
             else:
@@ -150,6 +153,10 @@ class Bindings:
                 if r.state < 0:
                     continue
                 vids = np.array((r.state,), dtype=np.int32)
+                a.unbind(vids)
+                owner[1][r.state] = -1  # one slot: a scalar write
+                owner[0].give(vids)
+                continue
             else:
                 vids = r.draft
             a.unbind(vids)

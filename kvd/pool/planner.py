@@ -88,6 +88,9 @@ class Planner:
         self._pbs = [a.pb for a in self._allocs]
         self._ring_at = [rings.get(k) for k in self._kinds]
         self._state_at = self._kinds.index(STATE) if self._has_state else -1
+        # (position, kind, allocator, direction, page bytes, id ring) per group, for plan()'s walk
+        self._walk = list(zip(range(len(self._kinds)), self._kinds, self._allocs, self._dirs, self._pbs, self._ring_at))
+        self._down_from = list(range(len(self._kinds) - 1, -1, -1))
 
     # =========================================================================================
     # steps: what each operation needs
@@ -139,30 +142,30 @@ class Planner:
         grows up alone) while the gap above stays empty. Returns ``(plan, shortfall_bytes)``;
         plan maps kind -> ``(grow_lo, grow_hi, new_lo)``."""
         total, credit = _totals(steps)
-        kinds, allocs, dirs, pbs, rings = self._kinds, self._allocs, self._dirs, self._pbs, self._ring_at
-        n = len(kinds)
+        allocs, pbs = self._allocs, self._pbs
         bounds = [a.trimmed_bounds() for a in allocs] if trimmed else [(a.lo, a.hi) for a in allocs]
         # nxt[i]: the first non-empty group above group i (None: the top of the backing)
-        nxt: list[int | None] = [None] * n
+        nxt: list[int | None] = [None] * len(allocs)
         j = None
-        for i in range(n - 1, -1, -1):
+        for i in self._down_from:
             nxt[i] = j
-            if bounds[i][1] > bounds[i][0]:
+            lo, hi = bounds[i]
+            if hi > lo:
                 j = i
         backed = self.arena.backed
         w: list[float] = []  # the weights by position, computed when a float first needs them
         plan: Placement = {}
         short = 0
         prev_hi_bytes = self.sink_bytes
-        for i in range(n):
-            k, a, d, pb = kinds[i], allocs[i], dirs[i], pbs[i]
+        for i, k, a, d, pb, ring in self._walk:
             lo, hi = bounds[i]
             need = total.get(k, 0)
             if not need:  # grows nowhere; only its region bounds the groups above
                 if hi > lo and hi * pb > prev_hi_bytes:
                     prev_hi_bytes = hi * pb
                 continue
-            extra = need - ((hi - lo) - a.used + (credit if k is SWA else 0))
+            used = a.used
+            extra = need - ((hi - lo) - used + (credit if k is SWA else 0))
             if extra < 0:
                 extra = 0
             new_lo = None
@@ -170,20 +173,21 @@ class Planner:
             top = (backed if up is None else bounds[up][0] * pbs[up]) // pb  # this group's pages end below it
             if a.p_max < top:
                 top = a.p_max
+            floor = -(-prev_hi_bytes // pb)  # the first page above the groups below
             floats = extra > 0 and d is FLOAT  # grows, and may grow either way
             if floats:
                 if not w:
                     w = self.weights(steps, live)
-                if a.used == 0:
+                if used == 0:
                     # An empty float re-anchors inside the gap it sits in, leaving the group below
                     # it room in proportion to their byte weights, so neighbours do not box each
                     # other in.
-                    first, last = -(-prev_hi_bytes // pb), top - extra
+                    last = top - extra
                     below = w[i - 1]
-                    above = sum(w[i + 1 : n if up is None else up + 1])
-                    target = first + int((last + extra - first) * below / (below + w[i] + above))
-                    new_lo = lo = hi = max(first, min(target, last))
-            down_room = lo - -(-prev_hi_bytes // pb) if d is not UP else 0
+                    above = sum(w[i + 1 : len(allocs) if up is None else up + 1])
+                    target = floor + int((last + extra - floor) * below / (below + w[i] + above))
+                    new_lo = lo = hi = max(floor, min(target, last))
+            down_room = lo - floor if d is not UP else 0
             up_room = top - hi if d is not DOWN else 0
             if down_room < 0:
                 down_room = 0
@@ -196,7 +200,6 @@ class Planner:
                 g_lo = extra if extra < down_room else down_room
                 g_hi = extra - g_lo if extra - g_lo < up_room else up_room
             missing = extra - g_lo - g_hi
-            ring = rings[i]
             if ring is not None and need - ring.count > missing:
                 missing = need - ring.count
             short += missing * pb

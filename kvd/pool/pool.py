@@ -67,6 +67,9 @@ from kvd.records import AllocSpec, CompactionResult, Envelope, GroupStats, Index
 __all__ = ["Pool"]
 
 FULL, SWA, STATE, DRAFT = GroupKind.FULL, GroupKind.SWA, GroupKind.STATE, GroupKind.DRAFT
+#: the pages of a group the layout lacks, in every vector (shared: empty, so nothing can write it;
+#: making one per vector cost a microsecond a call)
+_NO_PAGES = torch.empty(0, dtype=IDX)
 
 
 class Pool:
@@ -333,9 +336,9 @@ class Pool:
         full, swa, state, draft = self._by_kind
         return IndexVectors(
             r.rid, self.boot_id, self.epoch, r.tokens, torch.from_numpy(full.v2p_np.take(r.full)), r.swa_first,
-            torch.from_numpy(swa.v2p_np.take(r.full[r.swa_first :])) if swa is not None else torch.empty(0, dtype=IDX),
-            int(state.v2p_np[r.state]) if state is not None and r.state >= 0 else None,
-            torch.from_numpy(draft.v2p_np.take(r.draft)) if draft is not None else torch.empty(0, dtype=IDX),
+            torch.from_numpy(swa.v2p_np.take(r.full[r.swa_first :])) if swa is not None else _NO_PAGES,
+            state.v2p_np.item(r.state) if state is not None and r.state >= 0 else None,
+            torch.from_numpy(draft.v2p_np.take(r.draft)) if draft is not None else _NO_PAGES,
             r.version,
         )
 
