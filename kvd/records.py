@@ -80,7 +80,8 @@ class IndexVectors(NamedTuple):
 
     ``full`` and ``draft`` cover every page of the request in token order; ``swa`` covers
     request pages ``[swa_first_page, len(full))`` as *physical SWA page ids*; ``state`` is the
-    physical slot or None. Tensors are int32 copies: mutating them changes nothing."""
+    physical slot or None. Tensors are int32 copies: mutating them changes nothing (a group the
+    layout lacks reads as one empty tensor shared by every vector: never resize it in place)."""
 
     rid: str
     boot_id: str
