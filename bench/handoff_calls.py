@@ -24,6 +24,9 @@ the last free:
   Wall = the child's ``allocate_recv`` (timed there) + from the prefill ``allocate`` issued here
   until both the Send reply (here) and the WaitReady answer (the child's stamp, same clock) are
   in + the child's ``free`` (timed there); the pipe between the two processes is not timed.
+* ``4 bare round trips``: the short flow's four engine-socket calls as ``Echo`` calls, to the same
+  daemons in the same order (decode, prefill, prefill, decode): the floor of the short flow when
+  the daemons' handlers cost nothing (the peer calls between the daemons not counted).
 * ``memcpy``: the same bytes (every page the Send moves) copied between two buffers here.
 * with ``--prompt-ms T`` (a prompt computing T ms between the prefill engine's Allocate and its
   Send, as in a real engine; the decode side's calls come before, untimed), three more rows time
@@ -186,6 +189,14 @@ def main() -> None:
         def memcpy() -> None:
             dst[:] = src
 
+        def bare() -> None:
+            p, d = cl["fast"]
+            d.echo()
+            p.echo()
+            p.echo()
+            d.echo()
+
+        fns["4 bare round trips"] = bare
         fns["memcpy"] = memcpy
         lat: dict[str, list[float]] = {k: [] for k in fns}
         gc.disable()
@@ -215,7 +226,7 @@ def main() -> None:
     print(f"| {'flow':<{w}} | calls | {'median ms':>9} | {'p99 ms':>7} | median / old grpc |")
     print(f"|{'-' * (w + 2)}|-------|-----------|---------|-------------------|")
     base = statistics.median(lat["old grpc"])
-    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "memcpy": 0,
+    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "memcpy": 0, "4 bare round trips": 4,
              "old fast @base": 8, "new fast @base": 5, "prefill, check in Send": 2, "prefill, begin_send": 3, "prefill, allocate(ticket)": 2}
     for k, xs in lat.items():
         print(f"| {k:<{w}} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
