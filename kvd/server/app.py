@@ -52,7 +52,7 @@ from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "validate"]
+__all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "settle_heap", "validate"]
 
 log = logging.getLogger("kvd.server")
 
