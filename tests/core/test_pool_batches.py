@@ -147,8 +147,8 @@ def test_one_request_paths_match_the_split_paths(name: str, seed: int) -> None:
 
 
 class _ArraysOnly:
-    """Binds and unbinds one id through the array path, and reduces a few ids in numpy, while
-    the block runs (the allocator's module switches)."""
+    """Binds and unbinds one id, and a few (up to ``allocator._FEW``), through the array path,
+    and reduces a few ids in numpy, while the block runs (the allocator's module switches)."""
 
     def __enter__(self) -> None:
         self.saved = allocator._SCALAR, allocator._SMALL
@@ -162,7 +162,8 @@ class _ArraysOnly:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_one_id_paths_match_the_array_paths(name: str, seed: int) -> None:
     """Random allocations, one-page extensions (a decode step), frees and offload/restore on two
-    pools, one of them binding every id through the array path: every table stays equal."""
+    pools, one of them binding every id through the array path (the other binds one id, and a
+    short request's few, through scalar writes): every table stays equal."""
     s = SIZINGS[name]
     fast, ref = Pool(s.layout, arena_for(s)), Pool(s.layout, arena_for(s))
     rng = random.Random(seed)

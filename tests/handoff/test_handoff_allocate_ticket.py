@@ -175,14 +175,14 @@ def test_a_receiver_abort_before_the_send_is_acknowledged_and_heard_by_the_send(
     rid, _, lease = _decode_side(hp, 30, "alloc-ticket-dabort")
     c.allocate(rid, 30, ticket=lease.ticket)
     dk.wait_for(lambda: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, "the decode daemon accepted the ticket")
-    told0 = sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="AbortReceive", path=p) for p in ("socket", "grpc"))
+    def told() -> float:  # AbortReceive calls of the prefill daemon, either path
+        return sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="AbortReceive", path=p) for p in ("socket", "grpc"))
+
+    told0 = told()
     hk.randomize(hp.d.arena, hp.seed + 1)
     before_d = hp.d.arena.clone()
     assert hp.d.c.abort(rid, "engine preempted it") is True
-    dk.wait_for(
-        lambda: sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="AbortReceive", path=p) for p in ("socket", "grpc")) == told0 + 1,
-        5, "the prefill daemon acknowledged the abort",
-    )
+    dk.wait_for(lambda: told() == told0 + 1, 5, "the prefill daemon acknowledged the abort")
     with dk.expect(Aborted, grpc.StatusCode.ABORTED, "receiver aborted: engine preempted it"):
         c.send(rid, lease.ticket, free=True)
     assert hp.d.arena.equal(before_d)
