@@ -14,7 +14,8 @@ messages (each side parses what it gets), in the calling thread: their cost is i
 Send's and is also shown on its own.
 
 Per handoff, the short flow: decode ``Allocate`` (receive, lease: the ticket), prefill
-``Allocate``, prefill ``Send`` (last, free), decode ``WaitReady``, decode ``Free``. Baseline:
+``Allocate`` with the ticket (the receiver's check and the Send's plan, deferred past its reply,
+counted in it), prefill ``Send`` (last, free), decode ``WaitReady``, decode ``Free``. Baseline:
 ``Echo`` through the same ``_answer`` path. The garbage collector is off while timing. Reported:
 median per call in microseconds, and the median ratio to Echo; then the Send's own phases.
 """
@@ -44,7 +45,7 @@ from kvd.server.engine_socket import session_md  # noqa: E402
 from kvd.server.peer_calls import PeerCalls  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 
-CALLS = ("decode Allocate+lease", "prefill Allocate", "prefill Send(free)", "decode WaitReady", "decode Free")
+CALLS = ("decode Allocate+lease", "prefill Allocate(ticket)", "prefill Send(free)", "decode WaitReady", "decode Free")
 
 
 class DirectLink:
@@ -150,7 +151,7 @@ def main() -> None:
         t.append(pc())
         r = de.call("Allocate", pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid, tokens=tok, receive=True, lease=True)]))
         t.append(pc())
-        pe.call("Allocate", pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid, tokens=tok)]))
+        pe.call("Allocate", pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid, tokens=tok, ticket=r.leases[0].ticket)]))
         t.append(pc())
         s = pe.call("Send", pb.SendRequest(rid=rid, ticket=r.leases[0].ticket, last=True, free=True))
         t.append(pc())

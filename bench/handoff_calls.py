@@ -44,7 +44,11 @@ the last free:
     .venv/bin/python bench/handoff_calls.py --quick --prompt-ms 2
 
 Flows take turns handoff by handoff (so drift on a shared host hits them alike); the garbage
-collector is off while timing. Reported: median and p99 per flow, and ratios to ``old grpc``.
+collector is off while timing. ``--block N``: they take turns every N handoffs instead. Turn by
+turn, every handoff follows the other flows' calls through the same daemons -- gRPC's machinery
+among them -- so each starts with the processors' caches full of someone else's work, which an
+engine that uses one transport never sees; in blocks (``--block 25``), a flow runs as such an
+engine does, warm after its first handoff, and drift still hits every flow alike, block by block. Reported: median and p99 per flow, and ratios to ``old grpc``.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="handoffs per flow (default 400; --quick 100)")
     ap.add_argument("--prompt-ms", type=float, default=0.0, metavar="T",
                     help="also time the prefill engine's calls around a prompt computing T ms (three ways)")
+    ap.add_argument("--block", type=int, default=1, metavar="N",
+                    help="flows take turns every N handoffs (default 1: handoff by handoff); see the module docstring")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="another kvd checkout: its daemons run the old and new fast flows too, in the same run")
     args = ap.parse_args()
@@ -200,11 +206,13 @@ def main() -> None:
         fns["memcpy"] = memcpy
         lat: dict[str, list[float]] = {k: [] for k in fns}
         gc.disable()
-        for _ in range(n):
+        block = max(1, args.block)
+        for _ in range(-(-n // block)):
             for k, f in fns.items():
-                t0 = pc()
-                own = f()  # a flow that times itself returns its wall
-                lat[k].append(pc() - t0 if own is None else own)
+                for _ in range(block):
+                    t0 = pc()
+                    own = f()  # a flow that times itself returns its wall
+                    lat[k].append(pc() - t0 if own is None else own)
         gc.enable()
         for p, d in cl.values():
             p.close()
@@ -221,7 +229,7 @@ def main() -> None:
         return s[min(len(s) - 1, int(q * len(s)))] * 1e3
 
     print(f"kvd handoff control path -- {cpu_model()}; {args.layout}, {args.tokens} tokens ({nbytes[0]:,d} B moved), "
-          f"backend local, {n} handoffs per flow" + (f"; @base: daemons of {base_tree}" if base_tree else ""))
+          f"backend local, {n} handoffs per flow, taking turns every {block}" + (f"; @base: daemons of {base_tree}" if base_tree else ""))
     w = max(map(len, lat))
     print(f"| {'flow':<{w}} | calls | {'median ms':>9} | {'p99 ms':>7} | median / old grpc |")
     print(f"|{'-' * (w + 2)}|-------|-----------|---------|-------------------|")
