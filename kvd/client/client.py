@@ -268,12 +268,16 @@ class _Surface:
             spec.ticket, spec.chunk_tokens = _ticket(ticket), _chunk_tokens(chunk_tokens)
         return self._call("Allocate", pb.AllocateRequest(requests=[spec]), lambda r: vectors_from_pb(r.vectors[0]))
 
-    def allocate_recv(self, rid: str, tokens: int) -> tuple[IndexVectors, LeaseInfo]:
+    def allocate_recv(self, rid: str, tokens: int, *, ttl: float | None = None) -> tuple[IndexVectors, LeaseInfo]:
         """Decode side, in one call: :meth:`allocate` ``rid`` with ``receive=True`` and
         :meth:`acquire_lease` a RECV lease on those vectors (``lease.ticket``: for the prefill
-        side). All or nothing: a refusal of either leaves nothing allocated or leased."""
+        side), of ``ttl`` seconds (None: the daemon's lease TTL; as ``acquire_lease``'s, so
+        InvalidArgument outside ``(0, the daemon's maximum]``). All or nothing: a refusal of
+        either leaves nothing allocated or leased."""
         spec = _specs([AllocSpec(rid, tokens, True)])[0]
-        spec.lease = True  # the lease takes the daemon's lease TTL (renew_lease changes it)
+        spec.lease = True
+        if ttl is not None:
+            spec.lease_ttl_seconds = ttl
         return self._call(
             "Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), self._note(_lease(r.leases[0])))
         )

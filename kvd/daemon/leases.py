@@ -54,6 +54,11 @@ class LeaseTable:
         self._next_id = 1
         self.expired_total = 0
 
+    def check_ttl(self, ttl: float | None) -> float:
+        """The TTL a lease asked for with ``ttl`` gets (None or 0: the default); InvalidArgument
+        outside ``(0, max_ttl]``. Changes nothing."""
+        return self._ttl(ttl)
+
     def _ttl(self, ttl: float | None) -> float:
         if ttl is None or ttl == 0:
             return self.default_ttl

@@ -238,20 +238,32 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             specs = [AllocSpec(s.rid, s.tokens, s.receive) for s in request.requests]
             session = self._session(context)
             packed = self._packed(context)
+            for s in request.requests:
+                if s.lease_ttl_seconds and not s.lease:
+                    raise InvalidArgument(
+                        f"allocate {quote(s.rid)}: lease_ttl_seconds is the TTL of the RECV lease lease=true takes; "
+                        "set lease=true too, or leave it 0"
+                    )
             if any(s.ticket for s in request.requests):
                 return self._allocate_sending(session, specs, request.requests, packed, getattr(context, "defer", None))
             if not any(s.lease for s in request.requests):
                 r = pb.AllocateResponse()
                 vectors_into(r.vectors, self.node.allocate(session, specs), packed)
                 return r
-            return self._allocate_leased(session, specs, [s.lease for s in request.requests], packed)
+            return self._allocate_leased(session, specs, [(s.lease, s.lease_ttl_seconds or None) for s in request.requests], packed)
 
         return self._run(context, go)
 
-    def _allocate_leased(self, session: str, specs: list[AllocSpec], lease: list[bool], packed: bool) -> pb.AllocateResponse:
+    def _allocate_leased(
+        self, session: str, specs: list[AllocSpec], lease: list[tuple[bool, float | None]], packed: bool
+    ) -> pb.AllocateResponse:
         """Allocate ``specs`` and take a RECV lease (its ticket minted) on each one ``lease``
-        marks, all under the node's lock: all or nothing (a failure releases what it leased and
-        frees what it allocated, then raises). ``packed``: the reply's ids as bytes."""
+        marks ``(True, ttl)`` (None: the daemon's TTL), all under the node's lock: all or nothing
+        (a failure releases what it leased and frees what it allocated, then raises; a TTL out of
+        range is refused before anything is allocated). ``packed``: the reply's ids as bytes."""
+        for want, ttl in lease:
+            if want:
+                self.node.leases.check_ttl(ttl)
         with self.node.lock:
             vecs = self.node.allocate(session, specs)
             reply = pb.AllocateResponse()
@@ -259,9 +271,11 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             wire = reply.vectors
             leases: list[pb.Lease] = []
             try:
-                for spec, v, m, want in zip(specs, vecs, wire, lease):
+                for spec, v, m, (want, ttl) in zip(specs, vecs, wire, lease):
                     if want:
-                        got, vec = self.node.acquire_lease(session, spec.rid, LeaseKind.RECV, boot_id=v.boot_id, epoch=v.epoch, known=v)
+                        got, vec = self.node.acquire_lease(
+                            session, spec.rid, LeaseKind.RECV, ttl=ttl, boot_id=v.boot_id, epoch=v.epoch, known=v
+                        )
                         # a ticket's vectors are packed: the reply's message serves when it is too
                         leases.append(self._lease_pb(got, vec, m if vec is v and packed else None))
             except BaseException:

@@ -416,6 +416,7 @@ class AllocSpec(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     TICKET_FIELD_NUMBER: _builtins.int
     CHUNK_TOKENS_FIELD_NUMBER: _builtins.int
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _builtins.int
     rid: _builtins.str
     """the caller's request id: 1 to 256 bytes of UTF-8"""
     tokens: _builtins.int
@@ -434,6 +435,10 @@ class AllocSpec(_message.Message):
     """
     chunk_tokens: _builtins.int
     """with ticket: as BeginSendRequest.chunk_tokens (0: one Send of the whole request)"""
+    lease_ttl_seconds: _builtins.float
+    """With lease: the RECV lease's TTL, as AcquireLeaseRequest.ttl_seconds (0: the daemon's
+    default). A ticket that waits for its prompt longer than the default asks for more here.
+    """
     def __init__(
         self,
         *,
@@ -443,10 +448,11 @@ class AllocSpec(_message.Message):
         lease: _builtins.bool = ...,
         ticket: _builtins.bytes = ...,
         chunk_tokens: _builtins.int = ...,
+        lease_ttl_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_tokens", b"chunk_tokens", "lease", b"lease", "receive", b"receive", "rid", b"rid", "ticket", b"ticket", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_tokens", b"chunk_tokens", "lease", b"lease", "lease_ttl_seconds", b"lease_ttl_seconds", "receive", b"receive", "rid", b"rid", "ticket", b"ticket", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

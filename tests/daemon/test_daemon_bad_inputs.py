@@ -106,6 +106,10 @@ CASES = [
      E.StaleEpoch, C.FAILED_PRECONDITION, "daemon restarted", {"stale_refusals_total": 1}),
     ("lease-future-epoch", lambda w: w.c.acquire_lease(w.live, "recv", vectors=w.vec._replace(epoch=w.vec.epoch + 100)),
      E.StaleEpoch, C.FAILED_PRECONDITION, "is stale", {"stale_refusals_total": 1}),
+    # allocate_recv's lease TTL is refused as acquire_lease's, before anything is allocated
+    ("alloc-recv-negative-ttl", lambda w: w.c.allocate_recv(rid(), 8, ttl=-1), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
+    ("alloc-recv-huge-ttl", lambda w: w.c.allocate_recv(rid(), 8, ttl=1e9), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
+    ("alloc-recv-nan-ttl", lambda w: w.c.allocate_recv(rid(), 8, ttl=float("nan")), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
     ("renew-unknown", lambda w: w.c.renew_lease(10**9), E.NotFound, C.NOT_FOUND, "is not live", {}),
     ("renew-released", lambda w: w.c.renew_lease(w.released), E.NotFound, C.NOT_FOUND, "is not live", {}),
     ("renew-negative-ttl", lambda w: w.c.renew_lease(w.lease.lease_id, ttl=-3), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
@@ -239,6 +243,9 @@ def test_raw_stub_codes_and_metadata(world):
         assert shortfall > 2**63  # bytes, not pages: the metadata carries what uint64 cannot
         exc = from_rpc_error(info.value)
         assert type(exc) is E.CapacityError and exc.shortfall_bytes == shortfall
+        with expect_rpc(C.INVALID_ARGUMENT, "set lease=true too", "InvalidArgument"):
+            stub.Allocate(pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid(), tokens=8, receive=True, lease_ttl_seconds=30)]),
+                          metadata=md, timeout=5)
         with expect_rpc(C.INVALID_ARGUMENT, "lease kind must be SEND or RECV", "InvalidArgument"):
             stub.AcquireLease(pb.AcquireLeaseRequest(rid=world.live, kind=pb.LEASE_KIND_UNSPECIFIED), metadata=md, timeout=5)
         with expect_rpc(C.FAILED_PRECONDITION, "built eagerly", "FailedPrecondition"):
