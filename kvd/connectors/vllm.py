@@ -11,11 +11,11 @@ connector serves tickets there. One request, push mode (the decode daemon holds 
 the decode vLLM admits the request; the prefill side never waits for decode's free blocks)::
 
     proxy ── POST /v1/kvd/tickets {prompt_token_ids} ──▶ decode connector (scheduler side)
-          ◀── {kvd_rid, kvd_tokens: L, kvd_ticket} ──── allocate(rid, L, receive) + RECV lease
+          ◀── {kvd_rid, kvd_tokens: L, kvd_ticket} ──── allocate_recv(rid, L, ttl): allocate + RECV lease
     proxy ── prompt[:L], max_tokens=1, kv_transfer_params {kvd_ticket, kvd_rid, kvd_tokens} ──▶ prefill vLLM
              prefill connector (worker): allocate(req, L, ticket) (the transfer begun too); save_kv_layer writes
              each layer's KV of the request into its kvd pages; wait_for_save: Mamba state slots,
-             then Send + free on a background thread (vLLM frees its blocks at once)
+             then Send(free) on a background thread (vLLM frees its blocks at once)
     proxy ── prompt, kv_transfer_params {kvd_rid} ──▶ decode vLLM
              get_num_new_matched_tokens -> (L, load_async=True); one watcher thread reads every
              pending transfer's doorbell (no call; over gRPC: a WaitReady per transfer); once
@@ -267,12 +267,8 @@ class _TicketBook:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens: shorter than one block ({self.block_size}) plus one; "
                                   "serve it on the decode instance alone")
         rid = "vllm-" + secrets.token_urlsafe(12)
-        self.kv.allocate(rid, n, receive=True)
-        try:
-            lease = self.kv.acquire_lease(rid, "recv", ttl=self.admit_ttl)
-        except KvdError:
-            self.kv.free(rid)
-            raise
+        # allocated and leased in one call (all or nothing), the lease as long as admission may take
+        _, lease = self.kv.allocate_recv(rid, n, ttl=self.admit_ttl)
         with self.lock:
             now = time.monotonic()
             self.pending[rid] = _Pending(rid, n, _prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
@@ -798,21 +794,27 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 if done is not None:
                     done.synchronize()  # this thread, not the forward: the pages hold the KV before the daemon reads them
-                res = self._kv.send(sv.rid, sv.ticket, start=0, end=sv.tokens, last=True)
+                # the daemon frees the request once it is sent: no Free call
+                res = self._kv.send(sv.rid, sv.ticket, start=0, end=sv.tokens, last=True, free=True)
                 log.debug("kvd: sent %s: %d bytes in %.4f s", sv.req_id, res.nbytes, res.seconds)
                 self.copy_stats.send_bytes += res.nbytes
                 self.copy_stats.send_s += res.seconds
                 self.copy_stats.sends += 1
+                freed = "free" in res.phases
             except KvdError as exc:
                 log.error("kvd: sending request %s failed: %s", sv.req_id, exc)
+                freed = False
                 try:
                     self._kv.abort(sv.rid, f"the prefill vLLM's send failed: {exc}")
                 except KvdError:
                     pass
-            self._drop(sv.req_id, sv.rid)
+            self._drop(sv.req_id, sv.rid, freed=freed)
 
-    def _drop(self, req_id: str, rid: str) -> None:
+    def _drop(self, req_id: str, rid: str, *, freed: bool = False) -> None:
+        """Forget ``req_id``'s kvd request and free it, unless its Send freed it already."""
         self._vecs.pop(req_id, None)
+        if freed:
+            return
         try:
             self._kv.free(rid)
         except KvdError as exc:

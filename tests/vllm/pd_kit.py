@@ -16,6 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_SERVING = re.compile(r"kvd: serving on (?P<unix>unix:[^\s,]+)")
+_SERVING = re.compile(r"kvd: serving on (?P<unix>unix:[^\s,;]+)")
+
+
+_METRICS = re.compile(r"metrics on :(?P<port>\d+)")
+_RPC_COUNT = re.compile(r'^kvd_rpc_duration_seconds_count\{(?P<labels>[^}]*)\} (?P<n>[0-9.e+]+)$', re.M)
 
 
 @dataclass
@@ -45,6 +50,18 @@ class Daemon:
     proc: subprocess.Popen
     address: str
     log: Path
+    metrics_port: int
+
+    def rpc_counts(self) -> Counter[str]:
+        """Calls this daemon answered so far (gRPC and the engine socket), by method, any status."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: Counter[str] = Counter()
+        for m in _RPC_COUNT.finditer(text):
+            method = re.search(r'method="(\w+)"', m["labels"])
+            if method:
+                out[method.group(1)] += int(float(m["n"]))
+        return out
 
     @classmethod
     def start(cls, tmp: Path, name: str, layout: Path | str | None = None, *extra: str) -> Daemon:
@@ -53,16 +70,16 @@ class Daemon:
         log = tmp / f"{name}.daemon.log"
         argv = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", str(sock),
                 *(["--layout", str(layout)] if layout else ["--layout-from-engine"]),
-                "--backend", "local", "--arena-bytes", str(64 << 20), "--peer-timeout-s", "0.5", *extra]
+                "--backend", "local", "--arena-bytes", str(64 << 20), "--peer-timeout-s", "0.5", "--metrics-port", "0", *extra]
         err = open(log, "w")  # noqa: SIM115 -- the child holds it
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO)
         err.close()
         line = proc.stdout.readline()  # type: ignore[union-attr]
-        m = _SERVING.search(line)
-        if not m:
+        m, port = _SERVING.search(line), _METRICS.search(line)
+        if not m or not port:
             proc.kill()
             raise RuntimeError(f"kvd daemon {name} did not start: {line!r} {log.read_text()[-2000:]}")
-        return cls(proc, m["unix"], log)
+        return cls(proc, m["unix"], log, int(port["port"]))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -117,6 +117,7 @@ def live_requests(address: str) -> int:
 
 def test_pd_matches_vllm_alone(pd: PD) -> None:
     ps = prompts(LENGTHS)
+    calls_d, calls_p = pd.decode_d.rpc_counts(), pd.prefill_d.rpc_counts()
     t0 = time.perf_counter()
     tickets, pre = handoff(pd, ps)
     assert [p["kvd_rid"] for p in pre["kv_params"]] == [t["kvd_rid"] for t in tickets]
@@ -133,6 +134,13 @@ def test_pd_matches_vllm_alone(pd: PD) -> None:
         time.sleep(0.05)
     assert live_requests(pd.decode_d.address) == 0, "the decode connector kept kvd pages after loading them"
     assert live_requests(pd.prefill_d.address) == 0, "the prefill connector kept kvd pages after sending them"
+    # The handoff in the fused calls: a ticket is one Allocate (allocate + RECV lease), a prefill
+    # request one Allocate (with its ticket) and one Send that frees it -- no AcquireLease, no Free.
+    dd = pd.decode_d.rpc_counts() - calls_d
+    dp = pd.prefill_d.rpc_counts() - calls_p
+    n = len(ps)
+    assert dd["Allocate"] == n and dd["AcquireLease"] == 0, dict(dd)
+    assert dp["Allocate"] == n and dp["Send"] == n and dp["Free"] == 0 and dp["BeginSend"] == 0, dict(dp)
 
 
 def test_prompt_shorter_than_a_block_gets_no_ticket(pd: PD) -> None:
