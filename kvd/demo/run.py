@@ -72,6 +72,8 @@ __all__ = ["DemoOptions", "run_demo", "workload", "choose_backend", "ttft_figure
 PREFILL_BYTES = 4 << 20  # one prompt at a time, every SWA page of it
 DECODE_BYTES = 2 << 20  # ~10 of the workload's requests at once, 16 in flight: pressure is part of the demo
 RESERVE_BYTES = 64 << 20  # the post-capture reservation (address space only)
+#: the RECV lease of an admitted request (its ticket): it may wait behind up to max_inflight prompts
+TICKET_TTL_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,6 @@ class _Daemon:
             "--listen-tcp", "127.0.0.1:0", "--backend", backend, "--post-capture",
             "--arena-bytes", str(PREFILL_BYTES if name == "prefill" else DECODE_BYTES),
             "--reserve-bytes", str(RESERVE_BYTES), "--arena-dir", arena_dir, "--grace-s", "1", "--log-level", "WARNING",
-            # allocate_recv's RECV lease takes the daemon's TTL: a ticket may wait behind up to
-            # max_inflight prompts before its BeginSend, and nothing renews it before then
-            "--lease-ttl-s", "60",
         ]
         if speculative:
             cmd.append("--speculative")
@@ -260,7 +259,9 @@ def run_demo(opts: DemoOptions, out: TextIO = sys.stdout, err: TextIO = sys.stde
     device = placement.prefill  # the prefill side and the colocated reference
     roles = {"prefill": placement.prefill, "decode": placement.decode}
     backend = choose_backend(opts.backend, err, device.type)
-    cfg = EngineConfig(chunk=opts.chunk, spec_k=opts.spec_k)
+    # A ticket may wait behind up to max_inflight prompts before its Send, and nothing renews its
+    # lease meanwhile: the decode engine asks for a long one (the daemon's other leases keep its TTL).
+    cfg = EngineConfig(chunk=opts.chunk, spec_k=opts.spec_k, ticket_ttl=TICKET_TTL_S)
     models = build_models()
     requests = workload(n, opts.seed, quick=opts.quick)
     warm = warmup_requests(cfg)

@@ -135,7 +135,7 @@ class DecodeEngine:
             # the check: one round trip per admission, not a shortfall query and then the call.
             try:
                 # allocate + RECV lease + its ticket in one round trip (all or nothing)
-                vec, lease = self.kv.allocate_recv(req.rid, len(req.prompt))  # type: ignore[attr-defined]
+                vec, lease = self.kv.allocate_recv(req.rid, len(req.prompt), ttl=self.cfg.ticket_ttl)  # type: ignore[attr-defined]
                 break
             except CapacityError:
                 # Requests already retracted go first: wait for memory rather than retract more.

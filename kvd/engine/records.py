@@ -37,6 +37,9 @@ class EngineConfig:
     spec_k: int = 0  # draft tokens proposed per round; 0: plain greedy decoding
     ready_wait: float = 1.0  # seconds one wait_ready may block a decode step (answered on READY, not polled)
     compact_every: int = 8  # completions between compactions (there is one after each retraction too)
+    #: seconds an admitted request's RECV lease (its ticket) lives before its Send must come; a ticket
+    #: may wait behind every prompt queued at the prefill engine. None: the daemon's lease TTL.
+    ticket_ttl: float | None = None
 
 
 @dataclass(frozen=True)

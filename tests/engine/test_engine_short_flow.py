@@ -51,6 +51,31 @@ def test_the_handoff_takes_the_short_flow(models, reference):
     assert pre_calls["send"] == sum(-(-len(r.prompt) // 32) for r in reqs)
 
 
+def test_tickets_live_as_long_as_the_engine_asks(models, reference):
+    """``EngineConfig.ticket_ttl``: each admitted request's RECV lease lives that long (the
+    daemons here keep a 30 s lease TTL for everything else)."""
+    cfg = EngineConfig(chunk=32, ticket_ttl=45.0)
+    reqs = requests((9, 40), max_new=4, seed=5, prefix="ttl")
+    ref = reference(reqs, cfg)
+    leases = []
+    with pd_pair(models) as pair:
+        client = pair.decode.client
+
+        class _Recording:
+            def __getattr__(self, name):
+                return getattr(client, name)
+
+            def allocate_recv(self, rid, tokens, *, ttl=None):
+                vec, lease = client.allocate_recv(rid, tokens, ttl=ttl)
+                leases.append(lease)
+                return vec, lease
+
+        pair.decode.client = _Recording()  # type: ignore[assignment]
+        got, _ = run_pd(pair, models, reqs, cfg)
+    assert compare(got, ref) == []
+    assert len(leases) == len(reqs) and all(40.0 < le.expires_in <= 45.0 for le in leases), leases
+
+
 def test_warm_up_moves_pages_and_leaves_the_pool_as_it_was(models):
     kv = LocalKV(models.layout, 8 << 20)
     try:
