@@ -241,8 +241,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             for s in request.requests:
                 if s.lease_ttl_seconds and not s.lease:
                     raise InvalidArgument(
-                        f"allocate {quote(s.rid)}: lease_ttl_seconds is the TTL of the RECV lease lease=true takes; "
-                        "set lease=true too, or leave it 0"
+                        f"allocate {quote(s.rid)}: lease_ttl_seconds is the TTL of the RECV lease that lease=true takes (decode "
+                        + ("side); a request with a ticket takes none: leave it 0" if s.ticket else "side): set lease=true too, or leave it 0")
                     )
             if any(s.ticket for s in request.requests):
                 return self._allocate_sending(session, specs, request.requests, packed, getattr(context, "defer", None))

@@ -246,6 +246,9 @@ def test_raw_stub_codes_and_metadata(world):
         with expect_rpc(C.INVALID_ARGUMENT, "set lease=true too", "InvalidArgument"):
             stub.Allocate(pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid(), tokens=8, receive=True, lease_ttl_seconds=30)]),
                           metadata=md, timeout=5)
+        with expect_rpc(C.INVALID_ARGUMENT, "a request with a ticket takes none", "InvalidArgument"):
+            stub.Allocate(pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid(), tokens=8, ticket=b"t", lease_ttl_seconds=30)]),
+                          metadata=md, timeout=5)
         with expect_rpc(C.INVALID_ARGUMENT, "lease kind must be SEND or RECV", "InvalidArgument"):
             stub.AcquireLease(pb.AcquireLeaseRequest(rid=world.live, kind=pb.LEASE_KIND_UNSPECIFIED), metadata=md, timeout=5)
         with expect_rpc(C.FAILED_PRECONDITION, "built eagerly", "FailedPrecondition"):
