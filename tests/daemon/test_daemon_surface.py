@@ -324,6 +324,18 @@ def test_async_client_same_surface_same_errors(target):
                     call()
                 sync_errors.append((type(info.value), cls, info.value.__cause__.code()))
             await kv.release_lease(lease.lease_id)
+            # the decode side's one call, its lease as long as asked (all or nothing: a bad TTL leaves nothing)
+            recv = rid("a-recv")
+            rv, rl = await kv.allocate_recv(recv, 8, ttl=42)
+            assert rv.rid == rl.rid == recv and rl.kind is LeaseKind.RECV and 40.0 < rl.expires_in <= 42.0, rl
+            try:
+                await kv.allocate_recv(rid("a-recv-bad"), 8, ttl=-1)
+            except E.InvalidArgument as exc:
+                assert "lease ttl" in str(exc), exc
+            else:
+                raise AssertionError("a negative lease TTL was accepted")
+            await kv.release_lease(rl.lease_id)
+            assert await kv.free(recv) == 1
             assert await kv.offload(v3.rid) == 1 * 2048 + 1 * 2048 + 256 + 1024
             back = await kv.restore(v3.rid)
             assert back.epoch > v3.epoch
