@@ -39,10 +39,7 @@ def free_port() -> int:
 
 
 _SERVING = re.compile(r"kvd: serving on (?P<unix>unix:[^\s,;]+)")
-
-
 _METRICS = re.compile(r"metrics on :(?P<port>\d+)")
-_RPC_COUNT = re.compile(r'^kvd_rpc_duration_seconds_count\{(?P<labels>[^}]*)\} (?P<n>[0-9.e+]+)$', re.M)
 
 
 @dataclass
@@ -53,14 +50,14 @@ class Daemon:
     metrics_port: int
 
     def rpc_counts(self) -> Counter[str]:
-        """Calls this daemon answered so far (gRPC and the engine socket), by method, any status."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
+        """Calls this daemon answered so far (gRPC and the engine socket), by method, any status.
+        Under pytest only (``daemon_kit`` is on its path; bench/vllm_pd.py imports this kit too)."""
+        from daemon_kit import samples, scrape
+
         out: Counter[str] = Counter()
-        for m in _RPC_COUNT.finditer(text):
-            method = re.search(r'method="(\w+)"', m["labels"])
-            if method:
-                out[method.group(1)] += int(float(m["n"]))
+        for (name, labels), n in samples(scrape(self.metrics_port)).items():
+            if name == "kvd_rpc_duration_seconds_count":
+                out[dict(labels)["method"]] += int(n)
         return out
 
     @classmethod
