@@ -52,10 +52,10 @@ def test_free_without_last_is_refused_before_anything_moves(hp):
 
 def test_allocate_recv_takes_the_lease_ttl_asked_for(hp):
     """A ticket that waits for its prompt longer than the daemon's lease TTL asks for more in the
-    same call; without one the lease takes the daemon's TTL. Either way the ticket lands."""
+    same call, and its bytes land exactly; without one the lease takes the daemon's TTL."""
     asked, default = dk.rid("fused-ttl"), dk.rid("fused-ttl-default")
     src = hp.p.alloc(asked, 24)
-    _, lease = hp.d.c.allocate_recv(asked, 24, ttl=123.0)
+    dst, lease = hp.d.c.allocate_recv(asked, 24, ttl=123.0)
     hp.d.live.add(asked)
     assert 120.0 < lease.expires_in <= 123.0, lease
     hp.p.c.allocate(default, 8)
@@ -63,11 +63,14 @@ def test_allocate_recv_takes_the_lease_ttl_asked_for(hp):
     _, plain = hp.d.c.allocate_recv(default, 8)
     hp.d.live.add(default)
     assert 0 < plain.expires_in <= hk.DAEMON_OPTS["lease_ttl_s"], plain  # the pair's daemons' TTL
+    hk.randomize(hp.p.arena, hp.seed)
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
     r = hp.p.c.send(asked, lease.ticket, free=True)
     assert "free" in r.phases, r.phases
     hp.p.live.discard(asked)
     assert hp.d.c.wait_ready(asked, 5).state is TransferState.READY
-    assert src.tokens == 24 and hp.d.c.vectors(asked).tokens == 24
+    hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
     hp.d.c.release_lease(plain.lease_id)
     for rid in (asked, default):
         assert hp.d.free(rid) == 1
