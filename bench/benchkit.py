@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,29 @@ class BenchDaemon:
             raise RuntimeError(f"daemon did not start: {' '.join(self.proc.args)}\n{''.join(seen)}")
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()  # type: ignore[union-attr]
         return self
+
+    def rpc_clock(self) -> dict[str, tuple[float, int]]:
+        """Per method, ``(seconds, calls)`` the daemon's ``kvd_rpc_duration_seconds`` holds now
+        (every status code summed): its own clock of each engine call, from the frame's head
+        read (the engine socket) or the call's start (gRPC) to the reply sent. Needs
+        ``--metrics-port``; the scrape is the daemon's HTTP thread, not one of its calls."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        if self.metrics_port is None:
+            raise RuntimeError("rpc_clock: the daemon was started without --metrics-port")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        out: dict[str, list[float]] = {}
+        for fam in text_string_to_metric_families(text):
+            if fam.name != "kvd_rpc_duration_seconds":
+                continue
+            for sm in fam.samples:
+                got = out.setdefault(sm.labels["method"], [0.0, 0.0])
+                if sm.name.endswith("_sum"):
+                    got[0] += sm.value
+                elif sm.name.endswith("_count"):
+                    got[1] += sm.value
+        return {k: (v[0], int(v[1])) for k, v in out.items()}
 
     def stop(self) -> None:
         if self.proc.poll() is None:

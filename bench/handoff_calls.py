@@ -43,6 +43,17 @@ the last free:
     .venv/bin/python bench/handoff_calls.py --quick --baseline-tree /tmp/base
     .venv/bin/python bench/handoff_calls.py --quick --prompt-ms 2
 
+With ``--where`` (blocks of 25 unless ``--block`` says otherwise), the daemons run with their
+metrics on and the bench reads their own clock of every engine call (``kvd_rpc_duration_seconds``,
+frame read to reply sent) before and after each block of a flow: a second table splits each flow's
+mean handoff into the time inside the daemons' calls -- the Send's Commit, a round trip to the
+decode daemon, inside that -- and the rest (both directions on the wire, the wake-ups, this
+process's client code); a third does so call by call for the two fast flows. A WaitReady is left
+out of the daemons' share (its time is a wait), and so is work a daemon defers past a reply (the
+check an Allocate with a ticket sends, its plan).
+
+    .venv/bin/python bench/handoff_calls.py --where
+
 Flows take turns handoff by handoff (so drift on a shared host hits them alike); the garbage
 collector is off while timing. ``--block N``: they take turns every N handoffs instead. Turn by
 turn, every handoff follows the other flows' calls through the same daemons -- gRPC's machinery
@@ -79,12 +90,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None, help="handoffs per flow (default 400; --quick 100)")
     ap.add_argument("--prompt-ms", type=float, default=0.0, metavar="T",
                     help="also time the prefill engine's calls around a prompt computing T ms (three ways)")
-    ap.add_argument("--block", type=int, default=1, metavar="N",
+    ap.add_argument("--block", type=int, default=None, metavar="N",
                     help="flows take turns every N handoffs (default 1: handoff by handoff); see the module docstring")
+    ap.add_argument("--where", action="store_true",
+                    help="also split each flow's time by the daemons' own clocks (implies --block 25 unless given)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="another kvd checkout: its daemons run the old and new fast flows too, in the same run")
     args = ap.parse_args()
     n = args.repeats or (100 if args.quick else 400)
+    block = max(1, args.block if args.block is not None else 25 if args.where else 1)
 
     import numpy as np
 
@@ -93,7 +107,8 @@ def main() -> None:
     opts = ("--backend", "local", "--layout", args.layout, "--arena-bytes", str(256 << 20))
     cpu0, own0 = cpu_snap(), own_cpu()
     base_tree = os.path.abspath(args.baseline_tree) if args.baseline_tree else None
-    dp, dd = BenchDaemon.spawn(*opts), BenchDaemon.spawn(*opts)
+    clocked = ("--metrics-port", "0") if args.where else ()
+    dp, dd = BenchDaemon.spawn(*opts, *clocked), BenchDaemon.spawn(*opts, *clocked)
     bp, bd = (BenchDaemon.spawn(*opts, root=base_tree), BenchDaemon.spawn(*opts, root=base_tree)) if base_tree else (None, None)
     dp.wait_ready(), dd.wait_ready()
     if bp is not None and bd is not None:
@@ -109,32 +124,51 @@ def main() -> None:
         tok = args.tokens
         seq = [0]
         nbytes = [0]
+        laps: dict[str, dict[str, list[float]]] = {}  # flow -> call -> its time in each handoff
+        commits: dict[str, list[float]] = {}  # flow -> the Send's Commit phase in each handoff
 
         def old(tr: str) -> None:
             p, d = cl[tr]
             seq[0] += 1
             rid = f"h{seq[0]}"
+            lap = Laps(laps.setdefault(f"old {tr}", {}))
             d.allocate(rid, tok, receive=True)
+            lap(OLD_CALLS[0])
             lease = d.acquire_lease(rid, "recv")
+            lap(OLD_CALLS[1])
             p.allocate(rid, tok)
+            lap(OLD_CALLS[2])
             p.begin_send(rid, lease.ticket)
+            lap(OLD_CALLS[3])
             r = p.send(rid, lease.ticket)
+            lap(OLD_CALLS[4])
             st = d.wait_ready(rid, 5)
+            lap(OLD_CALLS[5])
             p.free(rid)
+            lap(OLD_CALLS[6])
             d.free(rid)
+            lap(OLD_CALLS[7])
             assert st.ready, st
             nbytes[0] = r.nbytes
+            commits.setdefault(f"old {tr}", []).append(r.phases.get("commit", 0.0))
 
         def new(tr: str) -> None:
             p, d = cl[tr]
             seq[0] += 1
             rid = f"h{seq[0]}"
+            lap = Laps(laps.setdefault(f"new {tr}", {}))
             _, lease = d.allocate_recv(rid, tok)
+            lap(NEW_CALLS[0])
             p.allocate(rid, tok, ticket=lease.ticket)
+            lap(NEW_CALLS[1])
             r = p.send(rid, lease.ticket, free=True)
+            lap(NEW_CALLS[2])
             st = d.wait_ready(rid, 5)
+            lap(NEW_CALLS[3])
             d.free(rid)
+            lap(NEW_CALLS[4])
             assert st.ready and "free" in r.phases, (st, r.phases)
+            commits.setdefault(f"new {tr}", []).append(r.phases.get("commit", 0.0))
 
         pf = Client.connect(dp.unix, name="prefill-apart", transport="fast")
         pc = time.perf_counter
@@ -150,6 +184,7 @@ def main() -> None:
             pf.allocate(rid, tok, ticket=tickets[rid])
             r = pf.send(rid, tickets[rid], free=True)
             replied = pc()
+            commits.setdefault("new fast, decode apart", []).append(r.phases.get("commit", 0.0))
             st, at = apart.collect()[rid]
             mid = max(replied, at) - a
             assert st.ready and "free" in r.phases, (st, r.phases)
@@ -205,14 +240,26 @@ def main() -> None:
         fns["4 bare round trips"] = bare
         fns["memcpy"] = memcpy
         lat: dict[str, list[float]] = {k: [] for k in fns}
+        laps.clear()
+        commits.clear()
+        # --where: the flows on this pair of daemons, and what their own clocks added per block
+        clocks = {k for k in fns if k in CLOCKED} if args.where else set()
+        inside: dict[str, dict[tuple[str, str], list[float]]] = {k: {} for k in clocks}
         gc.disable()
-        block = max(1, args.block)
         for _ in range(-(-n // block)):
             for k, f in fns.items():
+                before = {"prefill": dp.rpc_clock(), "decode": dd.rpc_clock()} if k in clocks else None
                 for _ in range(block):
                     t0 = pc()
                     own = f()  # a flow that times itself returns its wall
                     lat[k].append(pc() - t0 if own is None else own)
+                if before is not None:
+                    for side, now in (("prefill", dp.rpc_clock()), ("decode", dd.rpc_clock())):
+                        for method, (sec, calls) in now.items():
+                            was = before[side].get(method, (0.0, 0))
+                            acc = inside[k].setdefault((side, method), [0.0, 0])
+                            acc[0] += sec - was[0]
+                            acc[1] += calls - was[1]
         gc.enable()
         for p, d in cl.values():
             p.close()
@@ -238,7 +285,63 @@ def main() -> None:
              "old fast @base": 8, "new fast @base": 5, "prefill, check in Send": 2, "prefill, begin_send": 3, "prefill, allocate(ticket)": 2}
     for k, xs in lat.items():
         print(f"| {k:<{w}} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
+    if args.where:
+        where(lat, inside, laps, commits)
     print(others_line(cpu0, own0))
+
+
+#: The calls of each flow, in order, as (label, daemon, method): what ``--where`` splits.
+OLD_CALLS = ("decode allocate(receive)", "decode acquire_lease", "prefill allocate", "prefill begin_send", "prefill send",
+             "decode wait_ready", "prefill free", "decode free")
+NEW_CALLS = ("decode allocate_recv", "prefill allocate(ticket)", "prefill send(free)", "decode wait_ready", "decode free")
+_METHOD = {"allocate": "Allocate", "allocate_recv": "Allocate", "acquire_lease": "AcquireLease", "begin_send": "BeginSend",
+           "send": "Send", "wait_ready": "WaitReady", "free": "Free"}
+#: Flows whose calls all go to the first pair of daemons (whose clocks ``--where`` reads).
+CLOCKED = ("old grpc", "old fast", "new fast", "new grpc", "new fast, decode apart", "4 bare round trips")
+
+
+class Laps:
+    """Times the calls of one handoff one after another into ``into`` (call label -> seconds)."""
+
+    def __init__(self, into: dict[str, list[float]]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def __call__(self, label: str) -> None:
+        now = time.perf_counter()
+        self.into.setdefault(label, []).append(now - self.t)
+        self.t = now
+
+
+def where(lat: dict[str, list[float]], inside: dict[str, dict[tuple[str, str], list[float]]],
+          laps: dict[str, dict[str, list[float]]], commits: dict[str, list[float]]) -> None:
+    """The ``--where`` tables: each clocked flow's mean handoff split by the daemons' clocks,
+    then call by call for the fast flows."""
+    print("\nWhere the time goes (means per handoff, ms): in the daemons = their own clocks of the engine calls "
+          "(frame read to reply sent; WaitReady's wait left out), the Send's Commit round trip inside it; "
+          "outside = the wire both ways, the wake-ups and this process's client code")
+    print("| flow | handoff | in the daemons | of which the Send's Commit | outside the daemons | inside / handoff |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for k, acc in inside.items():
+        n = len(lat[k])
+        mean = statistics.fmean(lat[k]) * 1e3
+        ins = sum(sec for (_, m), (sec, _) in acc.items() if m != "WaitReady") / n * 1e3
+        com = statistics.fmean(commits[k]) * 1e3 if commits.get(k) else 0.0
+        print(f"| {k} | {mean:.3f} | {ins:.3f} | {com:.3f} | {mean - ins:.3f} | {ins / mean:.2f} |")
+    for flow, labels in (("old fast", OLD_CALLS), ("new fast", NEW_CALLS)):
+        if flow not in inside or flow not in laps:
+            continue
+        print(f"\n| {flow}: call | client median ms | client mean ms | in the daemon, mean ms | calls made | outside, mean ms |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for label in labels:
+            side, verb = label.split(" ", 1)
+            key = (side, _METHOD[verb.split("(")[0]])
+            xs = laps[flow][label]
+            sec, calls = inside[flow].get(key, (0.0, 0))
+            # Each (daemon, method) is called once per handoff in these flows: its mean is that call's.
+            per = sec / calls * 1e3 if calls else 0.0
+            share = per * calls / len(xs)  # a doorbell answers most waits: per handoff, not per call
+            print(f"| {label} | {statistics.median(xs) * 1e3:.3f} | {statistics.fmean(xs) * 1e3:.3f} | "
+                  f"{share:.3f} | {calls / len(xs):.2f} per handoff | {statistics.fmean(xs) * 1e3 - share:.3f} |")
 
 
 if __name__ == "__main__":
