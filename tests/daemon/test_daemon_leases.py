@@ -209,9 +209,11 @@ def test_killed_client_is_reaped(target):
 
         def reaped():
             s = target.snapshot(watcher)
+            # leases_live: at most as before (the shared daemon may see another test's lease
+            # expire meanwhile); the session's reaping is what the other counts show.
             return (
                 s.pool.requests_live == before.pool.requests_live
-                and s.leases_live == before.leases_live
+                and s.leases_live <= before.leases_live
                 and s.sessions_live == before.sessions_live
                 and s.sessions_expired_total == before.sessions_expired_total + 1
             )
