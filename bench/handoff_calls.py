@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--prompt-ms", type=float, default=0.0, metavar="T",
                     help="also time the prefill engine's calls around a prompt computing T ms (three ways)")
     ap.add_argument("--block", type=int, default=None, metavar="N",
-                    help="flows take turns every N handoffs (default 1: handoff by handoff); see the module docstring")
+                    help="flows take turns every N handoffs (default 1: handoff by handoff; 25 with --where); see the module docstring")
     ap.add_argument("--where", action="store_true",
                     help="also split each flow's time by the daemons' own clocks (implies --block 25 unless given)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
@@ -290,7 +290,7 @@ def main() -> None:
     print(others_line(cpu0, own0))
 
 
-#: The calls of each flow, in order, as (label, daemon, method): what ``--where`` splits.
+#: The calls of each fast flow, in order, labelled "<daemon> <client method>": what ``--where`` splits.
 OLD_CALLS = ("decode allocate(receive)", "decode acquire_lease", "prefill allocate", "prefill begin_send", "prefill send",
              "decode wait_ready", "prefill free", "decode free")
 NEW_CALLS = ("decode allocate_recv", "prefill allocate(ticket)", "prefill send(free)", "decode wait_ready", "decode free")
