@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kvd.handoff.ahead import Ahead
     from kvd.handoff.plan import Plan
 
-__all__ = ["MAX_SEND_ITEMS", "SendItem", "check_batch_size", "refuse_duplicates", "Outbound", "Flight"]
+__all__ = ["MAX_SEND_ITEMS", "SendItem", "BeginItem", "check_batch_size", "refuse_duplicates", "Outbound", "Flight"]
 
 #: The most items one :meth:`~kvd.handoff.outbox.Outbox.send_many` call (one SendMany) takes.
 MAX_SEND_ITEMS = 1024
@@ -40,6 +40,16 @@ class SendItem(NamedTuple):
     start: int = 0
     end: int | None = None
     last: bool = True
+
+
+class BeginItem(NamedTuple):
+    """One transfer of :meth:`~kvd.handoff.outbox.Outbox.begin_many`: ``rid`` to the receiver of
+    ``ticket`` (``raw``: its bytes), planned ahead whole or, with ``chunk_tokens``, in chunks."""
+
+    rid: str
+    ticket: TicketInfo
+    raw: bytes
+    chunk_tokens: int = 0
 
 
 def check_batch_size(n: int) -> None:

@@ -28,7 +28,7 @@ from kvd.handoff.link import PeerLink
 from kvd.handoff.notices import Notices
 from kvd.limits import quote
 from kvd.handoff.ahead import plan_ahead
-from kvd.handoff.flight import Flight, Outbound, SendItem, check_batch_size, refuse_duplicates
+from kvd.handoff.flight import BeginItem, Flight, Outbound, SendItem, check_batch_size, refuse_duplicates
 from kvd.handoff.plan import Plan, check_envelopes, check_range, plan_chunk
 from kvd.handoff.ticket import check_for_sender
 from kvd.handoff.ticket import read as read_ticket
@@ -173,13 +173,8 @@ class Outbox:
         changed, plans at the Send. InvalidArgument, before the receiver hears of it, for more
         than :data:`MAX_AHEAD_CHUNKS` chunks.
 
-        ``wait=False`` (Allocate with a ticket): the check is sent and not waited for; the
-        receiver's answer is collected by the first Send (its refusal raised there, before any
-        byte, as a Send without begin meets it), else by the heartbeat loop, an abort or the
-        request's end -- whichever comes first (:meth:`_settle`). Only what the ticket shows
-        here, and the request's ownership, are refused at once. ``defer`` (with ``wait=False``):
-        sending the check and planning are handed to it (the engine socket runs them once the
-        caller has its reply); a Send that comes first sends the check itself.
+        ``wait=False`` (Allocate with a ticket): :meth:`begin_many` of this one -- the check is
+        sent and not waited for; ``defer`` takes the sending.
 
         Returns False when the transfer was open already (nothing asked). Refuses what the
         first Send would refuse before its first byte (the ticket for another layout, backend or
@@ -187,28 +182,15 @@ class Outbox:
         request this session does not hold here; nothing changes then, on either side. Once
         open, the transfer lives as one between two chunks does: heartbeats keep it, an abort on
         either side ends it, and the receiver's RECV lease bounds it."""
+        if not wait:
+            (opened,) = self.begin_many(session, (BeginItem(rid, ticket, raw, chunk_tokens),), defer)
+            return opened
         env = self.precheck(rid, ticket, chunk_tokens)
         self.node.own(session, rid)
         ob = self._enter(session, rid, ticket, raw)
-        parked = False
         try:
             if ob.began or ob.parked:
                 return False
-            if not wait:
-                # The check's answer is collected later; this call's count of ``active`` stays
-                # with it until then, so that nothing forgets the transfer meanwhile. Planning
-                # runs while the receiver checks (plan_ahead never raises).
-                ob.unsent, parked = (lambda: self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)), True
-
-                def start() -> None:
-                    self._send_parked(ob)
-                    ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
-
-                if defer is None:
-                    start()
-                else:
-                    defer(start)
-                return True
             pending = self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)
             pending()
             ob.began = True
@@ -218,8 +200,67 @@ class Outbox:
             ob.ahead = plan_ahead(self.node, session, rid, ticket, env, chunk_tokens, self._dest)
             return True
         finally:
-            if not parked:
+            self._leave(ob, last=False)
+
+    def begin_many(
+        self, session: str, items: Sequence[BeginItem], defer: Callable[[Callable[[], None]], None] | None = None
+    ) -> list[bool]:
+        """:meth:`begin` without waiting (Allocate with tickets) of every item, all or nothing.
+        Returns, per item, whether it opened the transfer (False: open already, nothing asked).
+
+        Each receiver's check is sent and not waited for; its answer is collected by the first
+        Send (its refusal raised there, before any byte, as a Send without begin meets it), else
+        by the heartbeat loop, an abort or the request's end -- whichever comes first
+        (:meth:`_settle`). ``defer``: sending the checks and planning are handed to it (the
+        engine socket runs them once the caller has its reply); a Send that comes first sends
+        its check itself.
+
+        Refused at once, before any receiver hears of any item: what :meth:`precheck` refuses,
+        a request this session does not hold, a ticket whose transfer is listed here for another
+        session or request or was aborted (its request ended, its check not answered yet). Every
+        item's transfer is registered before the first check is sent or deferred, so such a
+        refusal forgets the transfers this call registered and raises, leaving both sides as
+        they were: the caller may then end its requests without a receiver to tell."""
+        entered: list[tuple[Outbound, BeginItem, list[Envelope]]] = []
+        try:
+            for it in items:
+                env = self.precheck(it.rid, it.ticket, it.chunk_tokens)
+                self.node.own(session, it.rid)
+                entered.append((self._enter(session, it.rid, it.ticket, it.raw), it, env))
+        except BaseException:
+            # No check went out: uncounted, a transfer this call registered has not begun and
+            # is forgotten (one open before keeps its own counts).
+            for ob, _, _ in entered:
                 self._leave(ob, last=False)
+            raise
+        opened = []
+        for ob, it, env in entered:
+            if ob.began or ob.parked:
+                self._leave(ob, last=False)
+                opened.append(False)
+            else:
+                self._park(session, ob, it, env, defer)
+                opened.append(True)
+        return opened
+
+    def _park(
+        self, session: str, ob: Outbound, it: BeginItem, env: list[Envelope], defer: Callable[[Callable[[], None]], None] | None
+    ) -> None:
+        """Leave ``ob``'s check to be sent (now, or by ``defer``) and collected later; this call's
+        count of ``active`` stays with the check until then, so that nothing forgets the transfer
+        meanwhile. Planning runs while the receiver checks. Never raises (a failure to send is
+        kept as the answer; plan_ahead never raises)."""
+        ticket, raw = it.ticket, it.raw
+        ob.unsent = lambda: self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)
+
+        def start() -> None:
+            self._send_parked(ob)
+            ob.ahead = plan_ahead(self.node, session, it.rid, ticket, env, it.chunk_tokens, self._dest)
+
+        if defer is None:
+            start()
+        else:
+            defer(start)
 
     def precheck(self, rid: str, ticket: TicketInfo, chunk_tokens: int = 0) -> list[Envelope]:
         """What :meth:`begin` refuses from the ticket alone, before anyone hears of it: another

@@ -21,7 +21,7 @@ from kvd import __version__
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
 from kvd.handoff.link import PeerLink
 from kvd.limits import MAX_ID_BYTES, quote, too_long
-from kvd.handoff.flight import SendItem, check_batch_size
+from kvd.handoff.flight import BeginItem, SendItem, check_batch_size
 from kvd.handoff.outbox import Outbox
 from kvd.handoff.inbox import inbox_of
 from kvd.daemon.node import Node
@@ -291,17 +291,18 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         defer: Callable[[Callable[[], None]], None] | None,
     ) -> pb.AllocateResponse:
         """Prefill side: allocate ``specs`` and begin the transfer of each one that carries a
-        ticket (:meth:`Outbox.begin` with ``wait=False``: the receiver's check is not waited for;
-        over the engine socket, ``defer``, it is not even sent before the reply is out, nor are
-        the Sends planned: the caller goes on meanwhile). Every ticket is read and checked
-        against this daemon first, so that a refusal there leaves nothing allocated and no
-        receiver asked; a failure once checks were sent (a peer connection lost) frees what this
-        call allocated, and the requests' end aborts the transfers begun."""
+        ticket (:meth:`Outbox.begin_many`: the receivers' checks are not waited for; over the
+        engine socket, ``defer``, they are not even sent before the reply is out, nor are the
+        Sends planned: the caller goes on meanwhile). Every ticket is read and checked against
+        this daemon first, so that a refusal there leaves nothing allocated and no receiver
+        asked. A refusal once allocated (a ticket whose transfer is still listed here: another
+        session's, or an ended request's whose check is not answered yet) comes before any
+        check is sent or deferred: this call's requests are freed with no receiver to tell."""
         if self.outbox is None:
             raise FailedPrecondition("allocate with a ticket: this daemon has no transfer backend (backend=none); start it with backend=mooncake or local")
         outbox = self.outbox
         seen: dict[bytes, str] = {}
-        begins = []
+        begins: list[BeginItem] = []
         for s in wire:
             if not s.ticket:
                 continue
@@ -315,13 +316,12 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             seen[s.ticket] = s.rid
             info = outbox.read_ticket(s.ticket)
             outbox.precheck(s.rid, info, s.chunk_tokens)
-            begins.append((s.rid, info, s.ticket, s.chunk_tokens))
+            begins.append(BeginItem(s.rid, info, s.ticket, s.chunk_tokens))
         if any(s.lease for s in wire):
             raise InvalidArgument("allocate: RECV leases (decode side) and tickets (prefill side) go in separate calls")
         vecs = self.node.allocate(session, specs)
         try:
-            for rid, info, raw, chunk in begins:
-                outbox.begin(session, rid, info, raw, chunk_tokens=chunk, wait=False, defer=defer)
+            outbox.begin_many(session, begins, defer)
         except BaseException:
             self.node.free(session, [s.rid for s in specs])
             raise

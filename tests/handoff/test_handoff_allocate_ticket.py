@@ -3,9 +3,12 @@ both engine transports: the prefill engine's Allocate also begins the transfer, 
 daemon's check runs without being waited for, and the first Send collects its answer -- skipping
 the check and the planning when it was accepted, raising the refusal before any byte when not.
 Whatever the ticket shows on its own is refused by the Allocate itself, nothing allocated; a
-request freed or aborted before its Send tells the receiver, nothing written."""
+request freed or aborted before its Send tells the receiver, nothing written; an Allocate refused
+at a later ticket tells no receiver of the earlier ones."""
 
 from __future__ import annotations
+
+import threading
 
 import daemon_kit as dk
 import grpc
@@ -14,6 +17,7 @@ import pytest
 
 from kvd.client import TransferState
 from kvd.errors import Aborted, InvalidArgument, NotFound
+from kvd.v1 import kvd_pb2 as pb
 
 READY, WAITING, RECEIVING, FAILED = TransferState.READY, TransferState.WAITING, TransferState.RECEIVING, TransferState.FAILED
 
@@ -188,4 +192,73 @@ def test_a_receiver_abort_before_the_send_is_acknowledged_and_heard_by_the_send(
     assert hp.d.arena.equal(before_d)
     assert c.free(rid) == 1
     assert hp.d.free(rid) == 1
+    hp.check()
+
+
+def _held(c) -> tuple[int, list[int]]:
+    """What a pool holds: requests live, pages used per group."""
+    pool = c.stats().pool
+    return pool.requests_live, [g.used_pages for g in pool.groups]
+
+
+def test_an_allocate_refused_at_a_later_ticket_leaves_the_earlier_receivers_untouched(hp, prefill, monkeypatch):
+    """Allocate([B with its ticket, A with its ticket]) where A's ticket belongs to a transfer
+    still listed here (A freed a moment ago, its check not collected yet): the call is refused
+    and changes nothing on either side -- B's receiver never hears of it (not FAILED, its RECV
+    lease live), and B's handoff then goes as any other."""
+    if hp.p.side.node is None:
+        pytest.skip("holds the sender's collection of a check by hand: in-process pair only")
+    c = prefill
+    a, _, lease_a = _decode_side(hp, 16, "alloc-ticket-held")
+    b, dst_b, lease_b = _decode_side(hp, 16, "alloc-ticket-innocent")
+    outbox = hp.pair.prefill.t.daemon.outbox
+    release = threading.Event()
+    start_check = outbox.link.start_check
+
+    def held_for_a(address, ticket, sender, via=None):
+        """A's check goes out; collecting its answer waits for ``release`` (a slow receiver)."""
+        wait = start_check(address, ticket, sender, via)
+        if ticket != lease_a.ticket:
+            return wait
+
+        def held():
+            release.wait(10)
+            return wait()
+
+        return held
+
+    monkeypatch.setattr(outbox.link, "start_check", held_for_a)
+    try:
+        c.allocate(a, 16, ticket=lease_a.ticket)
+        assert c.free(a) == 1  # A's transfer stays listed, aborted, until its check's answer is in
+        with outbox._lock:
+            assert [ob.aborted != "" for ob in outbox._open.values() if ob.rid == a] == [True]
+        before = _held(c)
+        req = pb.AllocateRequest(requests=[pb.AllocSpec(rid=b, tokens=16, ticket=lease_b.ticket), pb.AllocSpec(rid=a, tokens=16, ticket=lease_a.ticket)])
+        with dk.expect(Aborted, grpc.StatusCode.ABORTED, f"transfer of '{a}' was aborted"):
+            c._call("Allocate", req, lambda r: r)
+        assert _held(c) == before  # (its epoch moved, and an empty region may: allocated, then freed)
+    finally:
+        release.set()
+    # Whatever the refused call left to run has run once the sender lists nothing: A's receiver
+    # was told (its request was freed), B's must not have been.
+    def nothing_listed() -> bool:
+        with outbox._lock:
+            return not outbox._open
+
+    dk.wait_for(nothing_listed, 5, "the sender's transfers all ended")
+    assert hp.d.c.wait_ready(a, 5).state is FAILED
+    st = hp.d.c.wait_ready(b, 0)
+    assert st.state is WAITING, st
+    hp.d.c.renew_lease(lease_b.lease_id)  # still live
+    hp.check()
+    # B's handoff goes as it would have without the refused call.
+    src = c.allocate(b, 16, ticket=lease_b.ticket)
+    hk.randomize(hp.p.arena, hp.seed)
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_d, before_p = hp.d.arena.clone(), hp.p.arena.clone()
+    c.send(b, lease_b.ticket, free=True)
+    assert hp.d.c.wait_ready(b, 5).state is READY
+    hp.assert_landed(src, dst_b, before_d, before_p, dst_b.tokens, state=True)
+    assert hp.d.free(a) == 1 and hp.d.free(b) == 1
     hp.check()
