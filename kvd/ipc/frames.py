@@ -19,7 +19,7 @@ import struct
 
 from google.protobuf.message import Message
 
-from kvd.ipc.unix_socket import recv_exact
+from kvd.ipc.unix_socket import recv_exact, recv_rest
 
 __all__ = ["HEAD", "HELLO", "OK", "REFUSED", "MAX_FRAME", "frame", "read_head", "read_frame"]
 
@@ -39,13 +39,15 @@ def frame(kind: int, msg: Message) -> bytes:
     return HEAD.pack(len(body), kind) + body
 
 
-def read_head(sock: socket.socket) -> tuple[int, int] | None:
-    """``(body length, kind)`` of the next frame, or None when the peer closed between frames."""
+def read_head(sock: socket.socket, timeout: float | None = None) -> tuple[int, int] | None:
+    """``(body length, kind)`` of the next frame, or None when the peer closed between frames.
+    The first bytes wait as the socket's timeout says (a connection idle between frames); a head
+    begun must be whole within ``timeout`` seconds of them (TimeoutError; None: no limit)."""
     first = sock.recv(HEAD.size)
     if not first:
         return None
     if len(first) < HEAD.size:
-        first += recv_exact(sock, HEAD.size - len(first))
+        first = recv_rest(sock, first, HEAD.size, timeout)
     n, kind = HEAD.unpack(first)
     return n, kind
 

@@ -13,11 +13,12 @@ import select
 import socket
 import stat
 import threading
+import time
 from typing import TypeVar
 
 from kvd.errors import InvalidArgument, Unavailable
 
-__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "recv_exact", "stirred", "unlink_own"]
+__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "recv_exact", "recv_rest", "stirred", "unlink_own"]
 
 log = logging.getLogger("kvd.ipc.unix_socket")
 _S = TypeVar("_S", bound="UnixServer")
@@ -97,14 +98,39 @@ def unlink_own(path: str, ino: int) -> None:
         pass
 
 
-def recv_exact(conn: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes; ConnectionError when the peer closes first (saying after how many)."""
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = conn.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
-        buf += chunk
+def recv_exact(conn: socket.socket, n: int, timeout: float | None = None) -> bytes:
+    """Exactly ``n`` bytes; ConnectionError when the peer closes first (saying after how many).
+    The first recv waits as the socket's own timeout says; ``timeout``: what did not come with it
+    must all come within that many seconds of it, however finely split (:func:`recv_rest`)."""
+    first = conn.recv(n) if n else b""
+    return first if len(first) == n else recv_rest(conn, first, n, timeout)
+
+
+def recv_rest(conn: socket.socket, first: bytes, n: int, timeout: float | None) -> bytes:
+    """``first`` (what one recv brought, short of ``n`` bytes) and the rest, up to ``n`` bytes.
+    ``timeout``: the rest within that many seconds from now, one deadline however finely it is
+    split (TimeoutError past it); None: each recv waits as the socket's timeout says. The
+    socket's timeout is set before each recv and restored after: only bytes that come in pieces
+    pay for those calls."""
+    if not first:
+        raise ConnectionError(f"peer closed the connection after 0 of {n} bytes")
+    buf = bytearray(first)
+    was = conn.gettimeout()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while len(buf) < n:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(buf)} of {n} bytes, the rest not within {timeout}s")
+                conn.settimeout(left)
+            chunk = conn.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
+            buf += chunk
+    finally:
+        if deadline is not None:
+            conn.settimeout(was)
     return bytes(buf)
 
 

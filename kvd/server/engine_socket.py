@@ -108,9 +108,11 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     """Serves :data:`METHODS` of ``service`` on a Unix stream socket at ``path``.
 
     A thread per connection (at most ``max_connections``; more get an Unavailable refusal and
-    close). A connection idles without limit between calls; a frame once begun must arrive
-    within ``timeout``. A caller that sends garbage gets an INVALID_ARGUMENT refusal (and, when
-    the stream can no longer be followed, the connection closes); neither stops the server.
+    close). A connection that acts for a session idles without limit between calls; one that
+    acts for none yet (before its hello or OpenSession) is closed after ``timeout`` without a
+    frame; a frame once begun must arrive within ``timeout``. A caller that sends garbage gets
+    an INVALID_ARGUMENT refusal (and, when the stream can no longer be followed, the connection
+    closes); neither stops the server.
     ``group``: the socket file group-writable (``group_access``), as the gRPC one
     (:class:`~kvd.server.framed.FramedServer`). A connection's state is the session it acts for."""
 
@@ -132,6 +134,12 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
 
     def _opened(self, conn: socket.socket) -> tuple[tuple[str, str], ...]:
         return ()  # no session until a hello names one or an OpenSession opens one
+
+    def _idle(self, md: tuple[tuple[str, str], ...]) -> float | None:
+        """A connection that acts for a session idles without limit (a client pools them); one
+        that acts for none yet waits ``timeout`` for its next frame, so connections opened and
+        left silent cannot hold every connection thread."""
+        return None if md else self.timeout
 
     def _frame(self, conn: socket.socket, n: int, kind: int, md: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
         if kind == HELLO:

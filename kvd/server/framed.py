@@ -43,10 +43,12 @@ class FramedServer(UnixServer, Generic[S]):
     """Frames on a Unix stream socket, a thread per connection; ``S``: what a connection carries
     from one frame to the next.
 
-    A connection idles without limit between frames; a frame once begun must arrive within
-    ``timeout``. :meth:`_frame` (and :meth:`_opened`) reply on the connection themselves, or
-    raise :class:`Close` to send a last reply and close it; a caller gone mid-frame is dropped
-    (counted in ``dropped``, logged). Neither stops the server."""
+    A connection waits for its next frame as long as :meth:`_idle` allows for its state (by
+    default without limit); past that it is closed. The rest of a frame's head must arrive
+    within ``timeout`` of its first bytes. :meth:`_frame` (and :meth:`_opened`) reply on the
+    connection themselves, or raise :class:`Close` to send a last reply and close it; a caller
+    gone mid-frame or too slow is dropped (counted in ``dropped``, logged). Neither stops the
+    server."""
 
     #: In messages and logs ("peer socket"), and the name of each connection's thread.
     label: ClassVar[str]
@@ -90,6 +92,13 @@ class FramedServer(UnixServer, Generic[S]):
         """Serve one frame whose head was read (its body is read here); the state for the next."""
         raise NotImplementedError
 
+    def _idle(self, state: S) -> float | None:
+        """Seconds a connection in ``state`` may wait for its next frame before it is closed
+        (counted in ``dropped``); None: without limit, as by default (a client's pooled
+        connections idle between calls). Asked when a connection opens and when its state
+        changes, never per frame."""
+        return None
+
     # -- serving -------------------------------------------------------------------------------
     def _end(self) -> None:
         with self._lock:
@@ -118,13 +127,16 @@ class FramedServer(UnixServer, Generic[S]):
         try:
             conn.settimeout(self.timeout)
             state = self._opened(conn)
+            idle = self._idle(state)
             while not self._stop.is_set():
-                conn.settimeout(None)  # idle between calls: a pooled connection waits for the next one
-                head = read_head(conn)
+                conn.settimeout(idle)  # between calls: as long as the state allows
+                head = read_head(conn, self.timeout)
                 if head is None:
                     return  # the caller closed it
                 conn.settimeout(self.timeout)
-                state = self._frame(conn, *head, state)
+                after = self._frame(conn, *head, state)
+                if after is not state:  # an identity test per frame, the hook only on a change
+                    state, idle = after, self._idle(after)
         except Close as c:
             self._close(conn, c.reply)
         except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()

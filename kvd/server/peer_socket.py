@@ -148,7 +148,7 @@ class PeerSocketServer(FramedServer[None]):
     # -- serving -------------------------------------------------------------------------------
     def _opened(self, conn: socket.socket) -> None:
         """Read the hello; answer it, or raise Close (wrong daemon, wrong token, not a hello)."""
-        head = read_head(conn)
+        head = read_head(conn, self.timeout)  # the first bytes wait ``timeout`` too (set by _serve)
         if head is None:
             raise ConnectionError("the caller closed before its hello")
         n, kind = head

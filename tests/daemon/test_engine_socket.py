@@ -208,3 +208,53 @@ def test_a_client_whose_daemon_stopped_reads_no_doorbell(tmp_path):
             c.wait_ready(lease.rid, 0)
     finally:
         c.close()
+
+
+def _short_timeout(target, seconds: float = 0.3):
+    """The in-process daemon's engine socket, its frame timeout made short for the test (the
+    daemon passes none: the server's default stands)."""
+    es = target.daemon.engine_socket
+    es.timeout = seconds
+    return es
+
+
+def _closed_within(s: socket.socket, seconds: float) -> bool:
+    """Whether the daemon closes ``s`` within ``seconds`` (reading, never writing)."""
+    s.settimeout(seconds)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_silent_connection_without_a_session_is_closed_after_timeout(inproc):
+    """Opened and left silent, or one byte of a head sent: neither holds a connection thread
+    past ``timeout`` (256 of them would refuse every engine); a connection with a session idles
+    on (a client pools them between calls)."""
+    es = _short_timeout(inproc)
+    with _raw(inproc) as pooled:
+        pooled.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="pooled")))
+        assert read_frame(pooled)[0] == OK
+        dropped = es.dropped
+        with _raw(inproc) as silent, _raw(inproc) as begun:
+            begun.sendall(b"\x00")  # one byte of a five-byte head
+            assert _closed_within(silent, 3.0), "a connection that acts for no session must not idle without limit"
+            assert _closed_within(begun, 3.0)
+        assert es.dropped >= dropped + 2
+        time.sleep(3 * es.timeout)
+        pooled.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest(payload=b"still")))
+        kind, body = read_frame(pooled)
+        assert kind == OK and pb.EchoResponse.FromString(body).payload == b"still"
+
+
+def test_a_head_begun_on_a_session_connection_must_end_within_timeout(inproc):
+    es = _short_timeout(inproc)
+    with _raw(inproc) as s:
+        s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="half-head")))
+        assert read_frame(s)[0] == OK
+        dropped = es.dropped
+        s.sendall(b"\x00\x00")  # two bytes of a head, on a connection that may idle without limit
+        assert _closed_within(s, 3.0), "the rest of a head begun must come within timeout"
+    assert es.dropped == dropped + 1
