@@ -46,7 +46,6 @@ from google.protobuf.message import DecodeError
 
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame
-from kvd.ipc.unix_socket import recv_exact
 from kvd.memory.doorbells import SLOT_BYTES, Doorbells
 from kvd.rpc.convert import IDS_KEY, IDS_LE, SESSION_KEY, parse_request, status_to_pb
 from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, Method, fast_path
@@ -169,7 +168,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
             if n > MAX_HELLO:
                 raise InvalidArgument(f"engine socket: a hello of {n:,d} bytes exceeds {MAX_HELLO}; send the Session OpenSession returned")
             try:
-                hello = pb.Session.FromString(recv_exact(conn, n))
+                hello = pb.Session.FromString(self._body(conn, n))
             except DecodeError as exc:
                 raise InvalidArgument(f"engine socket: the hello does not parse as Session ({exc})") from exc
             s = self.service.node.touch(hello.session_id)
@@ -210,7 +209,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         name for the books, and the work the handler deferred past the reply."""
         if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
             raise Close(refusal(InvalidArgument(f"engine socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
-        body = recv_exact(conn, n) if n else b""
+        body = self._body(conn, n)
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         sid = ""

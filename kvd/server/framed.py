@@ -18,7 +18,7 @@ from typing import ClassVar, Generic, TypeVar
 
 from kvd.errors import Unavailable
 from kvd.ipc.frames import REFUSED, frame, read_head
-from kvd.ipc.unix_socket import UnixServer
+from kvd.ipc.unix_socket import UnixServer, recv_rest
 from kvd.rpc.convert import status_to_pb
 
 __all__ = ["Close", "FramedServer", "refusal"]
@@ -44,11 +44,16 @@ class FramedServer(UnixServer, Generic[S]):
     from one frame to the next.
 
     A connection waits for its next frame as long as :meth:`_idle` allows for its state (by
-    default without limit); past that it is closed. The rest of a frame's head must arrive
-    within ``timeout`` of its first bytes. :meth:`_frame` (and :meth:`_opened`) reply on the
-    connection themselves, or raise :class:`Close` to send a last reply and close it; a caller
-    gone mid-frame or too slow is dropped (counted in ``dropped``, logged). Neither stops the
-    server."""
+    default without limit); past that it is closed. A frame begun arrives whole in bounded time
+    however its bytes are split, each part under one deadline: the rest of its head within
+    ``timeout`` of its first bytes; its body's first bytes within ``timeout`` of the head, the
+    rest of the body within ``timeout`` of those (:meth:`_body`). So a frame is read, or its
+    connection dropped, within 3 x ``timeout`` of its first byte; the reply's send has
+    ``timeout`` in all (a handler's own time, a WaitReady's wait, is not bounded here).
+
+    :meth:`_frame` (and :meth:`_opened`) reply on the connection themselves, or raise
+    :class:`Close` to send a last reply and close it; a caller gone mid-frame or too slow is
+    dropped (counted in ``dropped``, logged). Neither stops the server."""
 
     #: In messages and logs ("peer socket"), and the name of each connection's thread.
     label: ClassVar[str]
@@ -91,6 +96,13 @@ class FramedServer(UnixServer, Generic[S]):
     def _frame(self, conn: socket.socket, n: int, kind: int, state: S) -> S:
         """Serve one frame whose head was read (its body is read here); the state for the next."""
         raise NotImplementedError
+
+    def _body(self, conn: socket.socket, n: int) -> bytes:
+        """The ``n``-byte body of a frame whose head was read (what :meth:`_frame` reads it
+        with): its first bytes within ``timeout`` of the head, the rest within ``timeout`` of
+        those, one deadline however finely they are split (TimeoutError: the caller is dropped)."""
+        first = conn.recv(n) if n else b""  # under the socket's timeout, set after the head
+        return first if len(first) == n else recv_rest(conn, first, n, self.timeout)
 
     def _idle(self, state: S) -> float | None:
         """Seconds a connection in ``state`` may wait for its next frame before it is closed

@@ -61,7 +61,6 @@ from kvd.server.framed import Close, FramedServer, refusal
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import code_from_int
 from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame, read_head
-from kvd.ipc.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import parse_request, status_to_pb
 
@@ -159,7 +158,7 @@ class PeerSocketServer(FramedServer[None]):
                     f"got kind {kind} of {n:,d} bytes"
                 )
             try:
-                hello = pb.PeerHello.FromString(recv_exact(conn, n))
+                hello = pb.PeerHello.FromString(self._body(conn, n))
             except DecodeError as exc:
                 raise InvalidArgument(f"peer socket: the hello does not parse as PeerHello ({exc})") from exc
             me = frame(OK, pb.PeerHelloResponse(boot_id=self.boot_id))
@@ -182,7 +181,7 @@ class PeerSocketServer(FramedServer[None]):
         what to run once it is sent."""
         if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
             raise Close(refusal(InvalidArgument(f"peer socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
-        body = recv_exact(conn, n)
+        body = self._body(conn, n)
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         then = _nothing

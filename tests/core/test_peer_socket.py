@@ -11,6 +11,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -245,6 +246,30 @@ def test_a_truncated_frame_drops_the_connection_not_the_server(node, server):
     pc.call(pc.checkout(SocketRoute(server.path, node.pool.boot_id)), "CheckTicket", pb.CheckTicketRequest(ticket=raw))
     assert server.dropped == 1 and server.answered() == {("CheckTicket", "OK"): 1}
     pc.close()
+
+
+def test_a_frame_dripped_byte_by_byte_is_cut_off_within_its_deadline(server):
+    """A byte every 0.3 s beats the server's per-recv timeout (1 s) for ever; a frame's parts
+    each have one deadline, so the connection is dropped: a hello or a call, however split."""
+    for hello in (True, False):
+        if hello:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(server.path)
+            s.sendall(struct.pack(">IB", 100, HELLO))
+        else:
+            s, _, _ = _raw(server)
+            s.sendall(struct.pack(">IB", 100, COMMIT))
+        dropped = server.dropped
+        end = time.monotonic() + 6.0  # the body's bound is 2 x timeout (2 s) from the head
+        cut = False
+        while not cut and time.monotonic() < end:
+            try:
+                s.sendall(b"\x0a")
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+            time.sleep(0.3)
+        s.close()
+        assert cut and server.dropped == dropped + 1, f"a {'hello' if hello else 'call'} dripped byte by byte was never cut off"
 
 
 def test_the_first_frame_must_be_a_small_hello(node, server):

@@ -258,3 +258,24 @@ def test_a_head_begun_on_a_session_connection_must_end_within_timeout(inproc):
         s.sendall(b"\x00\x00")  # two bytes of a head, on a connection that may idle without limit
         assert _closed_within(s, 3.0), "the rest of a head begun must come within timeout"
     assert es.dropped == dropped + 1
+
+
+def test_a_body_dripped_byte_by_byte_is_cut_off_within_its_deadline(inproc):
+    """A byte every 0.1 s beats a per-recv timeout of 0.3 s for ever; the body has one deadline
+    (its rest within ``timeout`` of its first bytes), so the connection is dropped."""
+    es = _short_timeout(inproc)
+    with _raw(inproc) as s:
+        s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="drip")))
+        assert read_frame(s)[0] == OK
+        dropped = es.dropped
+        s.sendall(HEAD.pack(1000, METHOD_IDS["Echo"]))
+        end = time.monotonic() + 5.0  # the body's bound is 2 x timeout (0.6 s) from the head
+        cut = False
+        while not cut and time.monotonic() < end:
+            try:
+                s.sendall(b"\x00")
+            except (BrokenPipeError, ConnectionResetError):
+                cut = True
+            time.sleep(0.1)
+        assert cut, "a body dripped slower than its deadline but faster than a per-recv timeout was never cut off"
+    assert es.dropped == dropped + 1
