@@ -16,19 +16,33 @@ import socket
 import threading
 from typing import ClassVar, Generic, TypeVar
 
-from kvd.errors import Unavailable
-from kvd.ipc.frames import REFUSED, frame, read_head
+from kvd.errors import Code, Unavailable
+from kvd.ipc.frames import MAX_FRAME, REFUSED, frame, read_head
 from kvd.ipc.unix_socket import UnixServer, recv_rest
 from kvd.rpc.convert import status_to_pb
+from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["Close", "FramedServer", "refusal"]
+__all__ = ["BODY_BUDGET", "Close", "FramedServer", "exhausted", "refusal"]
 
 S = TypeVar("S")
+
+#: Bytes of frame bodies one server reads at once across its connections (past what each
+#: body's first recv brings): four of the largest frames. Without it every connection could
+#: park a MAX_FRAME body (256 engine-socket connections: 16 GiB).
+BODY_BUDGET = 4 * MAX_FRAME
 
 
 def refusal(exc: BaseException) -> bytes:
     """The refusal frame of an exception (through the one mapping)."""
     return frame(REFUSED, status_to_pb(exc))
+
+
+def exhausted(message: str) -> bytes:
+    """A RESOURCE_EXHAUSTED refusal without kvd's error metadata: a transport's limit, as gRPC
+    refuses a message over its limit (and :mod:`kvd.client.fast` a request over the frame
+    limit). :func:`kvd.errors.from_status` raises it as a plain KvdError, never CapacityError,
+    which would have an engine wait for pool memory that is not the problem."""
+    return frame(REFUSED, pb.PeerStatus(code=Code.RESOURCE_EXHAUSTED, message=message))
 
 
 class Close(Exception):
@@ -51,6 +65,12 @@ class FramedServer(UnixServer, Generic[S]):
     connection dropped, within 3 x ``timeout`` of its first byte; the reply's send has
     ``timeout`` in all (a handler's own time, a WaitReady's wait, is not bounded here).
 
+    Bodies that come in pieces are parked while the rest arrives; those being read at once hold
+    at most ``body_budget`` bytes across the connections (a body's first recv, bounded by the
+    socket's buffer, is not counted: a body that comes whole costs no accounting). A frame
+    whose body would pass it is refused RESOURCE_EXHAUSTED (:func:`exhausted`) and its
+    connection closed: the stream cannot be followed without reading the body.
+
     :meth:`_frame` (and :meth:`_opened`) reply on the connection themselves, or raise
     :class:`Close` to send a last reply and close it; a caller gone mid-frame or too slow is
     dropped (counted in ``dropped``, logged). Neither stops the server."""
@@ -62,10 +82,13 @@ class FramedServer(UnixServer, Generic[S]):
     busy_hint: ClassVar[str]
     log: ClassVar[logging.Logger]
 
-    def __init__(self, path: str, setting: str, serves: str, *, timeout: float, max_connections: int, group: bool = False) -> None:
+    def __init__(self, path: str, setting: str, serves: str, *, timeout: float, max_connections: int, group: bool = False,
+                 body_budget: int = BODY_BUDGET) -> None:
         super().__init__(path, setting, serves, group=group)
         self.timeout = timeout
         self.max_connections = max_connections
+        self.body_budget = body_budget
+        self._reading = 0  # bytes of the bodies being read in pieces now (under _lock)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
@@ -102,7 +125,25 @@ class FramedServer(UnixServer, Generic[S]):
         with): its first bytes within ``timeout`` of the head, the rest within ``timeout`` of
         those, one deadline however finely they are split (TimeoutError: the caller is dropped)."""
         first = conn.recv(n) if n else b""  # under the socket's timeout, set after the head
-        return first if len(first) == n else recv_rest(conn, first, n, self.timeout)
+        return first if len(first) == n else self._rest(conn, first, n)
+
+    def _rest(self, conn: socket.socket, first: bytes, n: int) -> bytes:
+        """The rest of an ``n``-byte body whose first recv brought only ``first``, its ``n``
+        bytes counted against ``body_budget`` while it is read; Close (RESOURCE_EXHAUSTED) when
+        they would pass it, before anything more is read."""
+        with self._lock:
+            reading = self._reading
+            if reading + n <= self.body_budget:
+                self._reading += n
+        if reading + n > self.body_budget:
+            raise Close(exhausted(
+                f"{self.label}: a body of {n:,d} bytes with {reading:,d} being read already would pass the "
+                f"{self.body_budget:,d}-byte budget of bodies read at once; retry the call later, or send less per call"))
+        try:
+            return recv_rest(conn, first, n, self.timeout)
+        finally:
+            with self._lock:
+                self._reading -= n
 
     def _idle(self, state: S) -> float | None:
         """Seconds a connection in ``state`` may wait for its next frame before it is closed

@@ -279,3 +279,28 @@ def test_a_body_dripped_byte_by_byte_is_cut_off_within_its_deadline(inproc):
             time.sleep(0.1)
         assert cut, "a body dripped slower than its deadline but faster than a per-recv timeout was never cut off"
     assert es.dropped == dropped + 1
+
+
+def test_bodies_read_at_once_are_bounded_across_connections(inproc):
+    """Each connection could park a body of up to MAX_FRAME; the bytes of bodies being read in
+    pieces at once have one budget across connections: a body that would pass it is refused
+    RESOURCE_EXHAUSTED and its connection closed; a body that comes whole is never counted."""
+    es = _short_timeout(inproc, 3.0)
+    body = pb.EchoRequest(payload=b"x" * 900).SerializeToString()
+    es.body_budget = len(body) + len(body) // 2  # room for one such body in pieces, not two
+    with _raw(inproc) as a, _raw(inproc) as b:
+        a.sendall(HEAD.pack(len(body), METHOD_IDS["Echo"]) + body[:1])
+        end = time.monotonic() + 1.0
+        while getattr(es, "_reading", None) != len(body) and time.monotonic() < end:
+            time.sleep(0.01)  # until a's body, begun, is counted
+        b.sendall(HEAD.pack(len(body), METHOD_IDS["Echo"]) + body[:1])
+        st = _status(b)
+        assert st.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "budget of bodies read at once" in st.message, st
+        assert not st.metadata, "a transport's limit, not the pool's capacity (no kvd error class)"
+        assert _closed_within(b, 3.0)
+        a.sendall(body[1:])
+        kind, out = read_frame(a)
+        assert kind == OK and pb.EchoResponse.FromString(out).payload == b"x" * 900
+        assert es._reading == 0
+        a.sendall(HEAD.pack(len(body), METHOD_IDS["Echo"]) + body)  # whole at once: one recv, not counted
+        assert read_frame(a)[0] == OK
