@@ -291,12 +291,16 @@ class Inbox:
             raise NotFound(f"no inbound transfer for {quote(rid)}: acquire a RECV lease first")
         return Status(ib.state, ib.reason, ib.nbytes)
 
-    def wait(self, rid: str, timeout: float) -> Status:
+    def wait(self, rid: str, timeout: float, active: Callable[[], bool] | None = None) -> Status:
         """Block until ``rid`` is READY or FAILED or ``timeout`` passes; returns the state then.
-        While the engine waits and no sender has begun, its RECV lease is kept renewed."""
+        While the engine waits and no sender has begun, its RECV lease is kept renewed.
+        ``active``: asked at each wake-up (at least every 0.1 s, never before the first wait,
+        under the node's lock: it must be quick); once False (the caller hung up, the server
+        stops) the wait ends with the state then, so an abandoned wait frees its thread."""
         if not (0 <= timeout <= 3600):
             raise InvalidArgument(f"wait timeout must be in [0, 3600] seconds, got {timeout}")
         deadline = time.monotonic() + timeout
+        woken = False
         with self._cond:
             while True:
                 ib = self._by_rid.get(rid)
@@ -311,9 +315,10 @@ class Inbox:
                         self._fail(ib, "the RECV lease expired before any sender began", drained=True)
                         continue
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (woken and active is not None and not active()):
                     return Status(ib.state, ib.reason, ib.nbytes)
                 self._cond.wait(min(left, 0.1))
+                woken = True
 
     def abort_local(self, rid: str, reason: str) -> tuple[str, TransferRef] | None:
         """The decode engine aborts. Returns ``(sender address, ref)`` to notify, if a sender began."""

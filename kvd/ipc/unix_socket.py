@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from kvd.errors import InvalidArgument, Unavailable
 
-__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "recv_exact", "recv_rest", "stirred", "unlink_own"]
+__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "hung_up", "recv_exact", "recv_rest", "stirred", "unlink_own"]
 
 log = logging.getLogger("kvd.ipc.unix_socket")
 _S = TypeVar("_S", bound="UnixServer")
@@ -216,3 +216,14 @@ def stirred(fds: list[int]) -> list[int]:
         p.register(fd, _STIRRED)
     return [fd for fd, _ in p.poll(0)]
 
+
+#: The other side hung up (closed, shut its end) or the connection failed; never data waiting.
+_HUNG_UP = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
+
+
+def hung_up(fd: int) -> bool:
+    """Whether the peer of connection ``fd`` hung up: one zero-timeout poll, no data consumed
+    (bytes waiting unread are no hang-up)."""
+    p = select.poll()
+    p.register(fd, _HUNG_UP)
+    return bool(p.poll(0))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ from google.protobuf.message import DecodeError
 
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
 from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame
+from kvd.ipc.unix_socket import hung_up
 from kvd.memory.doorbells import SLOT_BYTES, Doorbells
 from kvd.rpc.convert import IDS_KEY, IDS_LE, SESSION_KEY, parse_request, status_to_pb
 from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, Method, fast_path
@@ -75,15 +77,24 @@ class _Aborted(Exception):
 
 class _Context:
     """What :class:`KvdService`'s handlers use of a ``grpc.ServicerContext``: the session's
-    metadata, trailing metadata and abort (both filled by ``_run``), and no deadline (the client
-    bounds WaitReady by its own timeout before it sends)."""
+    metadata, trailing metadata and abort (both filled by ``_run``), whether the call is still
+    wanted (``is_active``), and no deadline (the client bounds WaitReady by its own timeout
+    before it sends)."""
 
-    __slots__ = ("_md", "_trailing", "after")
+    __slots__ = ("_md", "_trailing", "after", "_conn", "_stop")
 
-    def __init__(self, md: tuple[tuple[str, str], ...]) -> None:
+    def __init__(self, md: tuple[tuple[str, str], ...], conn: socket.socket, stop: threading.Event) -> None:
         self._md = md
         self._trailing: Sequence[tuple[str, str]] = ()
         self.after: list[Callable[[], None]] = []  # run once the reply is out (defer)
+        self._conn = conn
+        self._stop = stop  # the server's: set once it stops
+
+    def is_active(self) -> bool:
+        """False once the server stops or the caller hung up (a zero-timeout poll of the
+        connection, nothing read): nobody will hear the reply. A system call: for a handler
+        that blocks (WaitReady asks it at each wake-up), never per call."""
+        return not self._stop.is_set() and not hung_up(self._conn.fileno())
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on this connection's thread once the caller has its reply, before its next
@@ -220,7 +231,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
                     f"engine socket: unknown method id {kind}; this daemon serves 1 to {len(METHODS)} (and {HELLO}: hello, {DOORBELLS}: doorbells)"
                 )
             request = parse_request(m.name, m.request, body)  # the words gRPC refuses it in
-            ctx = _Context(md)
+            ctx = _Context(md, conn, self._stop)
             after = ctx.after
             try:
                 response = self._handlers[kind](request, ctx)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import ClassVar, Generic, TypeVar
 
 from kvd.errors import Code, Unavailable
@@ -161,8 +162,11 @@ class FramedServer(UnixServer, Generic[S]):
                 c.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv (close would not)
             except OSError:
                 pass
+        # One deadline for all: a thread that outlives it (a handler that ignores the stop) is
+        # left, as a daemon thread, instead of each holding the stop up for its own timeout.
+        deadline = time.monotonic() + self.timeout + 1.0
         for t in conns.values():
-            t.join(self.timeout + 1.0)
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _accepted(self, conn: socket.socket) -> None:
         t = threading.Thread(target=self._serve, args=(conn,), name=self.thread_name, daemon=True)

@@ -518,7 +518,8 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             # Never wait past the caller's own deadline.
             left = context.time_remaining()
             timeout = request.timeout_seconds if left is None else min(request.timeout_seconds, max(0.0, left - 0.05))
-            st = inbox_of(self.node).wait(request.rid, timeout)
+            # Ends early once nobody can hear the answer (the caller hung up, the server stops).
+            st = inbox_of(self.node).wait(request.rid, timeout, context.is_active)
             return pb.TransferStatus(rid=request.rid, state=state_to_pb(st.state), reason=st.reason, bytes=st.nbytes)
 
         return self._run(context, go)

@@ -53,3 +53,24 @@ def test_an_undeferred_commit_wakes_at_once_and_a_chunk_has_nothing_to_wake():
     t.join(2)
     st, at = got[0]
     assert st.state is TransferState.READY and st.nbytes == 10 and at - a < 0.05
+
+
+def test_a_wait_whose_caller_is_gone_ends_at_its_next_wake_up_with_the_state_then():
+    """``active`` is asked at each wake-up, never before the first wait (a wait that need not
+    block pays nothing); once False the wait returns the state then, long before its timeout."""
+    inbox, _ = _receiving()
+    asked: list[float] = []
+    gone = threading.Event()
+
+    def active() -> bool:
+        asked.append(time.monotonic())
+        return not gone.is_set()
+
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(inbox.wait("r", 60, active)))
+    t.start()
+    time.sleep(0.35)
+    assert asked, "asked at the wake-ups"
+    gone.set()
+    t.join(5)
+    assert not t.is_alive() and got and got[0].state is TransferState.RECEIVING

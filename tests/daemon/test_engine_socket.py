@@ -304,3 +304,89 @@ def test_bodies_read_at_once_are_bounded_across_connections(inproc):
         assert es._reading == 0
         a.sendall(HEAD.pack(len(body), METHOD_IDS["Echo"]) + body)  # whole at once: one recv, not counted
         assert read_frame(a)[0] == OK
+
+
+def _waiting(target, n: int, name: str) -> tuple[Client, list[socket.socket]]:
+    """``n`` raw connections of one session, each blocked in a WaitReady of an hour. The session's
+    client is not the target's: closing the target's clients (which frees their requests, and so
+    ends their waits) leaves it."""
+    c = Client.connect(target.unix, name=name, transport="fast")
+    socks = []
+    for i in range(n):
+        r = rid(f"{name}-{i}")
+        c.allocate_recv(r, 16)
+        s = _raw(target)
+        s.sendall(frame(HELLO, pb.Session(session_id=c.session_id)))
+        assert read_frame(s)[0] == OK
+        s.sendall(frame(METHOD_IDS["WaitReady"], pb.WaitRequest(rid=r, timeout_seconds=3600)))
+        socks.append(s)
+    return c, socks
+
+
+def _until(cond, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_a_wait_its_caller_abandoned_frees_its_connection(inproc):
+    """The engine closed the connection of a WaitReady of an hour: the daemon's thread notices at
+    its next wake-up (every 0.1 s) and lets the connection go."""
+    es = inproc.daemon.engine_socket
+    c, socks = _waiting(inproc, 3, "abandon")
+    try:
+        assert _until(lambda: es.connections >= 4, 2.0)  # the client's own, and three waits
+        before = es.connections
+        for s in socks:
+            s.close()
+        assert _until(lambda: es.connections == before - 3, 3.0), f"{es.connections} connections open, want {before - 3}"
+    finally:
+        c.close()
+
+
+def test_stop_ends_waits_in_progress_promptly(tmp_path):
+    """A WaitReady in progress ends once the server stops (its context is no longer active),
+    so stop does not wait out each wait's join in turn."""
+    import daemon_kit as dk
+
+    t = dk.start_inproc(tmp_path)
+    assert t.daemon is not None
+    t.daemon.engine_socket.timeout = 2.0
+    c, socks = _waiting(t, 3, "stop")
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        t.daemon.stop(0)
+        took = time.monotonic() - t0
+    finally:
+        for s in socks:
+            s.close()
+        c.close()
+        dk.stop_inproc(t)
+    assert took < 2.0, f"stop took {took:.1f}s with three waits in progress (each could hold it timeout + 1 s)"
+
+
+def test_stop_joins_its_connections_against_one_deadline(inproc, monkeypatch):
+    """Handlers that ignore the stop hold it up once by timeout + 1 s, not that much each."""
+    es = _short_timeout(inproc, 0.2)
+    release = threading.Event()
+
+    def stuck(request, context):
+        release.wait(30)
+        return pb.EchoResponse()
+
+    monkeypatch.setitem(es._handlers, METHOD_IDS["Echo"], stuck)
+    socks = [_raw(inproc) for _ in range(4)]
+    try:
+        for s in socks:
+            s.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest()))
+        assert _until(lambda: es.connections >= 4, 2.0)
+        t0 = time.monotonic()
+        es.stop()
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+        for s in socks:
+            s.close()
+    assert took < 3.0, f"stop took {took:.1f}s: each stuck connection was joined for its own timeout + 1 s"
