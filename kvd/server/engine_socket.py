@@ -46,7 +46,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
-from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame
+from kvd.ipc.frames import HELLO, OK, REFUSED, frame
 from kvd.ipc.unix_socket import hung_up
 from kvd.memory.doorbells import SLOT_BYTES, Doorbells
 from kvd.rpc.convert import IDS_KEY, IDS_LE, SESSION_KEY, parse_request, status_to_pb
@@ -120,9 +120,10 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     A thread per connection (at most ``max_connections``; more get an Unavailable refusal and
     close). A connection that acts for a session idles without limit between calls; one that
     acts for none yet (before its hello or OpenSession) is closed after ``timeout`` without a
-    frame; a frame once begun must arrive within ``timeout``. A caller that sends garbage gets
-    an INVALID_ARGUMENT refusal (and, when the stream can no longer be followed, the connection
-    closes); neither stops the server.
+    frame; a frame once begun must arrive within ``timeout`` (the bound:
+    :class:`~kvd.server.framed.FramedServer`). A caller that sends garbage gets an
+    INVALID_ARGUMENT refusal, a frame over MAX_FRAME a RESOURCE_EXHAUSTED one, as over gRPC (and,
+    when the stream can no longer be followed, the connection closes); neither stops the server.
     ``group``: the socket file group-writable (``group_access``), as the gRPC one
     (:class:`~kvd.server.framed.FramedServer`). A connection's state is the session it acts for."""
 
@@ -218,9 +219,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         """The reply frame to one call whose head was read (its body is read here), the
         session id an OpenSession opened ("" otherwise), the method's name and status code
         name for the books, and the work the handler deferred past the reply."""
-        if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
-            raise Close(refusal(InvalidArgument(f"engine socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
-        body = self._body(conn, n)
+        body = self._body(conn, n)  # Close for a body over MAX_FRAME
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         sid = ""

@@ -124,7 +124,13 @@ class FramedServer(UnixServer, Generic[S]):
     def _body(self, conn: socket.socket, n: int) -> bytes:
         """The ``n``-byte body of a frame whose head was read (what :meth:`_frame` reads it
         with): its first bytes within ``timeout`` of the head, the rest within ``timeout`` of
-        those, one deadline however finely they are split (TimeoutError: the caller is dropped)."""
+        those, one deadline however finely they are split (TimeoutError: the caller is dropped).
+        Close (RESOURCE_EXHAUSTED, as gRPC refuses a message over its limit) for a body over
+        MAX_FRAME, or one that would pass ``body_budget``."""
+        if n > MAX_FRAME:  # refused unread, so the stream cannot be followed past it
+            raise Close(exhausted(
+                f"{self.label}: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit (gRPC's message limit too); "
+                "send less per call"))
         first = conn.recv(n) if n else b""  # under the socket's timeout, set after the head
         return first if len(first) == n else self._rest(conn, first, n)
 

@@ -121,9 +121,10 @@ class PeerSocketServer(FramedServer[None]):
     A thread per connection (at most ``max_connections``; more get an Unavailable refusal). A
     connection is authenticated once, by its hello, then serves calls until the caller closes
     it; it may idle without limit (callers pool them), but a frame once begun must arrive within
-    ``timeout``. A caller that sends garbage gets an InvalidArgument refusal (and, when the
-    stream can no longer be followed, the connection closes); one that vanishes mid-frame is
-    dropped; neither stops the server (:class:`~kvd.server.framed.FramedServer`).
+    ``timeout``. A caller that sends garbage gets an InvalidArgument refusal, a frame over
+    MAX_FRAME a RESOURCE_EXHAUSTED one, as over gRPC (and, when the stream can no longer be
+    followed, the connection closes); one that vanishes mid-frame is dropped; neither stops the
+    server (:class:`~kvd.server.framed.FramedServer`).
 
     :meth:`start` binds (replacing a stale socket file, refusing a live one); :meth:`stop`
     closes every connection (callers see EOF), waits for their threads and unlinks the path."""
@@ -179,9 +180,7 @@ class PeerSocketServer(FramedServer[None]):
     def _answer(self, conn: socket.socket, n: int, kind: int) -> tuple[bytes, Callable[[], None]]:
         """The reply frame to one call frame whose head was read (its body is read here), and
         what to run once it is sent."""
-        if n > MAX_FRAME:  # the body is not read, so the stream cannot be followed past it
-            raise Close(refusal(InvalidArgument(f"peer socket: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit")))
-        body = self._body(conn, n)
+        body = self._body(conn, n)  # Close for a body over MAX_FRAME
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         then = _nothing

@@ -390,3 +390,17 @@ def test_stop_joins_its_connections_against_one_deadline(inproc, monkeypatch):
         for s in socks:
             s.close()
     assert took < 3.0, f"stop took {took:.1f}s: each stuck connection was joined for its own timeout + 1 s"
+
+
+def test_a_frame_over_the_limit_is_resource_exhausted_as_over_grpc(inproc):
+    """gRPC refuses a message over its limit RESOURCE_EXHAUSTED, and so does the client before it
+    sends (kvd.client.fast); a raw caller hears the same from the daemon, told what to change."""
+    from kvd.ipc.frames import MAX_FRAME
+
+    with _raw(inproc) as s:
+        s.sendall(HEAD.pack(MAX_FRAME + 1, METHOD_IDS["Allocate"]))
+        st = _status(s)
+        assert st.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], st
+        assert f"exceeds the {MAX_FRAME:,d}-byte limit" in st.message and "send less per call" in st.message, st
+        assert not st.metadata, "a transport's limit, not the pool's capacity"
+        assert _closed_within(s, 3.0), "the body is not read: the stream cannot be followed past it"
