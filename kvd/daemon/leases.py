@@ -94,6 +94,17 @@ class LeaseTable:
         lease.expires_at = self.clock() + lease.ttl
         return lease
 
+    def hold(self, lease_id: int, ttl: float) -> bool:
+        """Keep lease ``lease_id`` for ``ttl`` seconds from now, even past its TTL, as long as it
+        is still in the table (:meth:`expire` has not removed it): a fence, whose pages a writer
+        may still reach, must not lapse on the TTL its holder asked for. False if it is gone."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        lease.ttl = self._ttl(ttl)
+        lease.expires_at = self.clock() + lease.ttl
+        return True
+
     def release(self, lease_id: int) -> Lease:
         lease = self.get(lease_id)
         self._forget(lease)

@@ -277,8 +277,10 @@ class Node:
         """Expire leases past their TTL and reap sessions silent for longer than theirs.
         Returns the expired leases and the reaped session ids."""
         with self._lock:
-            expired = self.leases.expire()
+            # The inbox first: a RECV lease past its TTL under a transfer still receiving is
+            # held as its fence, which it can no longer be once expire() has removed it.
             self.inbox.sweep()
+            expired = self.leases.expire()
             self._bury()
             now = self.clock()
             dead = [s for s in self._sessions.values() if now - s.last_seen > s.ttl]
@@ -401,6 +403,10 @@ class Node:
             if known is None and kind is LeaseKind.SEND:
                 known = self._handed.get(rid)
             vec = known if known is not None and self.pool.unchanged(known) else self.pool.vectors(rid)
+            if kind is LeaseKind.RECV:
+                # A transfer whose RECV lease just ran out is fenced (its lease held) before a
+                # new lease could forget it while its sender may still write.
+                self.inbox.sweep()
             if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
                 raise FailedPrecondition(f"request {quote(rid)} already has a live RECV lease: one sender per request")
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
@@ -441,6 +447,7 @@ class Node:
     def compact(self, session_id: str, around_pinned: bool = False) -> CompactionResult:
         with self._lock:
             self._touch(session_id)
+            self.inbox.sweep()  # a receiving request whose RECV lease just ran out is fenced, not movable
             return self.pool.compact(self.leases.pinned(), around_pinned=around_pinned)
 
     def finalize(self, session_id: str, nbytes: int | None, resize: bool = False) -> None:
@@ -454,6 +461,7 @@ class Node:
         with self._lock:
             self._touch(session_id)
             self._own(session_id, rid)
+            self.inbox.sweep()  # a receiving request whose RECV lease just ran out is fenced
             self._no_leases(rid, "offload")
             return self.pool.offload(rid)
 

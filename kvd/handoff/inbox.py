@@ -8,8 +8,8 @@ Receiving side (:class:`Inbox`, owned by the decode node)::
 
     RECV lease ──▶ WAITING ──CheckTicket(sender)──▶ RECEIVING ──Commit(last)──▶ READY
                       │                                 │
-                      └── lease expired / Abort ────────┴── Abort / no heartbeat for
-                                                             peer_timeout ──▶ FAILED
+                      └── lease expired / Abort ────────┴── Abort / lease expired / no
+                                                             heartbeat for peer_timeout ──▶ FAILED
 
   * READY and a sender's drained abort release the RECV lease at once: no write is in flight.
   * A sender that stopped answering may still have writes in flight (a partition, not a
@@ -19,6 +19,9 @@ Receiving side (:class:`Inbox`, owned by the decode node)::
     its RECV lease released: :meth:`Inbox.end`) fails the same way, fenced, and its sender is
     told (``AbortSend``, off the node's lock: :class:`Ends`) so that its next Send is refused
     before it writes.
+  * A RECV lease that runs out on its TTL while RECEIVING fails that transfer alone, fenced the
+    same way (the lease is held past its TTL as the fence); the sender's next heartbeat hears
+    its lease is dead, the other transfers it names carry on.
 
 Sending side (:class:`kvd.handoff.outbox.Outbox`, owned by the prefill daemon): ``send`` validates the ticket with
 the receiver before the first byte, pins its own pages with a SEND lease, plans the blocks
@@ -280,8 +283,15 @@ class Inbox:
                 # Only CheckTicket begins a transfer: a heartbeat naming a WAITING one (a sender
                 # whose ticket was refused, or that has not reached the receiver yet) keeps the
                 # lease alive but must not make it look like writes have started.
+                try:
+                    self._leases.renew(ib.lease_id)
+                except NotFound:
+                    # This transfer's lease ran out (a TTL shorter than the beat): it alone is
+                    # dead; the others named in the same beat are kept.
+                    self._lapsed(ib)
+                    dead.append(ref.lease_id)
+                    continue
                 ib.last_seen = now
-                self._leases.renew(ib.lease_id)
         return dead
 
     # -- called by the local (decode) engine ------------------------------------------------------
@@ -349,6 +359,16 @@ class Inbox:
         return self.fenced(rid), None
 
     # -- housekeeping ---------------------------------------------------------------------------
+    def _lapsed(self, ib: _Inbound) -> None:
+        """``ib``'s RECV lease ran out on its TTL. WAITING: no sender began, nothing can be in
+        flight: it fails and the lease goes. RECEIVING: its sender may still be writing, so it
+        fails fenced -- the lease, past its TTL but not yet expired out of the table (the node
+        sweeps the inbox first), is held as the fence. Anything else is over already."""
+        if ib.state is TransferState.WAITING:
+            self._fail(ib, "the RECV lease expired before any sender began", drained=True)
+        elif ib.state is TransferState.RECEIVING:
+            self._fail(ib, "the RECV lease expired mid-transfer", drained=False)
+
     def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:
         ib.state, ib.reason = TransferState.FAILED, reason
         self.failed_total += 1
@@ -358,10 +378,9 @@ class Inbox:
             ib.fence_until = None
         else:
             ib.fence_until = self._clock() + self.fence_s
-            try:  # the lease is the fence: it must not run out before the fence does
-                self._leases.renew(ib.lease_id, self.fence_s + 1.0)
-            except NotFound:
-                pass
+            # The lease is the fence: it must not run out before the fence does, even when its
+            # own TTL ran out first (held, not renewed: a renew refuses a lease past its TTL).
+            self._leases.hold(ib.lease_id, self.fence_s + 1.0)
         self._cond.notify_all()
 
     def sweep(self) -> list[str]:
@@ -373,8 +392,8 @@ class Inbox:
             for ib in list(self._by_rid.values()):
                 if ib.state is TransferState.RECEIVING and now - ib.last_seen > self.peer_timeout:
                     self._fail(ib, f"sender {ib.sender} stopped answering for {now - ib.last_seen:.1f} s", drained=False)
-                elif ib.state is TransferState.WAITING and not self._leases.live(ib.lease_id):
-                    self._fail(ib, "the RECV lease expired before any sender began", drained=True)
+                elif not self._leases.live(ib.lease_id):
+                    self._lapsed(ib)
                 if ib.state is TransferState.FAILED and ib.fence_until is not None and now >= ib.fence_until:
                     self._leases.drop(ib.lease_id)
                     ib.fence_until = None
