@@ -266,6 +266,9 @@ class _Surface:
         (spec,) = _specs([AllocSpec(rid, tokens, receive)])
         if ticket is not None:
             spec.ticket, spec.chunk_tokens = _ticket(ticket), _chunk_tokens(chunk_tokens)
+        elif chunk_tokens:
+            # Sent on so the daemon refuses it (InvalidArgument): dropped here, it was silently ignored.
+            spec.chunk_tokens = _chunk_tokens(chunk_tokens)
         return self._call("Allocate", pb.AllocateRequest(requests=[spec]), lambda r: vectors_from_pb(r.vectors[0]))
 
     def allocate_recv(self, rid: str, tokens: int, *, ttl: float | None = None) -> tuple[IndexVectors, LeaseInfo]:

@@ -244,6 +244,11 @@ class KvdService(_Base, pb_grpc.KvdServicer):
                         f"allocate {quote(s.rid)}: lease_ttl_seconds is the TTL of the RECV lease that lease=true takes (decode "
                         + ("side); a request with a ticket takes none: leave it 0" if s.ticket else "side): set lease=true too, or leave it 0")
                     )
+                if s.chunk_tokens and not s.ticket:
+                    raise InvalidArgument(
+                        f"allocate {quote(s.rid)}: chunk_tokens is the prefill chunk of the transfer a ticket begins (prefill "
+                        "side): pass the decode daemon's ticket too, or leave it 0"
+                    )
             if any(s.ticket for s in request.requests):
                 return self._allocate_sending(session, specs, request.requests, packed, getattr(context, "defer", None))
             if not any(s.lease for s in request.requests):

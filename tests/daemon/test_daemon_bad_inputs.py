@@ -110,6 +110,11 @@ CASES = [
     ("alloc-recv-negative-ttl", lambda w: w.c.allocate_recv(rid(), 8, ttl=-1), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
     ("alloc-recv-huge-ttl", lambda w: w.c.allocate_recv(rid(), 8, ttl=1e9), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
     ("alloc-recv-nan-ttl", lambda w: w.c.allocate_recv(rid(), 8, ttl=float("nan")), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
+    # chunk_tokens sizes the transfer a ticket begins: without one it is refused, not ignored
+    ("alloc-chunk-no-ticket", lambda w: w.c.allocate(rid(), 8, chunk_tokens=4), E.InvalidArgument, C.INVALID_ARGUMENT,
+     "pass the decode daemon's ticket too, or leave it 0", {}),
+    ("alloc-recv-chunk-no-ticket", lambda w: w.c.allocate(rid(), 8, receive=True, chunk_tokens=4), E.InvalidArgument,
+     C.INVALID_ARGUMENT, "chunk_tokens is the prefill chunk of the transfer a ticket begins", {}),
     ("renew-unknown", lambda w: w.c.renew_lease(10**9), E.NotFound, C.NOT_FOUND, "is not live", {}),
     ("renew-released", lambda w: w.c.renew_lease(w.released), E.NotFound, C.NOT_FOUND, "is not live", {}),
     ("renew-negative-ttl", lambda w: w.c.renew_lease(w.lease.lease_id, ttl=-3), E.InvalidArgument, C.INVALID_ARGUMENT, "lease ttl", {}),
@@ -248,6 +253,9 @@ def test_raw_stub_codes_and_metadata(world):
                           metadata=md, timeout=5)
         with expect_rpc(C.INVALID_ARGUMENT, "a request with a ticket takes none", "InvalidArgument"):
             stub.Allocate(pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid(), tokens=8, ticket=b"t", lease_ttl_seconds=30)]),
+                          metadata=md, timeout=5)
+        with expect_rpc(C.INVALID_ARGUMENT, "pass the decode daemon's ticket too", "InvalidArgument"):
+            stub.Allocate(pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid(), tokens=8, receive=True, lease=True, chunk_tokens=4)]),
                           metadata=md, timeout=5)
         with expect_rpc(C.INVALID_ARGUMENT, "lease kind must be SEND or RECV", "InvalidArgument"):
             stub.AcquireLease(pb.AcquireLeaseRequest(rid=world.live, kind=pb.LEASE_KIND_UNSPECIFIED), metadata=md, timeout=5)
