@@ -41,6 +41,10 @@ class Inbound(Protocol):
     def sweep(self) -> list[str]:
         """Time out silent senders and ended fences; the rids whose fence ended."""
 
+    def lapse(self, rid: str) -> None:
+        """If ``rid``'s RECV lease ran out, fail its transfer now as :meth:`sweep` would (fenced
+        when a sender began), before anything can forget it: :meth:`sweep` for one request."""
+
     def inbound(self) -> list[tuple[str, str, str, int, float]]:
         """``(rid, sender, state, bytes committed, started)`` of every inbound transfer (kvd top)."""
 
@@ -68,6 +72,9 @@ class NoInbound:
 
     def sweep(self) -> list[str]:
         return []
+
+    def lapse(self, rid: str) -> None:
+        pass
 
     def inbound(self) -> list[tuple[str, str, str, int, float]]:
         return []

@@ -405,8 +405,9 @@ class Node:
             vec = known if known is not None and self.pool.unchanged(known) else self.pool.vectors(rid)
             if kind is LeaseKind.RECV:
                 # A transfer whose RECV lease just ran out is fenced (its lease held) before a
-                # new lease could forget it while its sender may still write.
-                self.inbox.sweep()
+                # new lease could forget it while its sender may still write (this request's
+                # only: the hot path of every decode-side allocate).
+                self.inbox.lapse(rid)
             if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
                 raise FailedPrecondition(f"request {quote(rid)} already has a live RECV lease: one sender per request")
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
@@ -461,7 +462,7 @@ class Node:
         with self._lock:
             self._touch(session_id)
             self._own(session_id, rid)
-            self.inbox.sweep()  # a receiving request whose RECV lease just ran out is fenced
+            self.inbox.lapse(rid)  # a receiving request whose RECV lease just ran out is fenced
             self._no_leases(rid, "offload")
             return self.pool.offload(rid)
 

@@ -383,6 +383,14 @@ class Inbox:
             self._leases.hold(ib.lease_id, self.fence_s + 1.0)
         self._cond.notify_all()
 
+    def lapse(self, rid: str) -> None:
+        """If ``rid``'s RECV lease ran out, fail its transfer now as :meth:`sweep` would (the
+        node asks before a new RECV lease for ``rid`` could forget it): one request, not all."""
+        with self._cond:
+            ib = self._by_rid.get(rid)
+            if ib is not None and not self._leases.live(ib.lease_id):
+                self._lapsed(ib)
+
     def sweep(self) -> list[str]:
         """Fail transfers whose sender went silent or whose lease expired; end fences that ran
         out (their pages become reusable). Returns rids whose fence ended."""
