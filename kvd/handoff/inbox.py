@@ -361,20 +361,22 @@ class Inbox:
     # -- housekeeping ---------------------------------------------------------------------------
     def _lapsed(self, ib: _Inbound) -> None:
         """``ib``'s RECV lease ran out on its TTL. WAITING: no sender began, nothing can be in
-        flight: it fails and the lease goes. RECEIVING: its sender may still be writing, so it
-        fails fenced -- the lease, past its TTL but not yet expired out of the table (the node
-        sweeps the inbox first), is held as the fence. Anything else is over already."""
+        flight: it fails, its lease left to the table's expiry. RECEIVING: its sender may still
+        be writing, so it fails fenced -- the lease, past its TTL but not yet expired out of the
+        table (the node sweeps the inbox first), is held as the fence. Anything else is over."""
         if ib.state is TransferState.WAITING:
-            self._fail(ib, "the RECV lease expired before any sender began", drained=True)
+            # The lease stays for the table's own expiry to remove and count (leases expired).
+            self._fail(ib, "the RECV lease expired before any sender began", drained=True, lapsed=True)
         elif ib.state is TransferState.RECEIVING:
             self._fail(ib, "the RECV lease expired mid-transfer", drained=False)
 
-    def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:
+    def _fail(self, ib: _Inbound, reason: str, drained: bool, lapsed: bool = False) -> None:
         ib.state, ib.reason = TransferState.FAILED, reason
         self.failed_total += 1
         self._ring(ib)
         if drained:
-            self._leases.drop(ib.lease_id)
+            if not lapsed:
+                self._leases.drop(ib.lease_id)
             ib.fence_until = None
         else:
             ib.fence_until = self._clock() + self.fence_s
