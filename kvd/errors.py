@@ -113,7 +113,13 @@ class Aborted(KvdError):
 
 
 class Unavailable(KvdError):
-    """A peer daemon or a transfer backend cannot be reached or is not installed."""
+    """A peer daemon or a transfer backend cannot be reached or is not installed.
+    ``retry_after_s``: set when the daemon is up but refused the call for now (all its socket
+    connections taken): the same call may succeed after that long. None: it may be gone."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class DeadlineExceeded(KvdError, TimeoutError):
@@ -169,8 +175,10 @@ CODES: dict[type[KvdError], Code] = {
 }
 
 #: Metadata keys: the class (two classes share a code: StaleEpoch and Pinned are both
-#: FAILED_PRECONDITION), a CapacityError's shortfall, a Pinned error's lease labels.
+#: FAILED_PRECONDITION), a CapacityError's shortfall, a Pinned error's lease labels, a busy
+#: refusal's retry hint (an Unavailable's ``retry_after_s``).
 ERROR_KEY, SHORTFALL_KEY, HOLDERS_KEY = "kvd-error", "kvd-shortfall-bytes", "kvd-holders"
+RETRY_KEY = "kvd-retry-after-s"
 
 _BY_NAME: dict[str, type[KvdError]] = {cls.__name__: cls for cls in CODES}
 # A code with no class named (e.g. a status gRPC itself raised) maps to the most general class
@@ -193,7 +201,7 @@ class Status(NamedTuple):
 
     code: Code
     message: str
-    metadata: tuple[tuple[str, str], ...]  # ERROR_KEY always; SHORTFALL_KEY / HOLDERS_KEY where they apply
+    metadata: tuple[tuple[str, str], ...]  # ERROR_KEY always; SHORTFALL_KEY / HOLDERS_KEY / RETRY_KEY where they apply
 
 
 def to_status(exc: BaseException) -> Status:
@@ -210,6 +218,8 @@ def to_status(exc: BaseException) -> Status:
         md.append((SHORTFALL_KEY, str(exc.shortfall_bytes)))
     if isinstance(exc, Pinned):
         md.append((HOLDERS_KEY, _holders(exc.holders)))
+    if isinstance(exc, Unavailable) and exc.retry_after_s is not None:
+        md.append((RETRY_KEY, f"{exc.retry_after_s:g}"))
     return Status(CODES[cls], clip(str(exc), MAX_MESSAGE_BYTES), tuple(md))
 
 
@@ -242,6 +252,8 @@ def from_status(code: int, message: str, metadata: Mapping[str, str]) -> KvdErro
         return CapacityError(message, int(metadata.get(SHORTFALL_KEY, "0") or 0))
     if cls is Pinned:
         return Pinned(message, tuple(h for h in metadata.get(HOLDERS_KEY, "").split(";") if h))
+    if cls is Unavailable and named is not None:
+        return Unavailable(message, _retry_after(metadata.get(RETRY_KEY)))
     if named is None and cls in (KvdError, Unavailable):
         try:
             name = Code(code).name
@@ -251,3 +263,12 @@ def from_status(code: int, message: str, metadata: Mapping[str, str]) -> KvdErro
             message += " (gRPC's own status, without kvd's error metadata: a transport limit, not the pool's capacity)"
         return cls(f"{name}: {message}")
     return cls(message)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A retry hint as sent (seconds, finite and >= 0); anything else is no hint."""
+    try:
+        seconds = float(value) if value else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0.0 <= seconds < float("inf") else None

@@ -495,8 +495,11 @@ class Client(_Surface):
         while not self._closed.wait(self.ttl / 3):
             try:
                 self._raw("KeepAlive", pb.KeepAliveRequest(), self.ttl / 3)
-            except (Unavailable, NotFound):
-                self._bells.close()  # the daemon is gone, or forgot the session: its board tells nothing more
+            except Unavailable as exc:
+                if exc.retry_after_s is None:  # busy is not gone: the board stays true
+                    self._bells.close()  # the daemon is gone: its board tells nothing more
+            except NotFound:
+                self._bells.close()  # the daemon forgot the session: its board tells nothing more
             except KvdError:
                 pass  # the next call surfaces the error; the heartbeat only keeps the session warm
 
@@ -603,8 +606,11 @@ class AsyncClient(_Surface):
             await asyncio.sleep(self.ttl / 3)
             try:
                 await self._raw("KeepAlive", pb.KeepAliveRequest(), self.ttl / 3)
-            except (Unavailable, NotFound):
-                self._bells.close()  # as the sync client's heartbeat
+            except Unavailable as exc:
+                if exc.retry_after_s is None:
+                    self._bells.close()  # as the sync client's heartbeat
+            except NotFound:
+                self._bells.close()
             except KvdError:
                 pass
 

@@ -110,6 +110,22 @@ def _decode(method: str, kind: int, body: bytes) -> Any:
     _raise(st.code, st.message, dict(st.metadata))
 
 
+def _hello(s: socket.socket, session_id: str) -> None:
+    """Say which session ``s`` acts for; raises the daemon's refusal. A daemon with no slot free
+    refuses at once and closes, maybe before the hello is written: the refusal, already sent,
+    is read all the same (its retry hint kept), not lost to the failed write."""
+    try:
+        s.sendall(frame(HELLO, pb.Session(session_id=session_id)))
+    except OSError as exc:
+        try:
+            got = read_frame(s)
+        except OSError:
+            raise exc from None
+        _decode("OpenSession", *got)
+        raise
+    _decode("OpenSession", *read_frame(s))
+
+
 class FastChannel:
     """Blocking calls on ``path``, for :class:`kvd.client.Client` (thread-safe)."""
 
@@ -125,8 +141,7 @@ class FastChannel:
         try:
             s.connect(self.path)
             if self.session_id:
-                s.sendall(frame(HELLO, pb.Session(session_id=self.session_id)))
-                _decode("OpenSession", *read_frame(s))
+                _hello(s, self.session_id)
         except BaseException:
             s.close()
             raise
@@ -141,8 +156,7 @@ class FastChannel:
         s.settimeout(timeout)
         try:
             s.connect(self.path)
-            s.sendall(frame(HELLO, pb.Session(session_id=session_id)))
-            _decode("OpenSession", *read_frame(s))
+            _hello(s, session_id)
         except BaseException:
             s.close()
             raise

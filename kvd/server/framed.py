@@ -23,7 +23,7 @@ from kvd.ipc.unix_socket import UnixServer, recv_rest
 from kvd.rpc.convert import status_to_pb
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["BODY_BUDGET", "Close", "FramedServer", "exhausted", "refusal"]
+__all__ = ["BODY_BUDGET", "BUSY_RETRY_S", "Close", "FramedServer", "exhausted", "refusal"]
 
 S = TypeVar("S")
 
@@ -31,6 +31,10 @@ S = TypeVar("S")
 #: body's first recv brings): four of the largest frames. Without it every connection could
 #: park a MAX_FRAME body (256 engine-socket connections: 16 GiB).
 BODY_BUDGET = 4 * MAX_FRAME
+
+#: A refusal for want of a connection slot says to retry after this long (Unavailable's
+#: ``retry_after_s``): the server is up, so a client keeps what it knows of it (its doorbells).
+BUSY_RETRY_S = 0.5
 
 
 def refusal(exc: BaseException) -> bytes:
@@ -182,7 +186,8 @@ class FramedServer(UnixServer, Generic[S]):
                 self._conns[conn] = t
         if busy:
             self._close(conn, refusal(Unavailable(
-                f"{self.label} {self.path} serves {self.max_connections} connections already; {self.busy_hint}")))
+                f"{self.label} {self.path} serves {self.max_connections} connections already; {self.busy_hint}",
+                retry_after_s=BUSY_RETRY_S)))
             return
         t.start()
 

@@ -39,6 +39,8 @@ def make(cls: type[E.KvdError]) -> E.KvdError:
         return cls("does not fit: 4,096 bytes short", 4096)
     if cls is E.Pinned:
         return cls("compaction refused: lease 3", ("lease 3 (recv on 'a')", "lease 9 (send on 'b')"))
+    if cls is E.Unavailable:
+        return cls("engine socket serves 256 connections already", retry_after_s=0.5)
     return cls(f"a {cls.__name__} for the test")
 
 
@@ -64,6 +66,20 @@ def test_round_trip(cls):
         assert back.shortfall_bytes == 4096
     if cls is E.Pinned:
         assert back.holders == exc.holders
+    if cls is E.Unavailable:
+        assert back.retry_after_s == 0.5
+
+
+def test_an_unavailable_says_whether_to_retry_and_a_bad_hint_is_no_hint():
+    """A busy refusal carries its retry hint (the client keeps the daemon's doorbells); a daemon
+    gone carries none. A hint that is not a finite number of seconds >= 0 reads as none."""
+    code, msg, md = to_status(E.Unavailable("the peer is gone"))
+    assert "kvd-retry-after-s" not in dict(md)
+    assert from_rpc_error(FakeRpcError(code, msg, md)).retry_after_s is None
+    for bad in ("soon", "-1", "nan", "inf", ""):
+        hinted = (("kvd-error", "Unavailable"), ("kvd-retry-after-s", bad))
+        back = from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "busy", hinted))
+        assert type(back) is E.Unavailable and back.retry_after_s is None, bad
 
 
 def test_subclass_without_its_own_entry_maps_to_its_nearest_parent():
@@ -212,3 +228,4 @@ def test_each_unix_socket_raises_what_grpc_raises(kind):
             assert (type(got), str(got)) == (type(over_grpc), str(over_grpc)) == (cls, str(handlers.exc)), (cls, got, over_grpc)
             assert getattr(got, "shortfall_bytes", None) == getattr(over_grpc, "shortfall_bytes", None) == getattr(handlers.exc, "shortfall_bytes", None)
             assert getattr(got, "holders", None) == getattr(over_grpc, "holders", None) == getattr(handlers.exc, "holders", None)
+            assert getattr(got, "retry_after_s", None) == getattr(over_grpc, "retry_after_s", None) == getattr(handlers.exc, "retry_after_s", None)

@@ -210,6 +210,54 @@ def test_a_client_whose_daemon_stopped_reads_no_doorbell(tmp_path):
         c.close()
 
 
+def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monkeypatch):
+    """All connection slots taken (by other engines' connections): a new connection is refused
+    Unavailable with a retry hint, and the client's heartbeat, refused so, keeps the doorbell
+    board (the daemon is up: its board is true); only a daemon gone (no hint) drops it (the
+    test above)."""
+    from kvd.client import TransferState
+    from kvd.client import fast as client_fast
+    from kvd.server.framed import BUSY_RETRY_S
+
+    es = inproc.daemon.engine_socket
+    c = Client.connect(inproc.unix, name="busy-bells", ttl=3.0, transport="fast")
+    others: list[socket.socket] = []
+    try:
+        _, lease = c.allocate_recv(rid("bell-busy"), 16)
+        assert c.doorbell(lease.rid) is TransferState.WAITING
+        monkeypatch.setattr(client_fast, "KEEP", 0)  # every call of this client opens a connection
+        c._fast.close()
+        c._fast._closed = False
+        limit = es.max_connections
+        es.max_connections = es.connections + 2
+        while True:  # the last slots, held by sessions of other engines (until one is refused)
+            s = _raw(inproc)
+            s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="slot-holder")))
+            if read_frame(s)[0] == REFUSED:
+                s.close()
+                break
+            others.append(s)
+            assert len(others) <= 16, "no slot was ever refused"
+        refused = es.refused
+        try:
+            end = time.monotonic() + 5.0
+            while es.refused == refused and time.monotonic() < end:  # a heartbeat (every ttl/3) refused
+                time.sleep(0.02)
+            assert es.refused > refused, "the heartbeat never called"
+            time.sleep(0.1)  # the heartbeat's handling of the refusal
+            assert c.doorbell(lease.rid) is TransferState.WAITING, "a busy daemon's board was dropped"
+            with expect(E.Unavailable, grpc.StatusCode.UNAVAILABLE, "connections already") as info:
+                c.vectors(lease.rid)
+            assert info.value.retry_after_s == BUSY_RETRY_S
+        finally:
+            es.max_connections = limit
+        assert c.vectors(lease.rid).rid == lease.rid  # served again once a slot is free
+    finally:
+        for s in others:
+            s.close()
+        c.close()
+
+
 def _short_timeout(target, seconds: float = 0.3):
     """The in-process daemon's engine socket, its frame timeout made short for the test (the
     daemon passes none: the server's default stands)."""
