@@ -111,18 +111,12 @@ def _decode(method: str, kind: int, body: bytes) -> Any:
 
 
 def _hello(s: socket.socket, session_id: str) -> None:
-    """Say which session ``s`` acts for; raises the daemon's refusal. A daemon with no slot free
-    refuses at once and closes, maybe before the hello is written: the refusal, already sent,
-    is read all the same (its retry hint kept), not lost to the failed write."""
+    """Say which session ``s`` acts for; raises the daemon's refusal (as the peer socket's
+    hello, ``server/peer_conns.py``)."""
     try:
         s.sendall(frame(HELLO, pb.Session(session_id=session_id)))
-    except OSError as exc:
-        try:
-            got = read_frame(s)
-        except OSError:
-            raise exc from None
-        _decode("OpenSession", *got)
-        raise
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # a full daemon refuses without reading the hello: its reply says why (and when to retry)
     _decode("OpenSession", *read_frame(s))
 
 

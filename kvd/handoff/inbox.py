@@ -365,17 +365,16 @@ class Inbox:
         be writing, so it fails fenced -- the lease, past its TTL but not yet expired out of the
         table (the node sweeps the inbox first), is held as the fence. Anything else is over."""
         if ib.state is TransferState.WAITING:
-            # The lease stays for the table's own expiry to remove and count (leases expired).
-            self._fail(ib, "the RECV lease expired before any sender began", drained=True, lapsed=True)
+            self._fail(ib, "the RECV lease expired before any sender began", drained=True)
         elif ib.state is TransferState.RECEIVING:
             self._fail(ib, "the RECV lease expired mid-transfer", drained=False)
 
-    def _fail(self, ib: _Inbound, reason: str, drained: bool, lapsed: bool = False) -> None:
+    def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:
         ib.state, ib.reason = TransferState.FAILED, reason
         self.failed_total += 1
         self._ring(ib)
         if drained:
-            if not lapsed:
+            if self._leases.live(ib.lease_id):  # one past its TTL is the table's to expire (and count)
                 self._leases.drop(ib.lease_id)
             ib.fence_until = None
         else:

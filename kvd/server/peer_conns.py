@@ -42,17 +42,16 @@ log = logging.getLogger("kvd.peer_socket")
 KEEP = 8
 #: Seconds a route that could not be used is left alone before it is tried again.
 RETRY_S = 10.0
-#: Seconds a route whose daemon was full (at its connection limit) is left to gRPC: every call
-#: would otherwise pay a refused connect + hello before going over gRPC anyway.
-BUSY_RETRY_S = 0.5
 
 
 class _Unusable(Exception):
-    """This route cannot be used now: the caller uses gRPC (and, unless ``busy``, for a while)."""
+    """This route cannot be used now: the caller uses gRPC, for ``retry_after_s`` when its daemon
+    was full and said so (every call would otherwise pay a refused connect + hello before going
+    over gRPC anyway), else for RETRY_S."""
 
-    def __init__(self, why: str, *, busy: bool = False) -> None:
+    def __init__(self, why: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(why)
-        self.busy = busy
+        self.retry_after_s = retry_after_s
 
 
 class _Conn:
@@ -124,7 +123,8 @@ class PeerConnections:
             log.info("peer socket %s (boot %s) not used, calling over gRPC: %s", via.path, via.boot_id, exc)
             # A full server is tried again soon; a wrong daemon or nothing listening after RETRY_S.
             with self._lock:
-                self._failed[via] = time.monotonic() + (min(self.retry_s, BUSY_RETRY_S) if exc.busy else self.retry_s)
+                wait = self.retry_s if exc.retry_after_s is None else min(self.retry_s, exc.retry_after_s)
+                self._failed[via] = time.monotonic() + wait
             return None
 
     def call(self, conn: _Conn, name: str, request: Message) -> Message:
@@ -214,7 +214,8 @@ class PeerConnections:
             if status == REFUSED:
                 if isinstance(err, PermissionDenied):
                     raise err
-                raise _Unusable(f"the hello was refused: {type(err).__name__}: {err}", busy=isinstance(err, Unavailable))
+                raise _Unusable(f"the hello was refused: {type(err).__name__}: {err}",
+                                retry_after_s=err.retry_after_s if isinstance(err, Unavailable) else None)
             if answered != via.boot_id:
                 raise _Unusable(f"it is served by boot {answered!r}, not the ticket's {via.boot_id!r}: another daemon's socket")
         except BaseException:

@@ -24,7 +24,7 @@ from kvd.daemon.node import Node
 from kvd.handoff.inbox import Inbox
 from kvd.pool.pool import Pool
 from kvd.server.peer_calls import PeerCalls
-from kvd.server import peer_conns
+from kvd.server.framed import BUSY_RETRY_S
 from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
 from kvd.ipc.unix_socket import recv_exact
@@ -351,11 +351,11 @@ def test_a_full_server_refuses_and_the_caller_waits_only_briefly(node, sock_dir)
         assert pc.checkout(via) is None  # busy: this call goes over gRPC
         assert srv.refused == 1
         held.close()
-        # Busy is remembered for BUSY_RETRY_S only: the next calls go over gRPC without a
+        # Busy is remembered for the refusal's retry hint only (framed.BUSY_RETRY_S): the next calls go over gRPC without a
         # refused connect each, then the route is tried again (long before RETRY_S).
         assert pc.checkout(via) is None and srv.refused == 1
         got = None
-        for _ in range(int(peer_conns.BUSY_RETRY_S * 100) + 300):
+        for _ in range(int(BUSY_RETRY_S * 100) + 300):
             got = pc.checkout(via)
             if got is not None:
                 break

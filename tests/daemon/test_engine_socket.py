@@ -226,8 +226,10 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
         _, lease = c.allocate_recv(rid("bell-busy"), 16)
         assert c.doorbell(lease.rid) is TransferState.WAITING
         monkeypatch.setattr(client_fast, "KEEP", 0)  # every call of this client opens a connection
-        c._fast.close()
-        c._fast._closed = False
+        with c._fast._lock:  # and none it kept serves one (a call in flight closes its own after)
+            kept, c._fast._free = c._fast._free, []
+        for s in kept:
+            s.close()
         limit = es.max_connections
         es.max_connections = es.connections + 2
         while True:  # the last slots, held by sessions of other engines (until one is refused)
