@@ -9,7 +9,10 @@ breaks mid-call is UNAVAILABLE, as a gRPC call to a stopped daemon is.
 
 A call blocks its connection until the reply (WaitReady until the transfer is ready), so each
 client keeps a small pool: a call takes a free connection or opens one (its hello names the
-client's session) and puts it back after the reply.
+client's session) and puts it back after the reply. A full daemon may evict an idle connection
+(:class:`kvd.server.framed.FramedServer`); a call that meets one -- a write refused, the EVICTED
+answer -- sends its request again on another connection (the daemon never read it), up to
+:data:`RESENDS` times.
 
 Where the socket is. A client of ``unix:/p`` looks for ``/p.fast`` first (:func:`pick`: a stat, no
 round trip). Where there is none it opens its session over gRPC, and the reply's
@@ -33,7 +36,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvd import errors as E
-from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
+from kvd.ipc.frames import EVICTED, HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
 from kvd.ipc.unix_socket import recv_exact
 from kvd.memory.doorbells import DoorbellView
 from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, fast_path
@@ -47,6 +50,13 @@ __all__ = [
 _RESPONSES: dict[str, type[Message]] = {m.name: m.response for m in METHODS.values()}
 #: Idle connections a client keeps (more are closed after their call).
 KEEP = 8
+#: Times a call is sent again after its connection was evicted unread (then its Unavailable is raised).
+RESENDS = 3
+# What a call whose write the daemon refused (EPIPE: it closed the connection, idle in the pool,
+# before the request went out) gets in place of a reply: sent again, as after EVICTED.
+_UNSENT = pb.PeerStatus(code=grpc.StatusCode.UNAVAILABLE.value[0], message=(
+    "the daemon closed the connection before the request was written (an idle connection evicted, or the daemon "
+    "stopped)")).SerializeToString()
 
 
 class FastRpcError(grpc.RpcError):
@@ -159,30 +169,47 @@ class FastChannel:
 
     def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
-        with self._lock:
-            s = self._free.pop() if self._free else None
-        try:
-            if s is None:
-                s = self._open()
-            s.settimeout(timeout)
-            s.sendall(HEAD.pack(len(body), METHOD_IDS[method]) + body)
-            kind, data = read_frame(s, MAX_FRAME)
-        except E.KvdError:
-            raise
-        except OSError as exc:  # broken, closed or timed out mid-call: this connection is done
-            if s is not None:
-                s.close()
-            _broken(self.path, method, exc, timeout)
+        data = HEAD.pack(len(body), METHOD_IDS[method]) + body
+        s, kind, reply = self._exchange(method, data, timeout)
+        for resend in range(RESENDS + 1):
+            if kind != EVICTED:
+                break
+            s.close()  # evicted, the request unread: again on another connection
+            if resend == RESENDS:
+                _decode(method, kind, reply)  # evicted every time: its Unavailable
+            s, kind, reply = self._exchange(method, data, timeout)
         with self._lock:
             if self._closed or len(self._free) >= KEEP:
                 s.close()
             else:
                 self._free.append(s)
         if method == "OpenSession" and kind == OK:
-            reply = _decode(method, kind, data)
-            self.session_id = reply.session_id
-            return reply
-        return _decode(method, kind, data)
+            got = _decode(method, kind, reply)
+            self.session_id = got.session_id
+            return got
+        return _decode(method, kind, reply)
+
+    def _exchange(self, method: str, data: bytes, timeout: float | None) -> tuple[socket.socket, int, bytes]:
+        """One request frame out on a free (or new) connection, and the reply frame's kind and body."""
+        with self._lock:
+            s = self._free.pop() if self._free else None
+        try:
+            if s is None:
+                s = self._open()
+            s.settimeout(timeout)
+            try:
+                s.sendall(data)
+            except BrokenPipeError:  # closed by the daemon before this write: nothing of it was read
+                s.close()
+                return s, EVICTED, _UNSENT
+            kind, reply = read_frame(s, MAX_FRAME)
+        except E.KvdError:
+            raise
+        except OSError as exc:  # broken, closed or timed out mid-call: this connection is done
+            if s is not None:
+                s.close()
+            _broken(self.path, method, exc, timeout)
+        return s, kind, reply
 
     def close(self) -> None:
         with self._lock:
@@ -227,14 +254,41 @@ class AsyncFastChannel:
 
     async def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
+        data = HEAD.pack(len(body), METHOD_IDS[method]) + body
+        conn, kind, reply = await self._exchange(method, data, timeout)
+        for resend in range(RESENDS + 1):
+            if kind != EVICTED:
+                break
+            conn[1].close()  # evicted, the request unread: again on another connection
+            if resend == RESENDS:
+                _decode(method, kind, reply)  # evicted every time: its Unavailable
+            conn, kind, reply = await self._exchange(method, data, timeout)
+        if self._closed or len(self._free) >= KEEP:
+            conn[1].close()
+        else:
+            self._free.append(conn)
+        got = _decode(method, kind, reply)
+        if method == "OpenSession":
+            self.session_id = got.session_id
+        return got
+
+    async def _exchange(
+        self, method: str, data: bytes, timeout: float | None,
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], int, bytes]:
+        """As :meth:`FastChannel._exchange`."""
         conn = self._free.pop() if self._free else None
         try:
             if conn is None:
                 conn = await self._open()
-            conn[1].write(HEAD.pack(len(body), METHOD_IDS[method]) + body)
-            kind, data = await asyncio.wait_for(self._read(conn[0]), timeout)
+            conn[1].write(data)  # a refused write fails the read that follows (BrokenPipeError)
+            kind, reply = await asyncio.wait_for(self._read(conn[0]), timeout)
         except E.KvdError:
             raise
+        except BrokenPipeError as exc:  # closed by the daemon before this write: nothing of it was read
+            if conn is None:  # a new connection's hello: broken as any other
+                _broken(self.path, method, exc, timeout)
+            conn[1].close()
+            return conn, EVICTED, _UNSENT
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             if conn is not None:
                 conn[1].close()
@@ -243,14 +297,7 @@ class AsyncFastChannel:
             if conn is not None:
                 conn[1].close()
             raise
-        if self._closed or len(self._free) >= KEEP:
-            conn[1].close()
-        else:
-            self._free.append(conn)
-        reply = _decode(method, kind, data)
-        if method == "OpenSession":
-            self.session_id = reply.session_id
-        return reply
+        return conn, kind, reply
 
     async def close(self) -> None:
         self._closed = True

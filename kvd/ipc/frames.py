@@ -8,8 +8,11 @@ v1 protobuf messages of their gRPC services unchanged, one per frame, both ways:
 
 A request's kind is its method id (each transport's table); a reply's kind is :data:`OK` (the
 rpc's response) or :data:`REFUSED` (a ``PeerStatus``: code, message and metadata of
-:func:`kvd.errors.to_status`, raised again by the caller through :func:`kvd.errors.from_status`).
-Kind :data:`HELLO` opens a connection where the transport has one.
+:func:`kvd.errors.to_status`, raised again by the caller through :func:`kvd.errors.from_status`),
+or :data:`EVICTED` (a ``PeerStatus`` too, UNAVAILABLE: the server closed the connection without
+reading the request, so nothing of it ran; a client that knows the kind sends it again on another
+connection, one that does not raises the Unavailable). Kind :data:`HELLO` opens a connection where
+the transport has one.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ from google.protobuf.message import Message
 
 from kvd.ipc.unix_socket import recv_exact, recv_rest
 
-__all__ = ["HEAD", "HELLO", "OK", "REFUSED", "MAX_FRAME", "frame", "read_head", "read_frame"]
+__all__ = ["HEAD", "HELLO", "OK", "REFUSED", "EVICTED", "MAX_FRAME", "frame", "read_head", "read_frame"]
 
 HEAD = struct.Struct(">IB")
 #: Kind of the first frame of a connection, both ways.
 HELLO = 0
 #: Reply kinds: the rpc's response message, or a PeerStatus refusal.
 OK, REFUSED = 0, 1
+#: Reply kind of a connection closed to make room (:class:`kvd.server.framed.FramedServer`): the
+#: request it answers was never read.
+EVICTED = 2
 #: The largest frame either side reads: the gRPC server's message limit, so a message that fits a
 #: gRPC call fits here too.
 MAX_FRAME = 64 << 20

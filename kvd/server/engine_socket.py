@@ -60,8 +60,8 @@ __all__ = ["EngineSocketServer", "METHODS", "METHOD_IDS", "Method", "MAX_CONNECT
 
 log = logging.getLogger("kvd.engine_socket")
 
-#: Connections one daemon serves at once (a thread each); more are refused, and their callers
-#: use gRPC. An engine holds one per call it has in flight.
+#: Connections one daemon serves at once (a thread each); a new one evicts the one idle longest,
+#: and is refused only while every one is in a call. An engine holds one per call it has in flight.
 MAX_CONNECTIONS = 256
 #: The largest hello the server reads.
 MAX_HELLO = 4096
@@ -117,8 +117,11 @@ class _Context:
 class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     """Serves :data:`METHODS` of ``service`` on a Unix stream socket at ``path``.
 
-    A thread per connection (at most ``max_connections``; more get an Unavailable refusal and
-    close). A connection that acts for a session idles without limit between calls; one that
+    A thread per connection (at most ``max_connections``). A new connection beyond that evicts
+    the connection idle longest (its client sends the call it may have sent there again: the
+    EVICTED answer, :class:`~kvd.server.framed.FramedServer`), so idle connections, leaked or
+    hoarded, never lock engines out; only when every connection is in a call is a new one
+    refused (Unavailable, with a retry hint). A connection that acts for a session idles without limit between calls; one that
     acts for none yet (before its hello or OpenSession) is closed after ``timeout`` without a
     frame; a frame once begun must arrive within ``timeout`` (the bound:
     :class:`~kvd.server.framed.FramedServer`). A caller that sends garbage gets an
@@ -129,7 +132,8 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
 
     label = "engine socket"
     thread_name = "kvd-engine-conn"
-    busy_hint = "close idle clients or use gRPC"
+    busy_hint = "every one is in a call; retry, or use gRPC"
+    evicts = True
     log = log
 
     def __init__(self, path: str, service: KvdService, *, timeout: float = 5.0, max_connections: int = MAX_CONNECTIONS,

@@ -2,7 +2,8 @@
 engine socket share.
 
 :class:`FramedServer` holds the connections (a thread each, at most ``max_connections``; more
-get an Unavailable refusal and close), reads each frame's head, counts the calls answered, the
+get an Unavailable refusal and close, or, where the server evicts, take the place of the connection
+idle longest), reads each frame's head, counts the calls answered, the
 connections refused and dropped, and ends every connection on :meth:`~UnixServer.stop`. A
 subclass says what a connection does first (:meth:`FramedServer._opened`: the peer socket's
 hello) and what one frame gets (:meth:`FramedServer._frame`), carrying a per-connection state
@@ -11,6 +12,7 @@ between frames (the engine socket's session).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -18,7 +20,7 @@ import time
 from typing import ClassVar, Generic, TypeVar
 
 from kvd.errors import Code, Unavailable
-from kvd.ipc.frames import MAX_FRAME, REFUSED, frame, read_head
+from kvd.ipc.frames import EVICTED, MAX_FRAME, REFUSED, frame, read_head
 from kvd.ipc.unix_socket import UnixServer, recv_rest
 from kvd.rpc.convert import status_to_pb
 from kvd.v1 import kvd_pb2 as pb
@@ -51,11 +53,13 @@ def exhausted(message: str) -> bytes:
 
 
 class Close(Exception):
-    """The connection cannot go on (a refused hello, a frame past the limit): reply, then close."""
+    """The connection cannot go on (a refused hello, a frame past the limit): reply, then close.
+    ``evicted``: closed to make room, its request unread (counted apart from refusals)."""
 
-    def __init__(self, reply: bytes) -> None:
+    def __init__(self, reply: bytes, *, evicted: bool = False) -> None:
         super().__init__()
         self.reply = reply
+        self.evicted = evicted
 
 
 class FramedServer(UnixServer, Generic[S]):
@@ -78,7 +82,20 @@ class FramedServer(UnixServer, Generic[S]):
 
     :meth:`_frame` (and :meth:`_opened`) reply on the connection themselves, or raise
     :class:`Close` to send a last reply and close it; a caller gone mid-frame or too slow is
-    dropped (counted in ``dropped``, logged). Neither stops the server."""
+    dropped (counted in ``dropped``, logged). Neither stops the server.
+
+    Eviction (``evicts``, the engine socket's): connections that idle without limit could hold
+    every slot (a client that leaks connections, or anyone who can open the socket file), and
+    every new engine would be refused. So a new connection with every slot taken evicts the
+    connection that has waited longest for its next frame, if one waits: that connection's
+    reader is woken (``shutdown(SHUT_RD)``), reads no frame after it -- not even one that arrived
+    meanwhile -- and answers :data:`~kvd.ipc.frames.EVICTED` before it closes, so its client
+    knows the request it may have sent was never read and sends it again elsewhere. A call in
+    progress (a handler running, a WaitReady waiting) is never evicted; only when every slot is
+    in one is a new connection refused (busy, with :data:`BUSY_RETRY_S`)."""
+
+    #: Whether a full server evicts its longest-idle connection for a new one (see the class).
+    evicts: ClassVar[bool] = False
 
     #: In messages and logs ("peer socket"), and the name of each connection's thread.
     label: ClassVar[str]
@@ -97,8 +114,13 @@ class FramedServer(UnixServer, Generic[S]):
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
         self._answered: dict[tuple[str, str], int] = {}  # (method, status code name) -> calls
-        #: connections refused (busy, a bad hello, a frame past the limit) and dropped (gone mid-frame).
-        self.refused = self.dropped = 0
+        # Connections waiting for their next frame, the longest waiting first (each is put back
+        # at the end when it starts waiting again), and those being evicted (under _lock).
+        self._waiting: dict[socket.socket, None] = {}
+        self._evicting: set[socket.socket] = set()
+        #: connections refused (busy, a bad hello, a frame past the limit), dropped (gone
+        #: mid-frame) and evicted (closed idle to make room).
+        self.refused = self.dropped = self.evicted = 0
 
     # -- what it did ---------------------------------------------------------------------------
     @property
@@ -180,10 +202,20 @@ class FramedServer(UnixServer, Generic[S]):
 
     def _accepted(self, conn: socket.socket) -> None:
         t = threading.Thread(target=self._serve, args=(conn,), name=self.thread_name, daemon=True)
+        victim = None
         with self._lock:
-            busy = len(self._conns) >= self.max_connections
+            # A connection being evicted holds its slot only until its thread has answered.
+            busy = len(self._conns) - len(self._evicting) >= self.max_connections
+            if busy and self.evicts and self._waiting:
+                victim = next(iter(self._waiting))
+                del self._waiting[victim]  # its reader reads no frame from now on
+                self._evicting.add(victim)
+                busy = False
             if not busy:
                 self._conns[conn] = t
+        if victim is not None:
+            with contextlib.suppress(OSError):
+                victim.shutdown(socket.SHUT_RD)  # wakes its thread's read (close would not)
         if busy:
             self._close(conn, refusal(Unavailable(
                 f"{self.label} {self.path} serves {self.max_connections} connections already; {self.busy_hint}",
@@ -198,7 +230,7 @@ class FramedServer(UnixServer, Generic[S]):
             idle = self._idle(state)
             while not self._stop.is_set():
                 conn.settimeout(idle)  # between calls: as long as the state allows
-                head = read_head(conn, self.timeout)
+                head = self._next_head(conn)
                 if head is None:
                     return  # the caller closed it
                 conn.settimeout(self.timeout)
@@ -206,7 +238,7 @@ class FramedServer(UnixServer, Generic[S]):
                 if after is not state:  # an identity test per frame, the hook only on a change
                     state, idle = after, self._idle(after)
         except Close as c:
-            self._close(conn, c.reply)
+            self._close(conn, c.reply, evicted=c.evicted)
         except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()
             if not self._stop.is_set():
                 with self._lock:
@@ -216,10 +248,33 @@ class FramedServer(UnixServer, Generic[S]):
             conn.close()
             with self._lock:
                 self._conns.pop(conn, None)
+                self._waiting.pop(conn, None)
+                self._evicting.discard(conn)
 
-    def _close(self, conn: socket.socket, reply: bytes) -> None:
+    def _next_head(self, conn: socket.socket) -> tuple[int, int] | None:
+        """The next frame's head (None: the caller closed), waiting listed as evictable; Close
+        with the EVICTED answer when the connection was evicted meanwhile, whatever the read
+        brought (a head read then is dropped with its body: the request never runs)."""
         with self._lock:
-            self.refused += 1
+            self._waiting[conn] = None
+        try:
+            return read_head(conn, self.timeout)
+        finally:
+            with self._lock:
+                self._waiting.pop(conn, None)
+                evicted = conn in self._evicting
+            if evicted:
+                self.log.info("%s: evicted a connection idle longest, for a new one", self.label)
+                raise Close(frame(EVICTED, pb.PeerStatus(code=Code.UNAVAILABLE, message=(
+                    f"{self.label} {self.path} closed this idle connection to serve a new one ({self.max_connections} "
+                    "connections at most); the request was not read: send it again on another connection"))), evicted=True)
+
+    def _close(self, conn: socket.socket, reply: bytes, *, evicted: bool = False) -> None:
+        with self._lock:
+            if evicted:
+                self.evicted += 1
+            else:
+                self.refused += 1
         try:
             conn.settimeout(self.timeout)
             conn.sendall(reply)

@@ -232,13 +232,14 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
             s.close()
         limit = es.max_connections
         es.max_connections = es.connections + 2
-        while True:  # the last slots, held by sessions of other engines (until one is refused)
+        while True:  # the last slots, held by other engines' calls in progress (until one is refused)
             s = _raw(inproc)
             s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="slot-holder")))
             if read_frame(s)[0] == REFUSED:
                 s.close()
                 break
             others.append(s)
+            _busy(s, f"busy-{len(others)}")
             assert len(others) <= 16, "no slot was ever refused"
         refused = es.refused
         try:
@@ -258,6 +259,178 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
         for s in others:
             s.close()
         c.close()
+
+
+def _busy(s: socket.socket, name: str) -> None:
+    """Keep connection ``s`` (its session open) in a call: a WaitReady on a transfer of its own
+    that nobody sends (answered only when ``s`` closes). An idle connection would be evicted."""
+    r = rid(name)
+    s.sendall(frame(METHOD_IDS["Allocate"], pb.AllocateRequest(requests=[pb.AllocSpec(rid=r, tokens=16, receive=True, lease=True)])))
+    assert read_frame(s)[0] == OK
+    s.sendall(frame(METHOD_IDS["WaitReady"], pb.WaitRequest(rid=r, timeout_seconds=30)))
+
+
+def _session_conn(t, name: str) -> socket.socket:
+    """A raw connection of a session of its own, idle after its OpenSession."""
+    s = _raw(t)
+    s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name=name)))
+    assert read_frame(s)[0] == OK
+    return s
+
+
+def _server_side(es, before: set) -> socket.socket:
+    """The server's end of the one connection opened since ``before`` (a set of its ends)."""
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        with es._lock:
+            new = set(es._conns) - before
+        if new:
+            (conn,) = new
+            return conn
+        time.sleep(0.005)
+    raise AssertionError("the server never took the connection")
+
+
+def test_a_new_connection_evicts_the_one_idle_longest(tmp_path):
+    """Idle connections holding every slot (a client that leaks them, or a hoarder) lock no engine
+    out: a new connection takes the place of the one idle longest, which is answered EVICTED (a
+    PeerStatus UNAVAILABLE: what a client that predates the kind raises) and closed; the others
+    go on."""
+    import daemon_kit as dk
+
+    from kvd.ipc.frames import EVICTED
+
+    t = dk.start_inproc(tmp_path)
+    es = t.daemon.engine_socket
+    held = []
+    try:
+        es.max_connections = es.connections + 3
+        held = [_session_conn(t, f"hoarder-{i}") for i in range(3)]
+        held[0].sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest()))  # in use since: no longer the longest idle
+        assert read_frame(held[0])[0] == OK
+        c = Client.connect(t.unix, name="newcomer", transport="fast")
+        try:
+            assert c.echo(b"in") == b"in"  # served: its connection evicted one
+        finally:
+            c.close()
+        kind, body = read_frame(held[1])  # the one idle longest
+        assert kind == EVICTED
+        st = pb.PeerStatus.FromString(body)
+        assert st.code == grpc.StatusCode.UNAVAILABLE.value[0] and "was not read: send it again" in st.message
+        assert held[1].recv(1) == b""  # then closed
+        assert _until(lambda: es.evicted == 1, 2.0)
+        for s in (held[0], held[2]):
+            s.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest(payload=b"still")))
+            kind, body = read_frame(s)
+            assert kind == OK and pb.EchoResponse.FromString(body).payload == b"still"
+        assert es.refused == 0
+    finally:
+        for s in held:
+            s.close()
+        dk.stop_inproc(t)
+
+
+def test_a_request_on_a_connection_being_evicted_is_never_run(tmp_path):
+    """The race: a request that reaches a connection already chosen for eviction is answered
+    EVICTED, unread, and nothing of it runs (the client sends it again elsewhere)."""
+    import daemon_kit as dk
+
+    from kvd.ipc.frames import EVICTED
+
+    t = dk.start_inproc(tmp_path)
+    es = t.daemon.engine_socket
+    c = Client.connect(t.unix, name="check", transport="grpc")
+    try:
+        with es._lock:
+            before = set(es._conns)
+        r = rid("raced")
+        s = _session_conn(t, "racer")
+        conn = _server_side(es, before)
+        with es._lock:  # the reader, woken by the request, waits for this lock to see its fate
+            s.sendall(frame(METHOD_IDS["Allocate"], pb.AllocateRequest(requests=[pb.AllocSpec(rid=r, tokens=16)])))
+            time.sleep(0.05)
+            assert conn in es._waiting
+            del es._waiting[conn]
+            es._evicting.add(conn)
+        kind, _ = read_frame(s)
+        assert kind == EVICTED
+        with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, r):
+            c.vectors(r)
+        t.daemon.node.pool.check()
+        s.close()
+    finally:
+        c.close()
+        dk.stop_inproc(t)
+
+
+@pytest.mark.parametrize("flavour", ["sync", "asyncio", "no resend"])
+def test_a_call_on_an_evicted_connection_is_sent_again_once(tmp_path, flavour, monkeypatch):
+    """A client's pooled connection evicted while idle (by a new connection of another engine):
+    its next call is sent again on a new connection and runs exactly once. Negative control ("no
+    resend"): a client that does not send it again raises Unavailable, and the call did not run."""
+    import asyncio
+
+    import daemon_kit as dk
+
+    from kvd.client import AsyncClient
+    from kvd.client import fast as client_fast
+
+    t = dk.start_inproc(tmp_path)
+    es = t.daemon.engine_socket
+    others: list[socket.socket] = []
+    r = rid("once")
+
+    def fill() -> None:  # every slot taken; the next connection evicts the longest idle: this client's
+        es.max_connections = es.connections
+        others.append(_session_conn(t, "newcomer"))
+        end = time.monotonic() + 2.0
+        while es.evicted < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert es.evicted == 1
+
+    try:
+        if flavour == "no resend":
+            monkeypatch.setattr(client_fast, "RESENDS", 0)
+            c = Client.connect(t.unix, name="pooled", transport="fast")
+            try:
+                fill()
+                with expect(E.Unavailable, grpc.StatusCode.UNAVAILABLE, "before the request was written"):
+                    c.allocate(r, 16)
+                with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, r):
+                    c.vectors(r)
+            finally:
+                c.close()
+        elif flavour == "sync":
+            c = Client.connect(t.unix, name="pooled", transport="fast")
+            assert isinstance(c._fast, client_fast.FastChannel)
+            try:
+                with c._fast._lock:
+                    assert len(c._fast._free) == 1  # the one connection it opened, idle in its pool
+                fill()
+                c.allocate(r, 16)
+                # Its new connection took the place of the newcomer's, idle longest by then.
+                assert _until(lambda: es.evicted == 2, 2.0) and es.refused == 0
+                assert c.vectors(r).tokens == 16
+            finally:
+                c.close()
+        else:
+            async def go() -> None:
+                c = await AsyncClient.connect(t.unix, name="pooled", transport="fast")
+                try:
+                    assert len(c._fast._free) == 1
+                    fill()
+                    await c.allocate(r, 16)
+                    assert (await c.vectors(r)).tokens == 16
+                finally:
+                    await c.close()
+
+            asyncio.run(go())
+        t.daemon.node.pool.check()
+        assert t.daemon.node.pool.stats().requests_live == 0  # closed clients freed theirs: allocated once
+    finally:
+        for s in others:
+            s.close()
+        dk.stop_inproc(t)
 
 
 def _short_timeout(target, seconds: float = 0.3):
