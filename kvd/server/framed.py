@@ -265,9 +265,12 @@ class FramedServer(UnixServer, Generic[S]):
                 evicted = conn in self._evicting
             if evicted:
                 self.log.info("%s: evicted a connection idle longest, for a new one", self.label)
-                raise Close(frame(EVICTED, pb.PeerStatus(code=Code.UNAVAILABLE, message=(
+                # Unavailable with a hint of 0 (retry at once, elsewhere): the daemon is up, and a
+                # client that reads this as a refusal (a hello, an older client) keeps what it knows.
+                raise Close(frame(EVICTED, status_to_pb(Unavailable(
                     f"{self.label} {self.path} closed this idle connection to serve a new one ({self.max_connections} "
-                    "connections at most); the request was not read: send it again on another connection"))), evicted=True)
+                    "connections at most); the request was not read: send it again on another connection",
+                    retry_after_s=0.0))), evicted=True)
 
     def _close(self, conn: socket.socket, reply: bytes, *, evicted: bool = False) -> None:
         with self._lock:

@@ -317,6 +317,7 @@ def test_a_new_connection_evicts_the_one_idle_longest(tmp_path):
         assert kind == EVICTED
         st = pb.PeerStatus.FromString(body)
         assert st.code == grpc.StatusCode.UNAVAILABLE.value[0] and "was not read: send it again" in st.message
+        assert E.from_status(st.code, st.message, dict(st.metadata)).retry_after_s == 0.0  # up: a client keeps its board
         assert held[1].recv(1) == b""  # then closed
         assert _until(lambda: es.evicted == 1, 2.0)
         for s in (held[0], held[2]):
