@@ -362,6 +362,7 @@ class Daemon:
             ).start()
             _undo(undo, "the engine socket", engine_server.stop)
             endpoint.engine_socket = engine_server.path  # advertised in Session and PoolInfo
+            metrics.collector.engine_socket = engine_server
         add_to_server(server, PeerService(node, endpoint, calls), "Peer")
         hs = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -134,6 +134,12 @@ class FramedServer(UnixServer, Generic[S]):
         with self._lock:
             return dict(self._answered)
 
+    def closed(self) -> dict[str, int]:
+        """Connections the server closed so far, by why: ``refused`` (busy, a bad hello, a frame
+        past the limit), ``evicted`` (idle, for a new one), ``dropped`` (gone or too slow mid-frame)."""
+        with self._lock:
+            return {"refused": self.refused, "evicted": self.evicted, "dropped": self.dropped}
+
     def _count(self, name: str, code: str) -> None:
         with self._lock:
             self._answered[(name, code)] = self._answered.get((name, code), 0) + 1

@@ -24,6 +24,7 @@ from kvd.daemon.node import Node
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from kvd.server.engine_socket import EngineSocketServer
     from kvd.server.peer_link import DaemonPeerLink
     from kvd.server.peer_socket import PeerSocketServer
 
@@ -39,6 +40,7 @@ class _NodeCollector(Collector):
         self.outbox: Outbox | None = None  # set when the daemon runs a transfer backend
         self.link: DaemonPeerLink | None = None  # likewise: this daemon calling others
         self.peer_socket: PeerSocketServer | None = None  # set when it serves a peer socket
+        self.engine_socket: EngineSocketServer | None = None  # set when it serves an engine socket
 
     def collect(self) -> Iterator:
         s = self.node.stats()
@@ -118,6 +120,19 @@ class _NodeCollector(Collector):
                 served.add_metric([method, code], n)
             yield served
             yield gauge("kvd_peer_socket_connections", "Peer socket connections open", ps.connections)
+        if self.engine_socket is not None:
+            es = self.engine_socket
+            yield gauge("kvd_engine_socket_connections", "Engine socket connections open (at most kvd_engine_socket_max_connections)",
+                        es.connections)
+            yield gauge("kvd_engine_socket_max_connections", "Engine socket connections served at once", es.max_connections)
+            closed = CounterMetricFamily(
+                "kvd_engine_socket_closed", "Engine socket connections the daemon closed, by why: refused (every one in a "
+                "call, a bad hello, a frame past the limit), evicted (idle longest, for a new one: a client leaking or "
+                "hoarding connections shows here), dropped (gone or too slow mid-frame)", labels=["reason"],
+            )
+            for reason, n in es.closed().items():
+                closed.add_metric([reason], n)
+            yield closed
 
 
 class _LatencyInterceptor(grpc.ServerInterceptor):
