@@ -42,6 +42,7 @@ __all__ = [
     "InvalidArgument",
     "LayoutMismatch",
     "NotFound",
+    "SessionGone",
     "AlreadyExists",
     "PermissionDenied",
     "CapacityError",
@@ -70,6 +71,13 @@ class LayoutMismatch(InvalidArgument):
 
 class NotFound(KvdError, LookupError):
     """An id (request, lease, group) that the pool does not know."""
+
+
+class SessionGone(NotFound):
+    """The daemon does not know the caller's session: it restarted, or it reaped the session
+    after a TTL without a call. The session's requests and leases are gone with it. A kvd client
+    that meets it opens a new session at once (the next call runs there) and raises it for the
+    call at hand, so its caller learns that what it held is gone."""
 
 
 class AlreadyExists(KvdError):
@@ -159,6 +167,7 @@ class Code(enum.IntEnum):
 CODES: dict[type[KvdError], Code] = {
     LayoutMismatch: Code.INVALID_ARGUMENT,
     InvalidArgument: Code.INVALID_ARGUMENT,
+    SessionGone: Code.NOT_FOUND,
     NotFound: Code.NOT_FOUND,
     AlreadyExists: Code.ALREADY_EXISTS,
     PermissionDenied: Code.PERMISSION_DENIED,

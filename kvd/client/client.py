@@ -20,6 +20,7 @@ the daemon frees its requests after the session TTL.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -28,7 +29,7 @@ import grpc
 
 from kvd.client.attach import Attachment, _attach
 from kvd.client.bells import Bells
-from kvd.errors import InvalidArgument, KvdError, NotFound, Unavailable
+from kvd.errors import InvalidArgument, KvdError, NotFound, SessionGone, Unavailable
 from kvd.memory.doorbells import DoorbellView
 from kvd.pool.layout import Layout
 from kvd.records import (
@@ -59,6 +60,7 @@ __all__ = [
     "TransferState",
 ]
 
+log = logging.getLogger("kvd.client")
 T = TypeVar("T")
 
 
@@ -422,17 +424,19 @@ class Client(_Surface):
     """Synchronous client. Use :meth:`connect`; close (or use as a context manager) when done."""
 
     def __init__(
-        self, channel: grpc.Channel | None, session_id: str, ttl: float, timeout: float | None, fast: _fast.FastChannel | None = None
+        self, channel: grpc.Channel | None, session_id: str, ttl: float, timeout: float | None, fast: _fast.FastChannel | None = None,
+        *, name: str = "",
     ) -> None:
         self._channel = channel
         self._stub = pb_grpc.KvdStub(channel) if channel is not None else None
         self._fast = fast  # the engine socket (kvd.client.fast), else gRPC
         self.transport = "fast" if fast is not None else "grpc"
-        self.session_id = session_id
-        self.ttl = ttl
+        self.name = name
         self.timeout = timeout
-        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
-        self._bells = Bells(_board_fetch(fast, session_id, timeout))
+        #: Sessions opened again after the daemon forgot one (it restarted, or reaped it).
+        self.reopened = 0
+        self._reopening = threading.Lock()
+        self._adopt(session_id, ttl)
         self._closed = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="kvd-heartbeat", daemon=True)
         self._hb.start()
@@ -454,7 +458,7 @@ class Client(_Surface):
             fc = _fast.FastChannel(path)
             try:
                 s = fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
             except Unavailable:
                 fc.close()
                 if transport == "fast":
@@ -477,19 +481,55 @@ class Client(_Surface):
                 fc.close()  # not this daemon's socket after all, or gone: the session stays on gRPC
             else:
                 channel.close()
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
-        return cls(channel, s.session_id, s.ttl_seconds, timeout)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
+        return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name)
+
+    def _adopt(self, session_id: str, ttl: float) -> None:
+        """Act for ``session_id`` from now on (its doorbell board mapped at its first RECV lease)."""
+        self.session_id = session_id
+        self.ttl = ttl
+        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
+        self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
         return parse(self._raw(method, request, self.timeout))
 
     def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
-        if self._fast is not None:
-            return self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
+        sid = self.session_id
         try:
-            return getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            if self._fast is not None:
+                return self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
+            try:
+                return getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+        except SessionGone:
+            self._reopen(sid)
+            raise  # this call ran nowhere, and what the old session held is gone: its caller must know
+
+    def _reopen(self, gone: str) -> None:
+        """The daemon forgot session ``gone`` (it restarted, or reaped it): open a new one with the
+        same name and TTL, unless the client is closing or another call did so already. A daemon
+        that does not answer leaves the client as it was (its next call tries again)."""
+        with self._reopening:
+            if self._closed.is_set() or self.session_id != gone:
+                return
+            self._bells.close()  # the old session's board tells nothing more
+            req = pb.OpenSessionRequest(name=self.name, ttl_seconds=self.ttl)
+            try:
+                if self._fast is not None:
+                    self._fast.reset()
+                    s = self._fast.call("OpenSession", req, self.timeout)
+                else:
+                    assert self._stub is not None
+                    s = self._stub.OpenSession(req, timeout=self.timeout)
+            except (KvdError, grpc.RpcError) as exc:
+                log.warning("kvd client %r: session %s is gone and no new one could be opened yet: %s", self.name, gone, exc)
+                return
+            self._adopt(s.session_id, s.ttl_seconds)
+            self.reopened += 1
+        log.warning("kvd client %r: session %s is gone (the daemon restarted or reaped it: its requests and leases with it); "
+                    "opened session %s", self.name, gone, s.session_id)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.ttl / 3):
@@ -498,8 +538,10 @@ class Client(_Surface):
             except Unavailable as exc:
                 if exc.retry_after_s is None:  # busy is not gone: the board stays true
                     self._bells.close()  # the daemon is gone: its board tells nothing more
+            except SessionGone:
+                pass  # opened again (_raw): the new session maps its own board
             except NotFound:
-                self._bells.close()  # the daemon forgot the session: its board tells nothing more
+                self._bells.close()  # a daemon that predates SessionGone forgot the session
             except KvdError:
                 pass  # the next call surfaces the error; the heartbeat only keeps the session warm
 
@@ -531,18 +573,18 @@ class AsyncClient(_Surface):
 
     def __init__(
         self, channel: grpc.aio.Channel | None, session_id: str, ttl: float, timeout: float | None,
-        fast: _fast.AsyncFastChannel | None = None,
+        fast: _fast.AsyncFastChannel | None = None, *, name: str = "",
     ) -> None:
         self._channel = channel
         self._stub = pb_grpc.KvdStub(channel) if channel is not None else None
         self._fast = fast
         self.transport = "fast" if fast is not None else "grpc"
-        self.session_id = session_id
-        self.ttl = ttl
+        self.name = name
         self.timeout = timeout
-        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
-        # Mapped on the first RECV lease, in the event loop's thread: one local round trip, once.
-        self._bells = Bells(_board_fetch(fast, session_id, timeout))
+        self.reopened = 0  # as Client.reopened
+        self._closing = False
+        self._reopening = asyncio.Lock()
+        self._adopt(session_id, ttl)
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
 
     def _now(self, value: T) -> T:
@@ -561,7 +603,7 @@ class AsyncClient(_Surface):
             fc = _fast.AsyncFastChannel(path)
             try:
                 s = await fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
             except Unavailable:
                 await fc.close()
                 if transport == "fast":
@@ -584,8 +626,15 @@ class AsyncClient(_Surface):
                 await fc.close()
             else:
                 await channel.close()
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc)
-        return cls(channel, s.session_id, s.ttl_seconds, timeout)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
+        return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name)
+
+    def _adopt(self, session_id: str, ttl: float) -> None:
+        """As :meth:`Client._adopt` (the board mapped in the event loop's thread: one local round trip, once)."""
+        self.session_id = session_id
+        self.ttl = ttl
+        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))
+        self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
         async def go():
@@ -594,12 +643,39 @@ class AsyncClient(_Surface):
         return go()  # type: ignore[return-value]  # an awaitable of T
 
     async def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
-        if self._fast is not None:
-            return await self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
+        sid = self.session_id
         try:
-            return await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+            if self._fast is not None:
+                return await self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
+            try:
+                return await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from exc
+        except SessionGone:
+            await self._reopen(sid)
+            raise  # as the sync client: the call at hand ran nowhere
+
+    async def _reopen(self, gone: str) -> None:
+        """As :meth:`Client._reopen`."""
+        async with self._reopening:
+            if self._closing or self.session_id != gone:
+                return
+            self._bells.close()
+            req = pb.OpenSessionRequest(name=self.name, ttl_seconds=self.ttl)
+            try:
+                if self._fast is not None:
+                    self._fast.reset()
+                    s = await self._fast.call("OpenSession", req, self.timeout)
+                else:
+                    assert self._stub is not None
+                    s = await self._stub.OpenSession(req, timeout=self.timeout)
+            except (KvdError, grpc.RpcError) as exc:
+                log.warning("kvd client %r: session %s is gone and no new one could be opened yet: %s", self.name, gone, exc)
+                return
+            self._adopt(s.session_id, s.ttl_seconds)
+            self.reopened += 1
+        log.warning("kvd client %r: session %s is gone (the daemon restarted or reaped it: its requests and leases with it); "
+                    "opened session %s", self.name, gone, s.session_id)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -609,12 +685,15 @@ class AsyncClient(_Surface):
             except Unavailable as exc:
                 if exc.retry_after_s is None:
                     self._bells.close()  # as the sync client's heartbeat
+            except SessionGone:
+                pass
             except NotFound:
                 self._bells.close()
             except KvdError:
                 pass
 
     async def close(self, *, free_requests: bool = True) -> None:
+        self._closing = True
         self._hb.cancel()
         try:
             await self._raw("CloseSession", pb.CloseSessionRequest(free_requests=free_requests), 5)

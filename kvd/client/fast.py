@@ -131,25 +131,30 @@ def _hello(s: socket.socket, session_id: str) -> None:
 
 
 class FastChannel:
-    """Blocking calls on ``path``, for :class:`kvd.client.Client` (thread-safe)."""
+    """Blocking calls on ``path``, for :class:`kvd.client.Client` (thread-safe).
+
+    A connection acts for the session its hello named (or its OpenSession opened); the pool keeps
+    each with that session, and only those of the current one (:attr:`session_id`) are used again:
+    a connection of a session the daemon forgot is closed, never pooled (:meth:`reset`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.session_id = ""
-        self._free: list[socket.socket] = []
+        self._free: list[tuple[socket.socket, str]] = []  # (idle connection, the session it acts for)
         self._lock = threading.Lock()
         self._closed = False
 
-    def _open(self) -> socket.socket:
+    def _open(self) -> tuple[socket.socket, str]:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sid = self.session_id
         try:
             s.connect(self.path)
-            if self.session_id:
-                _hello(s, self.session_id)
+            if sid:
+                _hello(s, sid)
         except BaseException:
             s.close()
             raise
-        return s
+        return s, sid
 
     def adopt(self, session_id: str, timeout: float | None) -> None:
         """Act for ``session_id`` (opened over gRPC): open a connection, whose hello the daemon
@@ -165,43 +170,65 @@ class FastChannel:
             s.close()
             raise
         with self._lock:
-            self._free.append(s)
+            self._free.append((s, session_id))
+
+    def reset(self) -> None:
+        """Forget the session (its daemon no longer knows it): close the idle connections, all of
+        which act for it; a connection opened from now on sends no hello, so the next call must be
+        OpenSession (which names the new session). Connections in a call are closed after it."""
+        with self._lock:
+            free, self._free = self._free, []
+            self.session_id = ""
+        for c, _ in free:
+            c.close()
 
     def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
         data = HEAD.pack(len(body), METHOD_IDS[method]) + body
-        s, kind, reply = self._exchange(method, data, timeout)
+        s, sid, kind, reply = self._exchange(method, data, timeout)
         for resend in range(RESENDS + 1):
             if kind != EVICTED:
                 break
             s.close()  # evicted, the request unread: again on another connection
             if resend == RESENDS:
                 _decode(method, kind, reply)  # evicted every time: its Unavailable
-            s, kind, reply = self._exchange(method, data, timeout)
+            s, sid, kind, reply = self._exchange(method, data, timeout)
+        try:
+            got = _decode(method, kind, reply)
+        except E.SessionGone:
+            s.close()  # it acts for a session its daemon no longer knows
+            raise
+        except BaseException:
+            self._put(s, sid)
+            raise
+        if method == "OpenSession":
+            with self._lock:
+                sid = self.session_id = got.session_id
+        self._put(s, sid)
+        return got
+
+    def _put(self, s: socket.socket, sid: str) -> None:
+        """Back to the pool after its call: only a connection of the current session, up to KEEP."""
         with self._lock:
-            if self._closed or len(self._free) >= KEEP:
+            if self._closed or len(self._free) >= KEEP or sid != self.session_id:
                 s.close()
             else:
-                self._free.append(s)
-        if method == "OpenSession" and kind == OK:
-            got = _decode(method, kind, reply)
-            self.session_id = got.session_id
-            return got
-        return _decode(method, kind, reply)
+                self._free.append((s, sid))
 
-    def _exchange(self, method: str, data: bytes, timeout: float | None) -> tuple[socket.socket, int, bytes]:
-        """One request frame out on a free (or new) connection, and the reply frame's kind and body."""
+    def _exchange(self, method: str, data: bytes, timeout: float | None) -> tuple[socket.socket, str, int, bytes]:
+        """One request frame out on a free (or new) connection: the connection, the session it
+        acts for, and the reply frame's kind and body."""
         with self._lock:
-            s = self._free.pop() if self._free else None
+            got = self._free.pop() if self._free else None
+        s = None
         try:
-            if s is None:
-                s = self._open()
+            s, sid = self._open() if got is None else got
             s.settimeout(timeout)
             try:
                 s.sendall(data)
             except BrokenPipeError:  # closed by the daemon before this write: nothing of it was read
                 s.close()
-                return s, EVICTED, _UNSENT
+                return s, sid, EVICTED, _UNSENT
             kind, reply = read_frame(s, MAX_FRAME)
         except E.KvdError:
             raise
@@ -209,35 +236,37 @@ class FastChannel:
             if s is not None:
                 s.close()
             _broken(self.path, method, exc, timeout)
-        return s, kind, reply
+        return s, sid, kind, reply
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             free, self._free = self._free, []
-        for s in free:
+        for s, _ in free:
             s.close()
 
 
 class AsyncFastChannel:
-    """The same calls for :class:`kvd.client.AsyncClient`, on asyncio streams."""
+    """The same calls for :class:`kvd.client.AsyncClient`, on asyncio streams (the same pool of
+    connections by session as :class:`FastChannel`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.session_id = ""
-        self._free: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._free: list[tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], str]] = []
         self._closed = False
 
-    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _open(self) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], str]:
         r, w = await asyncio.open_unix_connection(self.path, limit=MAX_FRAME)
-        if self.session_id:
-            w.write(frame(HELLO, pb.Session(session_id=self.session_id)))
+        sid = self.session_id
+        if sid:
+            w.write(frame(HELLO, pb.Session(session_id=sid)))
             try:
                 _decode("OpenSession", *await self._read(r))
             except BaseException:
                 w.close()
                 raise
-        return r, w
+        return (r, w), sid
 
     @staticmethod
     async def _read(r: asyncio.StreamReader) -> tuple[int, bytes]:
@@ -249,37 +278,54 @@ class AsyncFastChannel:
     async def adopt(self, session_id: str, timeout: float | None) -> None:
         """As :meth:`FastChannel.adopt`."""
         self.session_id = session_id
-        conn = await asyncio.wait_for(self._open(), timeout)
-        self._free.append(conn)
+        conn, _ = await asyncio.wait_for(self._open(), timeout)
+        self._free.append((conn, session_id))
+
+    def reset(self) -> None:
+        """As :meth:`FastChannel.reset`."""
+        free, self._free = self._free, []
+        self.session_id = ""
+        for (_, w), _ in free:
+            w.close()
 
     async def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
         data = HEAD.pack(len(body), METHOD_IDS[method]) + body
-        conn, kind, reply = await self._exchange(method, data, timeout)
+        conn, sid, kind, reply = await self._exchange(method, data, timeout)
         for resend in range(RESENDS + 1):
             if kind != EVICTED:
                 break
             conn[1].close()  # evicted, the request unread: again on another connection
             if resend == RESENDS:
                 _decode(method, kind, reply)  # evicted every time: its Unavailable
-            conn, kind, reply = await self._exchange(method, data, timeout)
-        if self._closed or len(self._free) >= KEEP:
+            conn, sid, kind, reply = await self._exchange(method, data, timeout)
+        try:
+            got = _decode(method, kind, reply)
+        except E.SessionGone:
+            conn[1].close()  # it acts for a session its daemon no longer knows
+            raise
+        except BaseException:
+            self._put(conn, sid)
+            raise
+        if method == "OpenSession":
+            sid = self.session_id = got.session_id
+        self._put(conn, sid)
+        return got
+
+    def _put(self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], sid: str) -> None:
+        if self._closed or len(self._free) >= KEEP or sid != self.session_id:
             conn[1].close()
         else:
-            self._free.append(conn)
-        got = _decode(method, kind, reply)
-        if method == "OpenSession":
-            self.session_id = got.session_id
-        return got
+            self._free.append((conn, sid))
 
     async def _exchange(
         self, method: str, data: bytes, timeout: float | None,
-    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], int, bytes]:
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], str, int, bytes]:
         """As :meth:`FastChannel._exchange`."""
-        conn = self._free.pop() if self._free else None
+        got = self._free.pop() if self._free else None
+        conn = None
         try:
-            if conn is None:
-                conn = await self._open()
+            conn, sid = await self._open() if got is None else got
             conn[1].write(data)  # a refused write fails the read that follows (BrokenPipeError)
             kind, reply = await asyncio.wait_for(self._read(conn[0]), timeout)
         except E.KvdError:
@@ -288,7 +334,7 @@ class AsyncFastChannel:
             if conn is None:  # a new connection's hello: broken as any other
                 _broken(self.path, method, exc, timeout)
             conn[1].close()
-            return conn, EVICTED, _UNSENT
+            return conn, sid, EVICTED, _UNSENT
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
             if conn is not None:
                 conn[1].close()
@@ -297,12 +343,12 @@ class AsyncFastChannel:
             if conn is not None:
                 conn[1].close()
             raise
-        return conn, kind, reply
+        return conn, sid, kind, reply
 
     async def close(self) -> None:
         self._closed = True
         free, self._free = self._free, []
-        for _, w in free:
+        for (_, w), _ in free:
             w.close()
 
 

@@ -44,6 +44,7 @@ from kvd.errors import (
     InvalidArgument,
     LayoutMismatch,
     NotFound,
+    SessionGone,
     PermissionDenied,
     StaleEpoch,
 )
@@ -171,7 +172,10 @@ class Node:
         """:meth:`touch`, the lock held."""
         s = self._sessions.get(session_id)
         if s is None:
-            raise NotFound(f"session {quote(session_id)} is unknown or expired (no call within its TTL); open a new session")
+            raise SessionGone(
+                f"session {quote(session_id)} is unknown or expired (this daemon restarted, or no call came within its TTL): "
+                "its requests and leases are gone; open a new session (kvd's clients do so at once)"
+            )
         s.last_seen = self.clock()
         return s
 

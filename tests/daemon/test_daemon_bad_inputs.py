@@ -234,7 +234,7 @@ def test_raw_stub_codes_and_metadata(world):
     try:
         with expect_rpc(C.INVALID_ARGUMENT, "call OpenSession first", "InvalidArgument"):
             stub.GetVectors(pb.GetVectorsRequest(rids=[world.live]), timeout=5)
-        with expect_rpc(C.NOT_FOUND, "unknown or expired", "NotFound"):
+        with expect_rpc(C.NOT_FOUND, "unknown or expired", "SessionGone"):
             stub.GetVectors(pb.GetVectorsRequest(rids=[world.live]), metadata=((SESSION_KEY, "0" * 32),), timeout=5)
         with expect_rpc(C.INVALID_ARGUMENT, "session ttl must be in [0, 3600]", "InvalidArgument"):
             stub.OpenSession(pb.OpenSessionRequest(name="x", ttl_seconds=-1), timeout=5)

@@ -150,7 +150,7 @@ def test_the_doorbell_board_goes_to_a_session_only_and_read_only(target):
             view._map[0] = 1  # type: ignore[index]  # mapped read-only
     finally:
         view.close()
-    with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, "unknown or expired"):
+    with expect(E.SessionGone, grpc.StatusCode.NOT_FOUND, "unknown or expired"):
         fetch_doorbells(path, "no-such-session", 5)
 
 
@@ -228,7 +228,7 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
         monkeypatch.setattr(client_fast, "KEEP", 0)  # every call of this client opens a connection
         with c._fast._lock:  # and none it kept serves one (a call in flight closes its own after)
             kept, c._fast._free = c._fast._free, []
-        for s in kept:
+        for s, _ in kept:
             s.close()
         limit = es.max_connections
         es.max_connections = es.connections + 2

@@ -1,0 +1,133 @@
+"""A client whose daemon forgot its session -- the daemon restarted (a sidecar restart, a rollout)
+or reaped the session after a TTL without a call -- opens a new one by itself: the call that
+met the loss raises SessionGone (a NotFound: what the old session held is gone), and the next
+call runs on the new session, over the same transport. Before, every later call was refused
+until the engine made a new client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from daemon_kit import expect, rid, start_inproc, stop_inproc, wait_for
+
+from kvd import errors as E
+from kvd.client import AsyncClient, Client, TransferState
+
+TRANSPORTS = ("grpc", "fast")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_daemon_restarted_under_a_client_gets_a_new_session(tmp_path, transport):
+    t = start_inproc(tmp_path, backend="local")
+    c = Client.connect(t.unix, name="engine-0", ttl=30.0, transport=transport)
+    t2 = None
+    try:
+        old, kept = c.session_id, rid("kept")
+        c.allocate(kept, 16)
+        stop_inproc(t)
+        t2 = start_inproc(tmp_path, backend="local")  # the same paths, a new boot
+        first = rid("first")
+        with expect(E.SessionGone, grpc.StatusCode.NOT_FOUND, "unknown or expired") as info:
+            c.allocate(first, 16)
+        assert isinstance(info.value, E.NotFound)  # code that knows only NotFound still reads it
+        assert c.reopened == 1 and c.session_id != old and c.transport == transport
+        with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, first):
+            c.vectors(first)  # the call that met the loss ran nowhere
+        assert c.allocate(first, 16).tokens == 16  # the next call runs on the new session
+        with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, kept) as gone:
+            c.vectors(kept)  # the old session's requests went with the old daemon
+        assert not isinstance(gone.value, E.SessionGone)
+        assert t2.node.touch(c.session_id).name == "engine-0"  # the same name, on the new daemon
+        _, lease = c.allocate_recv(rid("bell"), 16)
+        if transport == "fast":  # the new session maps the new daemon's board
+            assert c.doorbell(lease.rid) is TransferState.WAITING
+        c.free(first)
+        t2.node.check()
+        assert c.reopened == 1
+    finally:
+        c.close()
+        stop_inproc(t2 if t2 is not None else t)
+
+
+def test_the_heartbeat_reopens_before_any_call_meets_the_loss(tmp_path):
+    """A client that makes no call while its daemon restarts finds a new session ready: its
+    heartbeat (every TTL/3) met the loss first, so no engine call fails."""
+    t = start_inproc(tmp_path, backend="local")
+    c = Client.connect(t.unix, name="quiet", ttl=0.6, transport="fast")
+    t2 = None
+    try:
+        stop_inproc(t)
+        t2 = start_inproc(tmp_path, backend="local")
+        wait_for(lambda: c.reopened == 1, 5.0, "the heartbeat to open a new session")
+        assert c.allocate(rid("after"), 16).tokens == 16
+        assert c.reopened == 1
+    finally:
+        c.close()
+        stop_inproc(t2 if t2 is not None else t)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_session_reaped_for_silence_is_reopened_and_its_old_connections_dropped(tmp_path, transport, monkeypatch):
+    """An engine stalled past its session's TTL (no heartbeat: a stuck process) is reaped, its
+    requests freed; once it moves again its next call opens a new session. The engine socket's
+    pooled connections acted for the old session: none is used again."""
+    monkeypatch.setattr(Client, "_heartbeat", lambda self: None)  # the stalled engine
+    t = start_inproc(tmp_path, backend="local")
+    c = Client.connect(t.unix, name="stalled", ttl=0.5, transport=transport)
+    try:
+        old, r = c.session_id, rid("reaped")
+        c.allocate(r, 16)
+        expired = t.node.stats().sessions_expired_total
+        wait_for(lambda: t.node.stats().sessions_expired_total > expired, 5.0, "the daemon to reap the silent session")
+        assert t.node.stats().pool.requests_live == 0
+        with expect(E.SessionGone, grpc.StatusCode.NOT_FOUND, old):
+            c.vectors(r)
+        assert c.reopened == 1 and c.session_id != old
+        if transport == "fast":
+            assert all(sid == c.session_id for _, sid in c._fast._free)
+        with expect(E.NotFound, grpc.StatusCode.NOT_FOUND, r):
+            c.vectors(r)
+        assert c.allocate(r, 16).tokens == 16
+        t.node.check()
+    finally:
+        c.close()
+        stop_inproc(t)
+
+
+def test_closing_a_client_whose_session_is_gone_opens_none(tmp_path):
+    t = start_inproc(tmp_path, backend="local")
+    c = Client.connect(t.unix, name="closing", ttl=30.0, transport="fast")
+    t2 = None
+    try:
+        stop_inproc(t)
+        t2 = start_inproc(tmp_path, backend="local")
+        c.close()  # its CloseSession meets the loss: nothing to reopen for
+        assert c.reopened == 0 and t2.node.stats().sessions_live == 0
+    finally:
+        stop_inproc(t2 if t2 is not None else t)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_asyncio_client_reopens_too(tmp_path, transport):
+    t = start_inproc(tmp_path, backend="local")
+    holder: list = []
+
+    async def go() -> None:
+        c = await AsyncClient.connect(t.unix, name="async-engine", ttl=30.0, transport=transport)
+        try:
+            old = c.session_id
+            stop_inproc(t)
+            holder.append(start_inproc(tmp_path, backend="local"))
+            with expect(E.SessionGone, grpc.StatusCode.NOT_FOUND, "unknown or expired"):
+                await c.allocate(rid("first"), 16)
+            assert c.reopened == 1 and c.session_id != old
+            assert (await c.allocate(rid("second"), 16)).tokens == 16
+        finally:
+            await c.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        stop_inproc(holder[0] if holder else t)
