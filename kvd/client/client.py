@@ -202,8 +202,33 @@ class _Surface:
     lease (:mod:`kvd.client.bells`) and remembers each such lease's slot; :meth:`wait_ready` of a
     transfer its doorbell shows READY returns without a call. Anything else asks the daemon."""
 
-    session_id: str  # set by the transport on connect
+    session_id: str  # set by the transport on connect, and again on a reopen
+    ttl: float
+    name: str
+    timeout: float | None
+    reopened: int
+    _md: tuple[tuple[str, str], ...]
     _bells: Bells
+    _fast: Any  # the engine socket: a FastChannel (Client), an AsyncFastChannel (AsyncClient); None: gRPC
+
+    def _adopt(self, session_id: str, ttl: float) -> None:
+        """Act for ``session_id`` from now on (its doorbell board mapped at its first RECV lease;
+        by the asyncio client in the event loop's thread: one local round trip, once)."""
+        self.session_id = session_id
+        self.ttl = ttl
+        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
+        self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
+
+    def _reopened(self, gone: str, s: pb.Session | None, exc: BaseException | None = None) -> None:
+        """After a reopen's OpenSession: act for the new session ``s`` (None: none could be
+        opened, ``exc`` says why; the next call tries again)."""
+        if s is None:
+            log.warning("kvd client %r: session %s is gone and no new one could be opened yet: %s", self.name, gone, exc)
+            return
+        self._adopt(s.session_id, s.ttl_seconds)
+        self.reopened += 1
+        log.warning("kvd client %r: session %s is gone (the daemon restarted or reaped it: its requests and leases with it); "
+                    "opened session %s", self.name, gone, s.session_id)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -484,13 +509,6 @@ class Client(_Surface):
                 return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
         return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name)
 
-    def _adopt(self, session_id: str, ttl: float) -> None:
-        """Act for ``session_id`` from now on (its doorbell board mapped at its first RECV lease)."""
-        self.session_id = session_id
-        self.ttl = ttl
-        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
-        self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
-
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
         return parse(self._raw(method, request, self.timeout))
 
@@ -524,12 +542,9 @@ class Client(_Surface):
                     assert self._stub is not None
                     s = self._stub.OpenSession(req, timeout=self.timeout)
             except (KvdError, grpc.RpcError) as exc:
-                log.warning("kvd client %r: session %s is gone and no new one could be opened yet: %s", self.name, gone, exc)
+                self._reopened(gone, None, exc)
                 return
-            self._adopt(s.session_id, s.ttl_seconds)
-            self.reopened += 1
-        log.warning("kvd client %r: session %s is gone (the daemon restarted or reaped it: its requests and leases with it); "
-                    "opened session %s", self.name, gone, s.session_id)
+            self._reopened(gone, s)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.ttl / 3):
@@ -629,13 +644,6 @@ class AsyncClient(_Surface):
                 return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
         return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name)
 
-    def _adopt(self, session_id: str, ttl: float) -> None:
-        """As :meth:`Client._adopt` (the board mapped in the event loop's thread: one local round trip, once)."""
-        self.session_id = session_id
-        self.ttl = ttl
-        self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))
-        self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
-
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
         async def go():
             return parse(await self._raw(method, request, self.timeout))
@@ -670,12 +678,9 @@ class AsyncClient(_Surface):
                     assert self._stub is not None
                     s = await self._stub.OpenSession(req, timeout=self.timeout)
             except (KvdError, grpc.RpcError) as exc:
-                log.warning("kvd client %r: session %s is gone and no new one could be opened yet: %s", self.name, gone, exc)
+                self._reopened(gone, None, exc)
                 return
-            self._adopt(s.session_id, s.ttl_seconds)
-            self.reopened += 1
-        log.warning("kvd client %r: session %s is gone (the daemon restarted or reaped it: its requests and leases with it); "
-                    "opened session %s", self.name, gone, s.session_id)
+            self._reopened(gone, s)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -261,6 +261,8 @@ class FramedServer(UnixServer, Generic[S]):
         """The next frame's head (None: the caller closed), waiting listed as evictable; Close
         with the EVICTED answer when the connection was evicted meanwhile, whatever the read
         brought (a head read then is dropped with its body: the request never runs)."""
+        if not self.evicts:
+            return read_head(conn, self.timeout)
         with self._lock:
             self._waiting[conn] = None
         try:
