@@ -352,6 +352,7 @@ def test_a_request_on_a_connection_being_evicted_is_never_run(tmp_path):
         r = rid("raced")
         s = _session_conn(t, "racer")
         conn = _server_side(es, before)
+        assert _until(lambda: conn in es._waiting, 2.0)  # its reader back in its read, after the OpenSession
         with es._lock:  # the reader, woken by the request, waits for this lock to see its fate
             s.sendall(frame(METHOD_IDS["Allocate"], pb.AllocateRequest(requests=[pb.AllocSpec(rid=r, tokens=16)])))
             time.sleep(0.05)
