@@ -120,6 +120,12 @@ def _decode(method: str, kind: int, body: bytes) -> Any:
     _raise(st.code, st.message, dict(st.metadata))
 
 
+def _between_sessions(method: str) -> NoReturn:
+    """A call while the client opens a new session (:meth:`FastChannel.reset` forgot the old
+    one): the old session is gone, as the call would have heard from the daemon."""
+    raise E.SessionGone(f"{method}: this client's session is gone and a new one is being opened; call again")
+
+
 def _hello(s: socket.socket, session_id: str) -> None:
     """Say which session ``s`` acts for; raises the daemon's refusal (as the peer socket's
     hello, ``server/peer_conns.py``)."""
@@ -220,6 +226,8 @@ class FastChannel:
         acts for, and the reply frame's kind and body."""
         with self._lock:
             got = self._free.pop() if self._free else None
+        if got is None and not self.session_id and method != "OpenSession":
+            _between_sessions(method)
         s = None
         try:
             s, sid = self._open() if got is None else got
@@ -323,6 +331,8 @@ class AsyncFastChannel:
     ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], str, int, bytes]:
         """As :meth:`FastChannel._exchange`."""
         got = self._free.pop() if self._free else None
+        if got is None and not self.session_id and method != "OpenSession":
+            _between_sessions(method)
         conn = None
         try:
             conn, sid = await self._open() if got is None else got

@@ -131,3 +131,22 @@ def test_the_asyncio_client_reopens_too(tmp_path, transport):
         asyncio.run(go())
     finally:
         stop_inproc(holder[0] if holder else t)
+
+
+def test_a_call_while_the_session_is_being_opened_again_hears_it_is_gone(tmp_path):
+    """Between the engine socket forgetting the old session and the new one's OpenSession reply,
+    another thread's call is not sent sessionless (which the daemon would refuse as a call before
+    any session): it raises SessionGone, as on the old session, and runs nowhere."""
+    t = start_inproc(tmp_path, backend="local")
+    c = Client.connect(t.unix, name="racing", ttl=30.0, transport="fast")
+    try:
+        old = c.session_id
+        c._fast.reset()  # what a reopen in another thread did first
+        with expect(E.SessionGone, grpc.StatusCode.NOT_FOUND, "being opened"):
+            c.allocate(rid("racer"), 16)
+        assert t.node.stats().pool.requests_live == 0
+        assert c.reopened == 1 and c.session_id != old  # this thread's reopen found nobody else's
+        assert c.allocate(rid("after"), 16).tokens == 16
+    finally:
+        c.close()
+        stop_inproc(t)
