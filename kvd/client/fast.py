@@ -123,7 +123,8 @@ def _decode(method: str, kind: int, body: bytes) -> Any:
 def _between_sessions(method: str) -> NoReturn:
     """A call while the client opens a new session (:meth:`FastChannel.reset` forgot the old
     one): the old session is gone, as the call would have heard from the daemon."""
-    raise E.SessionGone(f"{method}: this client's session is gone and a new one is being opened; call again")
+    _raise(grpc.StatusCode.NOT_FOUND.value[0], f"{method}: this client's session is gone and a new one is being opened; call again",
+           {E.ERROR_KEY: E.SessionGone.__name__})
 
 
 def _hello(s: socket.socket, session_id: str) -> None:
