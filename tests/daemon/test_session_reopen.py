@@ -7,6 +7,8 @@ until the engine made a new client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -18,16 +20,32 @@ from kvd.client import AsyncClient, Client, TransferState
 TRANSPORTS = ("grpc", "fast")
 
 
+@contextlib.contextmanager
+def _across_a_restart(tmp_path, name: str, ttl: float, transport: str = "fast") -> Iterator[tuple[Client, Callable[[], object]]]:
+    """A client of a daemon, and ``restart()``: stop that daemon and start another at the same
+    paths (a new boot), returned. The client is closed first, then whichever daemon runs."""
+    live = [start_inproc(tmp_path, backend="local")]
+    c = Client.connect(live[0].unix, name=name, ttl=ttl, transport=transport)
+
+    def restart() -> object:
+        stop_inproc(live.pop())
+        live.append(start_inproc(tmp_path, backend="local"))
+        return live[0]
+
+    try:
+        yield c, restart
+    finally:
+        c.close()
+        if live:
+            stop_inproc(live[0])
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_daemon_restarted_under_a_client_gets_a_new_session(tmp_path, transport):
-    t = start_inproc(tmp_path, backend="local")
-    c = Client.connect(t.unix, name="engine-0", ttl=30.0, transport=transport)
-    t2 = None
-    try:
+    with _across_a_restart(tmp_path, "engine-0", 30.0, transport) as (c, restart):
         old, kept = c.session_id, rid("kept")
         c.allocate(kept, 16)
-        stop_inproc(t)
-        t2 = start_inproc(tmp_path, backend="local")  # the same paths, a new boot
+        t2 = restart()
         first = rid("first")
         with expect(E.SessionGone, grpc.StatusCode.NOT_FOUND, "unknown or expired") as info:
             c.allocate(first, 16)
@@ -46,26 +64,16 @@ def test_a_daemon_restarted_under_a_client_gets_a_new_session(tmp_path, transpor
         c.free(first)
         t2.node.check()
         assert c.reopened == 1
-    finally:
-        c.close()
-        stop_inproc(t2 if t2 is not None else t)
 
 
 def test_the_heartbeat_reopens_before_any_call_meets_the_loss(tmp_path):
     """A client that makes no call while its daemon restarts finds a new session ready: its
     heartbeat (every TTL/3) met the loss first, so no engine call fails."""
-    t = start_inproc(tmp_path, backend="local")
-    c = Client.connect(t.unix, name="quiet", ttl=0.6, transport="fast")
-    t2 = None
-    try:
-        stop_inproc(t)
-        t2 = start_inproc(tmp_path, backend="local")
+    with _across_a_restart(tmp_path, "quiet", 0.6) as (c, restart):
+        restart()
         wait_for(lambda: c.reopened == 1, 5.0, "the heartbeat to open a new session")
         assert c.allocate(rid("after"), 16).tokens == 16
         assert c.reopened == 1
-    finally:
-        c.close()
-        stop_inproc(t2 if t2 is not None else t)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -97,16 +105,10 @@ def test_a_session_reaped_for_silence_is_reopened_and_its_old_connections_droppe
 
 
 def test_closing_a_client_whose_session_is_gone_opens_none(tmp_path):
-    t = start_inproc(tmp_path, backend="local")
-    c = Client.connect(t.unix, name="closing", ttl=30.0, transport="fast")
-    t2 = None
-    try:
-        stop_inproc(t)
-        t2 = start_inproc(tmp_path, backend="local")
+    with _across_a_restart(tmp_path, "closing", 30.0) as (c, restart):
+        t2 = restart()
         c.close()  # its CloseSession meets the loss: nothing to reopen for
         assert c.reopened == 0 and t2.node.stats().sessions_live == 0
-    finally:
-        stop_inproc(t2 if t2 is not None else t)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
