@@ -1,7 +1,8 @@
 """A client's side of its daemon's doorbell board (:mod:`kvd.memory.doorbells`).
 
 The board is mapped the first time this client takes a RECV lease that names a slot (over the
-engine socket: :func:`kvd.client.fast.fetch_doorbells`); each such lease's slot is remembered by
+engine socket: :func:`kvd.client.fast.fetch_doorbells`; a daemon that refused it busy -- every
+connection in use, or this one evicted -- is asked again at the next such lease); each such lease's slot is remembered by
 request id until the client frees it. :meth:`Bells.state` reads a transfer's slot: no call. A board
 that cannot be mapped (gRPC, a daemon that predates doorbells) leaves every read to the daemon,
 and so does a client whose daemon went away (:meth:`Bells.close`: the client's heartbeat calls it
@@ -15,7 +16,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from kvd.errors import KvdError
+from kvd.errors import KvdError, Unavailable
 from kvd.memory.doorbells import DoorbellView
 from kvd.records import TransferState
 
@@ -45,9 +46,13 @@ class Bells:
             return
         with self._lock:
             if self._board is None and self._fetch is not None:
-                fetch, self._fetch = self._fetch, None  # tried once
+                fetch, self._fetch = self._fetch, None  # tried once ...
                 try:
                     self._board, self._boot = fetch()
+                except Unavailable as exc:
+                    if exc.retry_after_s is not None:  # ... unless the daemon was only busy: the next lease tries again
+                        self._fetch = fetch
+                    log.debug("kvd client: no doorbell board yet (%s); wait_ready asks the daemon", exc)
                 except (KvdError, OSError, ValueError) as exc:
                     log.debug("kvd client: no doorbell board (%s); wait_ready asks the daemon", exc)
             if self._board is None or boot_id != self._boot:

@@ -125,3 +125,41 @@ def test_many_doorbells_read_at_once(board):
     assert got.tolist() == [1, 3, 0]  # WAITING, READY, another lease's slot
     v.close()
     assert v.states(np.array([a]), np.array([10])).tolist() == [0]
+
+
+def test_a_board_refused_busy_is_asked_for_again_and_one_refused_otherwise_is_not(board):
+    """A client maps its daemon's board at its first RECV lease with a slot. A daemon that was only
+    busy (Unavailable with a retry hint: every engine-socket connection in a call, or the fetch's
+    own connection evicted) is asked again at the next lease; one that refused for good (no board,
+    a daemon that predates doorbells) is not asked again: its reads go to the daemon."""
+    from kvd.client.bells import Bells
+    from kvd.errors import FailedPrecondition, Unavailable
+
+    answers = [Unavailable("busy", retry_after_s=0.0), (view_of(board), "boot-1")]
+    asked = []
+
+    def fetch():
+        asked.append(1)
+        got = answers.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    bells = Bells(fetch)
+    slot = board.take(7)
+    bells.note("a", slot + 1, 7, "boot-1")
+    assert bells.state("a") is None and len(asked) == 1  # busy: no board yet
+    bells.note("a", slot + 1, 7, "boot-1")
+    assert bells.state("a") == (TransferState.WAITING, 0) and len(asked) == 2
+    bells.close()
+
+    refused = []
+
+    def never():
+        refused.append(1)
+        raise FailedPrecondition("this daemon keeps no doorbell board")
+
+    quiet = Bells(never)
+    quiet.note("b", slot + 1, 7, "boot-1")
+    quiet.note("b", slot + 1, 7, "boot-1")
+    assert quiet.state("b") is None and len(refused) == 1
