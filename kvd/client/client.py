@@ -20,6 +20,7 @@ the daemon frees its requests after the session TTL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -29,7 +30,7 @@ import grpc
 
 from kvd.client.attach import Attachment, _attach
 from kvd.client.bells import Bells
-from kvd.errors import InvalidArgument, KvdError, NotFound, SessionGone, Unavailable
+from kvd.errors import InvalidArgument, KvdError, NotFound, SessionGone, StaleEpoch, Unavailable
 from kvd.memory.doorbells import DoorbellView
 from kvd.pool.layout import Layout
 from kvd.records import (
@@ -203,6 +204,7 @@ class _Surface:
     transfer its doorbell shows READY returns without a call. Anything else asks the daemon."""
 
     session_id: str  # set by the transport on connect, and again on a reopen
+    boot_id: str  # the daemon's boot the session is on
     ttl: float
     name: str
     timeout: float | None
@@ -210,25 +212,46 @@ class _Surface:
     _md: tuple[tuple[str, str], ...]
     _bells: Bells
     _fast: Any  # the engine socket: a FastChannel (Client), an AsyncFastChannel (AsyncClient); None: gRPC
+    _attached = False  # this client mapped its daemon's arena (attach)
+    _stale = ""  # why every call is refused: the daemon restarted under an attached arena
 
-    def _adopt(self, session_id: str, ttl: float) -> None:
+    def _adopt(self, session_id: str, ttl: float, boot_id: str) -> None:
         """Act for ``session_id`` from now on (its doorbell board mapped at its first RECV lease;
         by the asyncio client in the event loop's thread: one local round trip, once)."""
         self.session_id = session_id
+        self.boot_id = boot_id
         self.ttl = ttl
         self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
         self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
 
-    def _reopened(self, gone: str, s: pb.Session | None, exc: BaseException | None = None) -> None:
+    def _mapped(self, att: Attachment) -> Attachment:
+        self._attached = True
+        return att
+
+    def _reopened(self, gone: str, s: pb.Session | None, exc: BaseException | None = None) -> bool:
         """After a reopen's OpenSession: act for the new session ``s`` (None: none could be
-        opened, ``exc`` says why; the next call tries again)."""
+        opened, ``exc`` says why; the next call tries again). False when ``s`` must not be used
+        (the caller closes it): the daemon restarted, and this client attached the old one's
+        arena -- its views map the old arena's memory, which every page id of the new daemon
+        would index, so its KV would be written and read where the daemons never look (wrong
+        output, no error). Every call is refused from then on (StaleEpoch): connect and attach again."""
         if s is None:
             log.warning("kvd client %r: session %s is gone and no new one could be opened yet: %s", self.name, gone, exc)
-            return
-        self._adopt(s.session_id, s.ttl_seconds)
+            return False
+        if self._attached and s.boot_id != self.boot_id:
+            self._stale = (
+                f"the daemon restarted (boot {self.boot_id!r}, now {s.boot_id!r}) after this client attached its arena: the "
+                "views it mapped are of the old arena, not the new one, so nothing this client holds or maps is valid any "
+                "more; close it, connect a new client and attach again"
+            )
+            self._bells.close()
+            log.error("kvd client %r: %s", self.name, self._stale)
+            return False
+        self._adopt(s.session_id, s.ttl_seconds, s.boot_id)
         self.reopened += 1
         log.warning("kvd client %r: session %s is gone (the daemon restarted or reaped it: its requests and leases with it); "
                     "opened session %s", self.name, gone, s.session_id)
+        return True
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -275,8 +298,10 @@ class _Surface:
 
         A shm arena is mapped by its file path; a CUDA arena's chunk fds come over the daemon's
         handle socket, authorized by this client's session (this process needs CUDA and
-        cuda-python: Unavailable otherwise, saying which is missing)."""
-        return self._call("Attach", pb.AttachRequest(), lambda r: _attach(r, self.session_id))
+        cuda-python: Unavailable otherwise, saying which is missing). The mapping is of this boot
+        of the daemon: should it restart, the client refuses every call (StaleEpoch) instead of
+        opening a session on the new boot, whose arena the views do not map."""
+        return self._call("Attach", pb.AttachRequest(), lambda r: self._mapped(_attach(r, self.session_id)))
 
     def echo(self, payload: bytes = b"") -> bytes:
         return self._call("Echo", pb.EchoRequest(payload=payload), lambda r: r.payload)
@@ -450,7 +475,7 @@ class Client(_Surface):
 
     def __init__(
         self, channel: grpc.Channel | None, session_id: str, ttl: float, timeout: float | None, fast: _fast.FastChannel | None = None,
-        *, name: str = "",
+        *, name: str = "", boot_id: str = "",
     ) -> None:
         self._channel = channel
         self._stub = pb_grpc.KvdStub(channel) if channel is not None else None
@@ -461,7 +486,7 @@ class Client(_Surface):
         #: Sessions opened again after the daemon forgot one (it restarted, or reaped it).
         self.reopened = 0
         self._reopening = threading.Lock()
-        self._adopt(session_id, ttl)
+        self._adopt(session_id, ttl, boot_id)
         self._closed = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="kvd-heartbeat", daemon=True)
         self._hb.start()
@@ -483,7 +508,7 @@ class Client(_Surface):
             fc = _fast.FastChannel(path)
             try:
                 s = fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name, boot_id=s.boot_id)
             except Unavailable:
                 fc.close()
                 if transport == "fast":
@@ -506,13 +531,15 @@ class Client(_Surface):
                 fc.close()  # not this daemon's socket after all, or gone: the session stays on gRPC
             else:
                 channel.close()
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
-        return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name, boot_id=s.boot_id)
+        return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name, boot_id=s.boot_id)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
         return parse(self._raw(method, request, self.timeout))
 
     def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
+        if self._stale:
+            raise StaleEpoch(f"{method}: {self._stale}")
         sid = self.session_id
         try:
             if self._fast is not None:
@@ -530,7 +557,7 @@ class Client(_Surface):
         same name and TTL, unless the client is closing or another call did so already. A daemon
         that does not answer leaves the client as it was (its next call tries again)."""
         with self._reopening:
-            if self._closed.is_set() or self.session_id != gone:
+            if self._closed.is_set() or self._stale or self.session_id != gone:
                 return
             self._bells.close()  # the old session's board tells nothing more
             req = pb.OpenSessionRequest(name=self.name, ttl_seconds=self.ttl)
@@ -544,7 +571,13 @@ class Client(_Surface):
             except (KvdError, grpc.RpcError) as exc:
                 self._reopened(gone, None, exc)
                 return
-            self._reopened(gone, s)
+            if not self._reopened(gone, s):  # a session this client must not use: closed again, at once
+                with contextlib.suppress(KvdError, grpc.RpcError):
+                    if self._fast is not None:
+                        self._fast.call("CloseSession", pb.CloseSessionRequest(), self.timeout)
+                        self._fast.reset()
+                    elif self._stub is not None:
+                        self._stub.CloseSession(pb.CloseSessionRequest(), metadata=((SESSION_KEY, s.session_id),), timeout=self.timeout)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.ttl / 3):
@@ -588,7 +621,7 @@ class AsyncClient(_Surface):
 
     def __init__(
         self, channel: grpc.aio.Channel | None, session_id: str, ttl: float, timeout: float | None,
-        fast: _fast.AsyncFastChannel | None = None, *, name: str = "",
+        fast: _fast.AsyncFastChannel | None = None, *, name: str = "", boot_id: str = "",
     ) -> None:
         self._channel = channel
         self._stub = pb_grpc.KvdStub(channel) if channel is not None else None
@@ -599,7 +632,7 @@ class AsyncClient(_Surface):
         self.reopened = 0  # as Client.reopened
         self._closing = False
         self._reopening = asyncio.Lock()
-        self._adopt(session_id, ttl)
+        self._adopt(session_id, ttl, boot_id)
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat())
 
     def _now(self, value: T) -> T:
@@ -618,7 +651,7 @@ class AsyncClient(_Surface):
             fc = _fast.AsyncFastChannel(path)
             try:
                 s = await fc.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=ttl or 0), timeout)
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name, boot_id=s.boot_id)
             except Unavailable:
                 await fc.close()
                 if transport == "fast":
@@ -641,8 +674,8 @@ class AsyncClient(_Surface):
                 await fc.close()
             else:
                 await channel.close()
-                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name)
-        return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name)
+                return cls(None, s.session_id, s.ttl_seconds, timeout, fast=fc, name=name, boot_id=s.boot_id)
+        return cls(channel, s.session_id, s.ttl_seconds, timeout, name=name, boot_id=s.boot_id)
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:
         async def go():
@@ -651,6 +684,8 @@ class AsyncClient(_Surface):
         return go()  # type: ignore[return-value]  # an awaitable of T
 
     async def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
+        if self._stale:
+            raise StaleEpoch(f"{method}: {self._stale}")
         sid = self.session_id
         try:
             if self._fast is not None:
@@ -666,7 +701,7 @@ class AsyncClient(_Surface):
     async def _reopen(self, gone: str) -> None:
         """As :meth:`Client._reopen`."""
         async with self._reopening:
-            if self._closing or self.session_id != gone:
+            if self._closing or self._stale or self.session_id != gone:
                 return
             self._bells.close()
             req = pb.OpenSessionRequest(name=self.name, ttl_seconds=self.ttl)
@@ -680,7 +715,14 @@ class AsyncClient(_Surface):
             except (KvdError, grpc.RpcError) as exc:
                 self._reopened(gone, None, exc)
                 return
-            self._reopened(gone, s)
+            if not self._reopened(gone, s):  # as the sync client
+                with contextlib.suppress(KvdError, grpc.RpcError):
+                    if self._fast is not None:
+                        await self._fast.call("CloseSession", pb.CloseSessionRequest(), self.timeout)
+                        self._fast.reset()
+                    elif self._stub is not None:
+                        await self._stub.CloseSession(pb.CloseSessionRequest(), metadata=((SESSION_KEY, s.session_id),),
+                                                      timeout=self.timeout)
 
     async def _heartbeat(self) -> None:
         while True:

@@ -152,3 +152,51 @@ def test_a_call_while_the_session_is_being_opened_again_hears_it_is_gone(tmp_pat
     finally:
         c.close()
         stop_inproc(t)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_client_that_attached_the_old_arena_refuses_to_go_on_after_a_restart(tmp_path, transport):
+    """An engine's KV tensors are views of the arena it attached. After a restart the new daemon's
+    page ids index a new arena those views do not map: a session on it would have the engine
+    write and read its KV where neither daemon looks (wrong output, no error). So a client that
+    attached does not move to the new boot: every call is refused StaleEpoch, saying to connect
+    and attach again, and the session it opened to find out is closed at once. The same client
+    whose session was only reaped (the same boot, the same arena) goes on."""
+    with _across_a_restart(tmp_path, "attached", 30.0, transport) as (c, restart):
+        att = c.attach()
+        boot = c.boot_id
+        t2 = restart()
+        with pytest.raises(E.NotFound):  # the call that met the loss
+            c.allocate(rid("first"), 16)
+        assert c.reopened == 0 and c.session_id != "" and c.boot_id == boot
+        for _ in range(2):
+            with pytest.raises(E.StaleEpoch, match="attach again"):
+                c.allocate(rid("again"), 16)
+        assert t2.node.stats().sessions_live == 0  # the session opened to find out was closed
+        assert t2.node.stats().pool.requests_live == 0
+        del att
+        fresh = Client.connect(t2.unix, name="fresh", transport=transport)
+        try:
+            fresh.attach()
+            assert fresh.allocate(rid("fresh"), 16).tokens == 16
+        finally:
+            fresh.close()
+
+
+def test_an_attached_client_whose_session_was_reaped_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setattr(Client, "_heartbeat", lambda self: None)  # stalled past its TTL
+    t = start_inproc(tmp_path, backend="local")
+    c = Client.connect(t.unix, name="attached-stalled", ttl=0.5, transport="fast")
+    try:
+        att = c.attach()
+        expired = t.node.stats().sessions_expired_total
+        wait_for(lambda: t.node.stats().sessions_expired_total > expired, 5.0, "the daemon to reap the silent session")
+        with pytest.raises(E.SessionGone):
+            c.allocate(rid("first"), 16)
+        assert c.reopened == 1  # the same boot: the same arena, which the views still map
+        v = c.allocate(rid("second"), 16)
+        assert v.tokens == 16 and att.region_id == t.region_id
+        del att
+    finally:
+        c.close()
+        stop_inproc(t)
