@@ -76,8 +76,10 @@ class NotFound(KvdError, LookupError):
 class SessionGone(NotFound):
     """The daemon does not know the caller's session: it restarted, or it reaped the session
     after a TTL without a call. The session's requests and leases are gone with it. A kvd client
-    that meets it opens a new session at once (the next call runs there) and raises it for the
-    call at hand, so its caller learns that what it held is gone."""
+    that meets it raises it for the call at hand, so its caller learns that what it held is gone,
+    and opens a new session at once (the next call runs there) -- unless it attached the arena:
+    its views and its engine's in-flight work use the old session's pages, so it refuses every
+    call until the engine reconnects."""
 
 
 class AlreadyExists(KvdError):

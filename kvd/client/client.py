@@ -20,7 +20,6 @@ the daemon frees its requests after the session TTL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -30,7 +29,7 @@ import grpc
 
 from kvd.client.attach import Attachment, _attach
 from kvd.client.bells import Bells
-from kvd.errors import InvalidArgument, KvdError, NotFound, SessionGone, StaleEpoch, Unavailable
+from kvd.errors import InvalidArgument, KvdError, NotFound, SessionGone, Unavailable
 from kvd.memory.doorbells import DoorbellView
 from kvd.pool.layout import Layout
 from kvd.records import (
@@ -213,7 +212,7 @@ class _Surface:
     _bells: Bells
     _fast: Any  # the engine socket: a FastChannel (Client), an AsyncFastChannel (AsyncClient); None: gRPC
     _attached = False  # this client mapped its daemon's arena (attach)
-    _stale = ""  # why every call is refused: the daemon restarted under an attached arena
+    _stale = ""  # why every call is refused: the daemon forgot the session of a client that attached
 
     def _adopt(self, session_id: str, ttl: float, boot_id: str) -> None:
         """Act for ``session_id`` from now on (its doorbell board mapped at its first RECV lease;
@@ -228,30 +227,34 @@ class _Surface:
         self._attached = True
         return att
 
-    def _reopened(self, gone: str, s: pb.Session | None, exc: BaseException | None = None) -> bool:
+    def _stays(self, gone: str) -> bool:
+        """Whether a client whose daemon forgot session ``gone`` must not open another: it attached
+        the arena. Its engine's KV tensors are views of that arena, indexed by pages of requests the
+        daemon has freed (a reap) or never had (a restart: a new arena the views do not map), while
+        its in-flight requests may still use them; a new session's pages would be written and read
+        under them (wrong output, no error). Only the engine can end those requests, so every call
+        is refused from then on (SessionGone, saying to reconnect and attach)."""
+        if not self._attached:
+            return False
+        self._stale = (
+            f"the daemon forgot this client's session {gone} (it restarted, or reaped the session after its TTL) after the "
+            "client attached its arena: the requests, pages and views it holds are no longer the daemon's; end every request "
+            "that used them, close this client, connect a new one and attach again"
+        )
+        self._bells.close()
+        log.error("kvd client %r: %s", self.name, self._stale)
+        return True
+
+    def _reopened(self, gone: str, s: pb.Session | None, exc: BaseException | None = None) -> None:
         """After a reopen's OpenSession: act for the new session ``s`` (None: none could be
-        opened, ``exc`` says why; the next call tries again). False when ``s`` must not be used
-        (the caller closes it): the daemon restarted, and this client attached the old one's
-        arena -- its views map the old arena's memory, which every page id of the new daemon
-        would index, so its KV would be written and read where the daemons never look (wrong
-        output, no error). Every call is refused from then on (StaleEpoch): connect and attach again."""
+        opened, ``exc`` says why; the next call tries again)."""
         if s is None:
             log.warning("kvd client %r: session %s is gone and no new one could be opened yet: %s", self.name, gone, exc)
-            return False
-        if self._attached and s.boot_id != self.boot_id:
-            self._stale = (
-                f"the daemon restarted (boot {self.boot_id!r}, now {s.boot_id!r}) after this client attached its arena: the "
-                "views it mapped are of the old arena, not the new one, so nothing this client holds or maps is valid any "
-                "more; close it, connect a new client and attach again"
-            )
-            self._bells.close()
-            log.error("kvd client %r: %s", self.name, self._stale)
-            return False
+            return
         self._adopt(s.session_id, s.ttl_seconds, s.boot_id)
         self.reopened += 1
         log.warning("kvd client %r: session %s is gone (the daemon restarted or reaped it: its requests and leases with it); "
                     "opened session %s", self.name, gone, s.session_id)
-        return True
 
     def _call(self, method: str, request: Any, parse: Callable[[Any], T]) -> T:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -298,9 +301,10 @@ class _Surface:
 
         A shm arena is mapped by its file path; a CUDA arena's chunk fds come over the daemon's
         handle socket, authorized by this client's session (this process needs CUDA and
-        cuda-python: Unavailable otherwise, saying which is missing). The mapping is of this boot
-        of the daemon: should it restart, the client refuses every call (StaleEpoch) instead of
-        opening a session on the new boot, whose arena the views do not map."""
+        cuda-python: Unavailable otherwise, saying which is missing). A client that attached never
+        opens a new session by itself when the daemon forgets its session (a restart, a reap): its
+        views and the pages its engine uses are the old session's, so every call is refused
+        (SessionGone) until the engine reconnects and attaches again."""
         return self._call("Attach", pb.AttachRequest(), lambda r: self._mapped(_attach(r, self.session_id)))
 
     def echo(self, payload: bytes = b"") -> bytes:
@@ -539,7 +543,7 @@ class Client(_Surface):
 
     def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
         if self._stale:
-            raise StaleEpoch(f"{method}: {self._stale}")
+            raise SessionGone(f"{method}: {self._stale}")
         sid = self.session_id
         try:
             if self._fast is not None:
@@ -557,7 +561,7 @@ class Client(_Surface):
         same name and TTL, unless the client is closing or another call did so already. A daemon
         that does not answer leaves the client as it was (its next call tries again)."""
         with self._reopening:
-            if self._closed.is_set() or self._stale or self.session_id != gone:
+            if self._closed.is_set() or self._stale or self.session_id != gone or self._stays(gone):
                 return
             self._bells.close()  # the old session's board tells nothing more
             req = pb.OpenSessionRequest(name=self.name, ttl_seconds=self.ttl)
@@ -571,13 +575,7 @@ class Client(_Surface):
             except (KvdError, grpc.RpcError) as exc:
                 self._reopened(gone, None, exc)
                 return
-            if not self._reopened(gone, s):  # a session this client must not use: closed again, at once
-                with contextlib.suppress(KvdError, grpc.RpcError):
-                    if self._fast is not None:
-                        self._fast.call("CloseSession", pb.CloseSessionRequest(), self.timeout)
-                        self._fast.reset()
-                    elif self._stub is not None:
-                        self._stub.CloseSession(pb.CloseSessionRequest(), metadata=((SESSION_KEY, s.session_id),), timeout=self.timeout)
+            self._reopened(gone, s)
 
     def _heartbeat(self) -> None:
         while not self._closed.wait(self.ttl / 3):
@@ -685,7 +683,7 @@ class AsyncClient(_Surface):
 
     async def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
         if self._stale:
-            raise StaleEpoch(f"{method}: {self._stale}")
+            raise SessionGone(f"{method}: {self._stale}")
         sid = self.session_id
         try:
             if self._fast is not None:
@@ -701,7 +699,7 @@ class AsyncClient(_Surface):
     async def _reopen(self, gone: str) -> None:
         """As :meth:`Client._reopen`."""
         async with self._reopening:
-            if self._closing or self._stale or self.session_id != gone:
+            if self._closing or self._stale or self.session_id != gone or self._stays(gone):
                 return
             self._bells.close()
             req = pb.OpenSessionRequest(name=self.name, ttl_seconds=self.ttl)
@@ -715,14 +713,7 @@ class AsyncClient(_Surface):
             except (KvdError, grpc.RpcError) as exc:
                 self._reopened(gone, None, exc)
                 return
-            if not self._reopened(gone, s):  # as the sync client
-                with contextlib.suppress(KvdError, grpc.RpcError):
-                    if self._fast is not None:
-                        await self._fast.call("CloseSession", pb.CloseSessionRequest(), self.timeout)
-                        self._fast.reset()
-                    elif self._stub is not None:
-                        await self._stub.CloseSession(pb.CloseSessionRequest(), metadata=((SESSION_KEY, s.session_id),),
-                                                      timeout=self.timeout)
+            self._reopened(gone, s)
 
     async def _heartbeat(self) -> None:
         while True:
