@@ -320,10 +320,11 @@ def test_a_new_connection_evicts_the_one_idle_longest(tmp_path):
         assert E.from_status(st.code, st.message, dict(st.metadata)).retry_after_s == 0.0  # up: a client keeps its board
         assert held[1].recv(1) == b""  # then closed
         assert _until(lambda: es.evicted == 1, 2.0)
+        assert _until(lambda: es.connections == 2, 2.0)  # hoarders 0 and 2 (the newcomer closed, its thread ending)
         m = dk.samples(dk.scrape(t.metrics_port))  # what an operator sees: a client leaking or hoarding
         assert m[("kvd_engine_socket_closed_total", (("reason", "evicted"),))] == 1
         assert m[("kvd_engine_socket_closed_total", (("reason", "refused"),))] == 0
-        assert m[("kvd_engine_socket_connections", ())] == es.connections
+        assert m[("kvd_engine_socket_connections", ())] == 2
         assert m[("kvd_engine_socket_max_connections", ())] == es.max_connections
         for s in (held[0], held[2]):
             s.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest(payload=b"still")))
