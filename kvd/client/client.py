@@ -223,6 +223,14 @@ class _Surface:
         self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
         self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
 
+    @property
+    def stale(self) -> str:
+        """Why every call of this client is refused ('' while it acts for a live session): set once
+        the daemon forgot the session of a client that attached its arena. The heartbeat finds out
+        within a third of the TTL, a call at once; an engine that sees it ends what it held in that
+        session and connects a new client (the vLLM connector does)."""
+        return self._stale
+
     def _mapped(self, att: Attachment) -> Attachment:
         self._attached = True
         return att

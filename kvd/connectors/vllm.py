@@ -44,6 +44,14 @@ them at the end of the step (its blocks may be reused after); the sender waits f
 event before the Send; a load is reported finished once its event has completed
 (``event.query()``). No copy waits for the device.
 
+A daemon restarted (or a worker's session reaped) under a running vLLM needs no engine restart:
+the worker, whose client attached the arena and so refuses every call from then on, connects a
+new client, proposes the layout again and attaches the new arena at its next save (a SessionGone)
+or its next load (page ids of a boot other than the arena it attached: a load is never copied from
+the old arena, which would hand vLLM another request's KV, or none, as if it were this one's); the
+scheduler's client opens a new session by itself, and proposes the layout to a daemon that has
+none. Requests in flight across the restart fail through vLLM's load-error path.
+
 kvd imports: :mod:`kvd.client` (``Client``), :mod:`kvd.errors`, :mod:`kvd.pool.layout`.
 """
 
@@ -75,7 +83,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 from kvd.client import Client
 from kvd.connectors import vllm_blocks as vb
 from kvd.connectors.vllm_proxy import reply_json
-from kvd.errors import InvalidArgument, KvdError, LayoutMismatch
+from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, SessionGone
 from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
 __all__ = ["KvdConnector", "CopyStats", "layout_from_vllm", "LayerSlot"]
@@ -95,6 +103,8 @@ _MAX_TICKET_BODY = 1 << 20  # a ticket request is a prompt's token ids
 BELL_POLL_S = 0.002
 #: How often, while transfers are pending, the decode side checks its daemon still answers.
 ALIVE_S = 0.5
+#: A worker whose daemon forgot its session tries to connect again at most this often.
+RECONNECT_S = 1.0
 
 
 class LayerSlot(NamedTuple):
@@ -184,6 +194,7 @@ class CopyStats:
     load_bytes: int = 0
     load_s: float = 0.0
     loads: int = 0
+    reconnects: int = 0  # the daemon forgot this worker's session (restart, reap): a new client and arena
 
 
 # ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
@@ -209,6 +220,7 @@ class _Load:
     swa_first: int = 0
     swa: list[int] = field(default_factory=list)
     state: int | None = None
+    boot: str = ""  # the daemon boot whose arena the page ids index (IndexVectors.boot_id)
     error: str = ""  # the transfer failed: report, never copy
 
 
@@ -237,8 +249,9 @@ class _Pending:
 class _TicketBook:
     """Tickets minted on the decode daemon for requests the decode vLLM has not admitted yet."""
 
-    def __init__(self, kv: Client, admit_ttl: float, block_size: int) -> None:
+    def __init__(self, kv: Client, admit_ttl: float, block_size: int, layout: Layout) -> None:
         self.kv = kv
+        self.layout = layout
         self.admit_ttl = admit_ttl
         self.block_size = block_size
         self.lock = threading.Lock()
@@ -267,8 +280,7 @@ class _TicketBook:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens: shorter than one block ({self.block_size}) plus one; "
                                   "serve it on the decode instance alone")
         rid = "vllm-" + secrets.token_urlsafe(12)
-        # allocated and leased in one call (all or nothing), the lease as long as admission may take
-        _, lease = self.kv.allocate_recv(rid, n, ttl=self.admit_ttl)
+        _, lease = self._allocate_recv(rid, n)
         with self.lock:
             now = time.monotonic()
             self.pending[rid] = _Pending(rid, n, _prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
@@ -279,6 +291,23 @@ class _TicketBook:
         else:
             threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
         return {"kvd_rid": rid, "kvd_tokens": n, "kvd_ticket": base64.b64encode(lease.ticket).decode()}
+
+    def _allocate_recv(self, rid: str, n: int) -> tuple[Any, Any]:
+        """``rid`` allocated and leased in one call (all or nothing), the lease as long as admission
+        may take. A restarted daemon first says SessionGone (the client opened a new session: the
+        call ran nowhere, so it is sent again) and, one that takes its layout from the engine, that
+        it has none yet (the worker proposed it once, at start: proposed again here, the same one)."""
+        for left in (2, 1, 0):
+            try:
+                return self.kv.allocate_recv(rid, n, ttl=self.admit_ttl)
+            except SessionGone:
+                if not left:
+                    raise
+            except FailedPrecondition:
+                if not left:
+                    raise
+                self.kv.propose_layout(self.layout)  # LayoutMismatch: another engine's layout came first
+        raise AssertionError("unreachable")
 
     def status(self, rid: str) -> dict | None:
         with self.lock:
@@ -434,6 +463,7 @@ class _TicketBook:
                 try:
                     v = self.kv.vectors(p.rid)
                     load.full, load.swa_first, load.swa, load.state = v.full.tolist(), v.swa_first_page, v.swa.tolist(), v.state
+                    load.boot = v.boot_id
                 except KvdError as exc:
                     load.error = f"{type(exc).__name__}: {exc}"
             out.append(load)
@@ -506,17 +536,20 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         cfg = self._kv_transfer_config
         extra = cfg.kv_connector_extra_config or {}
-        self._address = extra.get("kvd_address")
-        if not isinstance(self._address, str) or not self._address:
+        address = extra.get("kvd_address")
+        if not isinstance(address, str) or not address:
             raise ValueError("KvdConnector: set kv_connector_extra_config.kvd_address (e.g. 'unix:/run/kvd/kvd.sock')")
+        self._address: str = address
         ttl = extra.get("kvd_session_ttl_s")
+        self._kv_ttl = float(ttl) if ttl else None
         model = str(getattr(vllm_config.model_config, "model", "") or "vllm")
         self._layout, self._slots = layout_from_vllm(kv_cache_config, name=model.rstrip("/").rsplit("/", 1)[-1][:64])
         self._bs = self._layout.page_size
         self._state_groups = {s.vllm_group for s in self._slots.values() if s.group == "state"}
         self._producer = cfg.kv_role in ("kv_producer", "kv_both")
         self._consumer = cfg.kv_role in ("kv_consumer", "kv_both")
-        self._kv = _connect(self._address, f"vllm-{role.name.lower()}-{os.getpid()}", float(ttl) if ttl else None)
+        self._kv_name = f"vllm-{role.name.lower()}-{os.getpid()}"
+        self._kv = _connect(self._address, self._kv_name, self._kv_ttl)
         self._book: _TicketBook | None = None
         self._server: ThreadingHTTPServer | None = None
         # scheduler side, producer: requests to save, with their block ids so far
@@ -537,13 +570,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed: set[str] = set()  # consumer: loads that failed this step
         self._bad_saves: set[str] = set()  # producer: transfers that could not open
         self._sends: queue.Queue = queue.Queue()
+        self._renew_at = 0.0  # no reconnect before (monotonic): the last one failed
         self._sender: threading.Thread | None = None
         if role is KVConnectorRole.SCHEDULER and self._consumer:
             listen = extra.get("kvd_ticket_listen")
             if not isinstance(listen, str) or ":" not in listen:
                 raise ValueError("KvdConnector (kv_consumer): set kv_connector_extra_config.kvd_ticket_listen to host:port "
                                  "(the proxy asks this decode instance for tickets there)")
-            self._book = _TicketBook(self._kv, float(extra.get("kvd_admit_ttl_s", 30.0)), self._bs)
+            self._book = _TicketBook(self._kv, float(extra.get("kvd_admit_ttl_s", 30.0)), self._bs, self._layout)
             self._server = _ticket_server(self._book, listen)
             log.info("KvdConnector: tickets on http://%s/v1/kvd/tickets, kvd at %s", listen, self._address)
 
@@ -628,17 +662,53 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return False, {"kvd_rid": s["params"].get("kvd_rid"), "kvd_tokens": s["tokens"]}
 
     # ============================ worker side ============================
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # A daemon started with layout_from_engine takes this vLLM's layout; one with another
-        # layout refuses it, naming both.
+    def _attach(self, kv: Client) -> Any:
+        """This vLLM's layout proposed to ``kv``'s daemon, and its arena attached (the Attachment).
+        A daemon started with layout_from_engine takes the layout; one with another layout refuses
+        it, naming both."""
         try:
-            self._kv.propose_layout(self._layout)
+            kv.propose_layout(self._layout)
         except LayoutMismatch as exc:
             raise LayoutMismatch(
                 f"KvdConnector: the kvd daemon at {self._address} refused this vLLM's layout "
                 f"(kvd.connectors.vllm.layout_from_vllm): {exc}"
             ) from None
-        att = self._kv.attach()
+        return kv.attach()
+
+    def _reconnect(self, why: str) -> None:
+        """The daemon beside this vLLM forgot this worker's session (it restarted, or reaped the
+        session): a new client, the layout proposed again and the arena attached again (a restarted
+        daemon's arena is a new one; the old views map memory no daemon reads). What was opened in
+        the old session is gone with it: a save opened there writes nothing more (after a reap its
+        pages may be another request's) and its queued Send fails; a load is copied only from the
+        arena its page ids index (:meth:`start_load_kv`). The old views are dropped once the copy
+        stream has drained. Raises (RuntimeError, KvdError) when the daemon does not answer: the
+        next call tries again."""
+        log.warning("KvdConnector: %s; connecting again to %s", why, self._address)
+        self._bad_saves.update(self._vecs)
+        self._vecs.clear()
+        self._slots_meta, self._step_slots = None, {}
+        kv = _connect(self._address, self._kv_name, self._kv_ttl)
+        try:
+            att = self._attach(kv)
+            if self._att is not None and att.tensor.device != self._att.tensor.device:
+                raise InvalidArgument(f"KvdConnector: the kvd daemon at {self._address} came back with its arena on "
+                                      f"{att.tensor.device}, this vLLM's KV is on {self._att.tensor.device}")
+        except BaseException:
+            kv.close()
+            raise
+        if self._copy.stream is not None:
+            self._copy.stream.synchronize()  # no copy still reads or writes the old views
+        old_kv, old_att = self._kv, self._att
+        self._kv, self._att, self._views = kv, att, att.views
+        if old_att is not None:
+            old_att.close()
+        old_kv.close()
+        self.copy_stats.reconnects += 1
+        log.warning("KvdConnector: connected again to %s (daemon boot %s)", self._address, kv.boot_id)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        att = self._attach(self._kv)
         arena_dev = att.tensor.device
         expect = getattr(getattr(self._vllm_config, "cache_config", None), "kv_cache_layout", None)
         blocks: dict[str, vb.LayerBlocks] = {}
@@ -676,7 +746,16 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        for load in getattr(meta, "loads", ()):
+        loads = getattr(meta, "loads", ())
+        # Page ids index the arena of the boot that handed them out (the scheduler's client asked
+        # the daemon): after a daemon restart, this worker's views map the old arena until it
+        # attaches the new one; a load is never copied from another boot's arena.
+        if any(not ld.error and ld.boot != self._kv.boot_id for ld in loads) or (loads and self._kv.stale):
+            self._renew("the daemon's page ids are of another boot than the arena this worker attached")
+        for load in loads:
+            if not load.error and load.boot != self._kv.boot_id:
+                load.error = (f"its page ids are of daemon boot {load.boot!r}, this worker attached boot {self._kv.boot_id!r} "
+                              "(the daemon restarted, and attaching its new arena failed)")
             if load.error:
                 log.error("kvd transfer for request %s failed: %s", load.req_id, load.error)
                 self._failed.add(load.req_id)
@@ -719,9 +798,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if slot is None or slot.group == "state":
             return  # state slots are copied once the step's forward is done (wait_for_save)
         meta = self._get_connector_metadata()
+        saves = getattr(meta, "saves", ())
+        if saves and self._kv.stale:  # the heartbeat found the session gone: its pages are not ours to write
+            self._renew("this worker's session is gone")
         if self._slots_meta is not meta:  # a new step: its requests' slots, once per vLLM group
             self._slots_meta, self._step_slots = meta, {}
-        for sv in getattr(meta, "saves", ()):
+        for sv in saves:
             vec = self._open(sv)
             if vec is None:
                 continue
@@ -740,6 +822,21 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             if log.isEnabledFor(logging.DEBUG):  # a checksum: it waits for the device
                 log.debug("save %s %s [%d, %d): %d tokens", sv.req_id, layer_name, sv.start, sv.end, len(at))
 
+    def _renew(self, why: str) -> bool:
+        """:meth:`_reconnect`, a failure logged: whether it connected. Tried at most every
+        :data:`RECONNECT_S` (a daemon that does not answer must not hold every step of vLLM's
+        forward for a connect timeout); meanwhile what needs the daemon fails at once."""
+        now = time.monotonic()
+        if now < self._renew_at:
+            return False
+        try:
+            self._reconnect(why)
+        except (RuntimeError, KvdError) as exc:
+            self._renew_at = now + RECONNECT_S
+            log.error("KvdConnector: cannot connect to the kvd daemon again (next try in %.0f s): %s", RECONNECT_S, exc)
+            return False
+        return True
+
     def _open(self, sv: _Save) -> dict | None:
         """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""
         v = self._vecs.get(sv.req_id)
@@ -747,7 +844,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 # allocated and the transfer begun in one call: the decode daemon checks the
                 # ticket while the prompt computes, and the first Send collects its answer
-                vec = self._kv.allocate(sv.rid, sv.tokens, ticket=sv.ticket)
+                try:
+                    vec = self._kv.allocate(sv.rid, sv.tokens, ticket=sv.ticket)
+                except SessionGone:  # the call ran nowhere: once more on a new session, if one opens
+                    if not self._renew("the daemon forgot this worker's session"):
+                        raise
+                    vec = self._kv.allocate(sv.rid, sv.tokens, ticket=sv.ticket)
                 v = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
                 self._vecs[sv.req_id] = v
             except KvdError as exc:
@@ -759,7 +861,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        for sv in getattr(meta, "saves", ()):
+        saves = getattr(meta, "saves", ())
+        if saves and self._kv.stale:
+            self._renew("this worker's session is gone")
+        for sv in saves:
             if not sv.last:
                 continue
             if sv.req_id in self._bad_saves:

@@ -65,6 +65,8 @@ MAX_REQUEST = 4096
 MAX_REPLY = 1 << 16
 #: Open watches one server keeps; more are refused (Unavailable): a watcher holds one per peer.
 MAX_WATCHES = 1024
+#: The retry hint of a busy refusal: its slots free as soon as the exchanges in flight reply.
+BUSY_RETRY_S = 0.05
 _LEN = struct.Struct(">I")
 _OPS = ("export", "ping", "watch")
 
@@ -186,7 +188,7 @@ class HandleServer(UnixServer):
 
     def _accepted(self, conn: socket.socket) -> None:
         if not self._slots.acquire(blocking=False):
-            self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry"), busy=True)
+            self._answer_error(conn, Unavailable(f"handle server {self.path} is busy; retry", retry_after_s=BUSY_RETRY_S), busy=True)
             conn.close()
             return
         t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
@@ -356,8 +358,8 @@ def _request(path: str, req: HandleRequest, timeout: float, keep: list[socket.so
         try:
             return _exchange(path, req, max(deadline - time.monotonic(), 0.001), keep)
         except _Busy as exc:
-            if time.monotonic() + pause >= deadline:
-                raise Unavailable(str(exc)) from None
+            if time.monotonic() + pause >= deadline:  # the daemon is up: say when to try again
+                raise Unavailable(str(exc), retry_after_s=exc.retry_after_s or BUSY_RETRY_S) from None
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
@@ -402,7 +404,7 @@ def _exchange(path: str, req: HandleRequest, timeout: float, keep: list[socket.s
             raise Unavailable(f"handle server at {path} sent a reply that is not a JSON object")
         if not d.get("ok"):
             if d.get("busy"):
-                raise _Busy(str(d.get("message", "busy")))
+                raise _Busy(str(d.get("message", "busy")), getattr(_refusal(path, d), "retry_after_s", None))
             raise _refusal(path, d)
         header = HandleHeader.from_json(d)
         if req.op == "export" and len(fds) != len(header.sizes):

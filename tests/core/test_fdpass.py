@@ -21,6 +21,7 @@ from memfd_kit import GRAN, MemfdArena, fds_settle_at, open_fds
 
 from kvd import errors as E
 from kvd.ipc.fdpass import (
+    BUSY_RETRY_S,
     MAX_REQUEST,
     HandleHeader,
     HandleRequest,
@@ -311,8 +312,9 @@ def test_a_busy_server_says_so(tmp_path):
         t = threading.Thread(target=lambda: ping(srv.path))
         t.start()
         assert inside.wait(5), "the first ping never reached the server"  # it holds the only slot
-        with pytest.raises(E.Unavailable, match="is busy; retry"):
+        with pytest.raises(E.Unavailable, match="is busy; retry") as busy:
             ping(srv.path, timeout=0.3)  # tried again until its timeout, then refused
+        assert busy.value.retry_after_s == BUSY_RETRY_S, "a busy refusal says when to try again (the daemon is up)"
         threading.Timer(0.2, gate.set).start()
         assert ping(srv.path, timeout=5).region_id == "r"  # the slot freed while it retried
         t.join()

@@ -78,6 +78,14 @@ class Daemon:
             raise RuntimeError(f"kvd daemon {name} did not start: {line!r} {log.read_text()[-2000:]}")
         return cls(proc, m["unix"], log, int(port["port"]))
 
+    def restarted(self, layout: Path | None = None) -> Daemon:
+        """This daemon stopped and a new one started on its socket: a new boot and arena, with
+        ``layout`` (None: none until an engine proposes one); the old log kept beside as ``.1``."""
+        self.stop()
+        name = self.log.name.removesuffix(".daemon.log")
+        self.log.replace(self.log.with_name(self.log.name + ".1"))
+        return Daemon.start(self.log.parent, name, layout)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

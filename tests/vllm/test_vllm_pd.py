@@ -209,6 +209,28 @@ def test_never_admitted_is_reclaimed(pd: PD) -> None:
     assert out["tokens"][0] == pd.baseline["tokens"][0][:32] or len(out["tokens"][0]) == 32
 
 
+def test_engines_carry_on_across_daemon_restarts(pd: PD) -> None:
+    """Both daemons restarted under running engines (new boots, new arenas; the prefill daemon with
+    no layout until an engine proposes it, the decode daemon given the layout, as an operator may
+    start it): the next handoff is exact, and no engine was restarted. The prefill worker connects
+    again at its next Allocate (SessionGone), the decode worker at its next load (page ids of a
+    boot it has not attached: never copied from the old arena, whose views it still holds)."""
+    before = {e.name: e.copy_stats()["reconnects"] for e in (pd.prefill, pd.decode)}
+    pd.prefill_d = pd.prefill_d.restarted()
+    pd.decode_d = pd.decode_d.restarted(layout=pd.tmp / "layout.json")
+    ps = prompts(LENGTHS[:2])
+    tickets, pre = handoff(pd, ps)
+    assert [p["kvd_rid"] for p in pre["kv_params"]] == [t["kvd_rid"] for t in tickets]
+    out = decode(pd, ps, tickets)
+    assert out["tokens"] == pd.baseline["tokens"][:2], f"{pd.model}: PD output after the daemons' restart differs from vLLM alone"
+    after = {e.name: e.copy_stats()["reconnects"] for e in (pd.prefill, pd.decode)}
+    assert after == {k: v + 1 for k, v in before.items()}, f"each worker connects again once: {before} -> {after}"
+    deadline = time.monotonic() + 5
+    while (live_requests(pd.decode_d.address) or live_requests(pd.prefill_d.address)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(pd.decode_d.address) == 0 and live_requests(pd.prefill_d.address) == 0, "pages leaked"
+
+
 def test_killed_prefill_fails_the_decode_request(pd: PD) -> None:
     """Last test of the module: it kills the prefill engine."""
     ps = prompts([100])
