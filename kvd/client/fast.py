@@ -11,8 +11,8 @@ A call blocks its connection until the reply (WaitReady until the transfer is re
 client keeps a small pool: a call takes a free connection or opens one (its hello names the
 client's session) and puts it back after the reply. A full daemon may evict an idle connection
 (:class:`kvd.server.framed.FramedServer`); a call that meets one -- a write refused, the EVICTED
-answer -- sends its request again on another connection (the daemon never read it), up to
-:data:`RESENDS` times.
+answer -- sends its request again on another connection (the daemon never read it, or cut short
+a WaitReady, which only reads: sent with what is left of its timeout), up to :data:`RESENDS` times.
 
 Where the socket is. A client of ``unix:/p`` looks for ``/p.fast`` first (:func:`pick`: a stat, no
 round trip). Where there is none it opens its session over gRPC, and the reply's
@@ -29,6 +29,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
@@ -101,6 +102,20 @@ def fast_socket_of(address: str) -> str | None:
         return p if stat.S_ISSOCK(os.stat(p).st_mode) else None
     except OSError:
         return None
+
+
+def _again(method: str, request: Message, data: bytes, t0: float) -> bytes:
+    """The frame of a call sent again after EVICTED (call begun at ``t0``, monotonic): the same
+    bytes, but a WaitReady -- whose wait the daemon may have cut short to make room -- waits only
+    what is left of its timeout."""
+    if method != "WaitReady":
+        return data
+    assert isinstance(request, pb.WaitRequest)
+    again = pb.WaitRequest()
+    again.CopyFrom(request)
+    again.timeout_seconds = max(0.0, again.timeout_seconds - (time.monotonic() - t0))
+    body = again.SerializeToString()
+    return HEAD.pack(len(body), METHOD_IDS[method]) + body
 
 
 def _body(method: str, request: Message) -> bytes:
@@ -192,14 +207,15 @@ class FastChannel:
     def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
         data = HEAD.pack(len(body), METHOD_IDS[method]) + body
+        t0 = time.monotonic()
         s, sid, kind, reply = self._exchange(method, data, timeout)
         for resend in range(RESENDS + 1):
             if kind != EVICTED:
                 break
-            s.close()  # evicted, the request unread: again on another connection
+            s.close()  # evicted (the request unread, or a wait cut short): again on another connection
             if resend == RESENDS:
                 _decode(method, kind, reply)  # evicted every time: its Unavailable
-            s, sid, kind, reply = self._exchange(method, data, timeout)
+            s, sid, kind, reply = self._exchange(method, _again(method, request, data, t0), timeout)
         try:
             got = _decode(method, kind, reply)
         except E.SessionGone:
@@ -300,14 +316,15 @@ class AsyncFastChannel:
     async def call(self, method: str, request: Message, timeout: float | None) -> Any:
         body = _body(method, request)
         data = HEAD.pack(len(body), METHOD_IDS[method]) + body
+        t0 = time.monotonic()
         conn, sid, kind, reply = await self._exchange(method, data, timeout)
         for resend in range(RESENDS + 1):
             if kind != EVICTED:
                 break
-            conn[1].close()  # evicted, the request unread: again on another connection
+            conn[1].close()  # evicted (the request unread, or a wait cut short): again on another connection
             if resend == RESENDS:
                 _decode(method, kind, reply)  # evicted every time: its Unavailable
-            conn, sid, kind, reply = await self._exchange(method, data, timeout)
+            conn, sid, kind, reply = await self._exchange(method, _again(method, request, data, t0), timeout)
         try:
             got = _decode(method, kind, reply)
         except E.SessionGone:

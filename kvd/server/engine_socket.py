@@ -60,8 +60,9 @@ __all__ = ["EngineSocketServer", "METHODS", "METHOD_IDS", "Method", "MAX_CONNECT
 
 log = logging.getLogger("kvd.engine_socket")
 
-#: Connections one daemon serves at once (a thread each); a new one evicts the one idle longest,
-#: and is refused only while every one is in a call. An engine holds one per call it has in flight.
+#: Connections one daemon serves at once (a thread each); a new one evicts the one idle longest
+#: (else cuts the longest WaitReady short), and is refused only while every one runs a handler.
+#: An engine holds one per call it has in flight.
 MAX_CONNECTIONS = 256
 #: The largest hello the server reads.
 MAX_HELLO = 4096
@@ -81,7 +82,7 @@ class _Context:
     wanted (``is_active``), and no deadline (the client bounds WaitReady by its own timeout
     before it sends)."""
 
-    __slots__ = ("_md", "_trailing", "after", "_conn", "_stop")
+    __slots__ = ("_md", "_trailing", "after", "_conn", "_stop", "cut_off")
 
     def __init__(self, md: tuple[tuple[str, str], ...], conn: socket.socket, stop: threading.Event) -> None:
         self._md = md
@@ -89,12 +90,16 @@ class _Context:
         self.after: list[Callable[[], None]] = []  # run once the reply is out (defer)
         self._conn = conn
         self._stop = stop  # the server's: set once it stops
+        self.cut_off = False  # the server cut this call's wait short to make room (FramedServer._park)
+
+    def cut(self) -> None:
+        self.cut_off = True
 
     def is_active(self) -> bool:
-        """False once the server stops or the caller hung up (a zero-timeout poll of the
-        connection, nothing read): nobody will hear the reply. A system call: for a handler
-        that blocks (WaitReady asks it at each wake-up), never per call."""
-        return not self._stop.is_set() and not hung_up(self._conn.fileno())
+        """False once the server stops, cut the wait short, or the caller hung up (a zero-timeout
+        poll of the connection, nothing read): nobody will hear the reply. A system call: for a
+        handler that blocks (WaitReady asks it at each wake-up), never per call."""
+        return not self._stop.is_set() and not self.cut_off and not hung_up(self._conn.fileno())
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on this connection's thread once the caller has its reply, before its next
@@ -120,8 +125,9 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     A thread per connection (at most ``max_connections``). A new connection beyond that evicts
     the connection idle longest (its client sends the call it may have sent there again: the
     EVICTED answer, :class:`~kvd.server.framed.FramedServer`), so idle connections, leaked or
-    hoarded, never lock engines out; only when every connection is in a call is a new one
-    refused (Unavailable, with a retry hint). A connection that acts for a session idles without limit between calls; one that
+    hoarded, never lock engines out; with none idle, the WaitReady parked longest is cut short
+    (EVICTED: its client asks again), so waits do not either; only when every connection runs a
+    handler is a new one refused (Unavailable, with a retry hint). A connection that acts for a session idles without limit between calls; one that
     acts for none yet (before its hello or OpenSession) is closed after ``timeout`` without a
     frame; a frame once begun must arrive within ``timeout`` (the bound:
     :class:`~kvd.server.framed.FramedServer`). A caller that sends garbage gets an
@@ -237,13 +243,24 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
             ctx = _Context(md, conn, self._stop)
             after = ctx.after
             try:
-                response = self._handlers[kind](request, ctx)
+                if kind == _WAIT:  # a wait only reads: cut short when every slot is taken and none idles
+                    self._park(conn, ctx.cut)
+                    try:
+                        response = self._handlers[kind](request, ctx)
+                    finally:
+                        if self._unpark(conn):
+                            self._count(name, "UNAVAILABLE")
+                            raise self._cut_short()
+                else:
+                    response = self._handlers[kind](request, ctx)
             except _Aborted as a:
                 reply, code = frame(REFUSED, a.status), code_from_int(a.status.code).name
             else:
                 if kind == _OPEN:
                     sid = response.session_id
                 reply, code = frame(OK, response), "OK"
+        except Close:
+            raise  # a wait cut short: EVICTED, and the connection closes
         except Exception as exc:  # noqa: BLE001 -- mapped to a status in one place (a refusal before the handler)
             st = status_to_pb(exc)
             reply, code = frame(REFUSED, st), code_from_int(st.code).name
@@ -251,6 +268,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
 
 
 _OPEN = METHOD_IDS["OpenSession"]
+_WAIT = METHOD_IDS["WaitReady"]
 
 
 def session_md(sid: str) -> tuple[tuple[str, str], ...]:

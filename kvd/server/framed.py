@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 import socket
 import threading
 import time
@@ -90,9 +91,12 @@ class FramedServer(UnixServer, Generic[S]):
     connection that has waited longest for its next frame, if one waits: that connection's
     reader is woken (``shutdown(SHUT_RD)``), reads no frame after it -- not even one that arrived
     meanwhile -- and answers :data:`~kvd.ipc.frames.EVICTED` before it closes, so its client
-    knows the request it may have sent was never read and sends it again elsewhere. A call in
-    progress (a handler running, a WaitReady waiting) is never evicted; only when every slot is
-    in one is a new connection refused (busy, with :data:`BUSY_RETRY_S`)."""
+    knows the request it may have sent was never read and sends it again elsewhere. With none
+    idle, a connection parked in a wait (:meth:`_park`: a WaitReady, which only reads) is cut
+    short instead, the one parked longest: its wait ends at its next wake-up and it answers
+    EVICTED too (its client asks again), so waits cannot hold every slot either. A handler
+    running is never evicted; only when every slot is in one is a new connection refused
+    (busy, with :data:`BUSY_RETRY_S`)."""
 
     #: Whether a full server evicts its longest-idle connection for a new one (see the class).
     evicts: ClassVar[bool] = False
@@ -118,6 +122,9 @@ class FramedServer(UnixServer, Generic[S]):
         # at the end when it starts waiting again), and those being evicted (under _lock).
         self._waiting: dict[socket.socket, None] = {}
         self._evicting: set[socket.socket] = set()
+        # Connections in a wait that may be cut short, the longest parked first, each with what
+        # cuts it (under _lock).
+        self._parked: dict[socket.socket, Callable[[], None]] = {}
         #: connections refused (busy, a bad hello, a frame past the limit), dropped (gone
         #: mid-frame) and evicted (closed idle to make room).
         self.refused = self.dropped = self.evicted = 0
@@ -217,6 +224,11 @@ class FramedServer(UnixServer, Generic[S]):
                 del self._waiting[victim]  # its reader reads no frame from now on
                 self._evicting.add(victim)
                 busy = False
+            elif busy and self.evicts and self._parked:
+                parked = next(iter(self._parked))
+                self._parked.pop(parked)()  # its wait ends at its next wake-up; it answers EVICTED
+                self._evicting.add(parked)
+                busy = False
             if not busy:
                 self._conns[conn] = t
         if victim is not None:
@@ -255,7 +267,30 @@ class FramedServer(UnixServer, Generic[S]):
             with self._lock:
                 self._conns.pop(conn, None)
                 self._waiting.pop(conn, None)
+                self._parked.pop(conn, None)
                 self._evicting.discard(conn)
+
+    def _park(self, conn: socket.socket, cut: Callable[[], None]) -> None:
+        """``conn`` waits in a call that may be cut short to make room (``cut``, called under the
+        server's lock: it must be quick), until :meth:`_unpark`."""
+        if self.evicts:
+            with self._lock:
+                self._parked[conn] = cut
+
+    def _unpark(self, conn: socket.socket) -> bool:
+        """``conn``'s wait is over; whether it was cut short (its connection is being evicted)."""
+        if not self.evicts:
+            return False
+        with self._lock:
+            self._parked.pop(conn, None)
+            return conn in self._evicting
+
+    def _cut_short(self) -> Close:
+        """What a parked wait cut short answers (:meth:`_park`): EVICTED, then its connection closes."""
+        return Close(frame(EVICTED, status_to_pb(Unavailable(
+            f"{self.label} {self.path} cut this wait short and closed its connection to serve a new one "
+            f"({self.max_connections} connections at most, none idle); ask again on another connection",
+            retry_after_s=0.0))), evicted=True)
 
     def _next_head(self, conn: socket.socket) -> tuple[int, int] | None:
         """The next frame's head (None: the caller closed), waiting listed as evictable; Close

@@ -232,6 +232,7 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
             s.close()
         limit = es.max_connections
         es.max_connections = es.connections + 2
+        go = _stuck_echo(es, monkeypatch)
         while True:  # the last slots, held by other engines' calls in progress (until one is refused)
             s = _raw(inproc)
             s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="slot-holder")))
@@ -239,7 +240,7 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
                 s.close()
                 break
             others.append(s)
-            _busy(s, f"busy-{len(others)}")
+            _busy(s)
             assert len(others) <= 16, "no slot was ever refused"
         refused = es.refused
         try:
@@ -254,6 +255,7 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
             assert info.value.retry_after_s == BUSY_RETRY_S
         finally:
             es.max_connections = limit
+            go.set()
         assert c.vectors(lease.rid).rid == lease.rid  # served again once a slot is free
     finally:
         for s in others:
@@ -261,13 +263,32 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
         c.close()
 
 
-def _busy(s: socket.socket, name: str) -> None:
-    """Keep connection ``s`` (its session open) in a call: a WaitReady on a transfer of its own
-    that nobody sends (answered only when ``s`` closes). An idle connection would be evicted."""
+def _in_wait(s: socket.socket, name: str, timeout: float = 30.0) -> None:
+    """Put connection ``s`` (its session open) in a WaitReady on a transfer of its own that nobody
+    sends (answered at ``timeout``, when ``s`` closes, or when the daemon cuts it short)."""
     r = rid(name)
     s.sendall(frame(METHOD_IDS["Allocate"], pb.AllocateRequest(requests=[pb.AllocSpec(rid=r, tokens=16, receive=True, lease=True)])))
     assert read_frame(s)[0] == OK
-    s.sendall(frame(METHOD_IDS["WaitReady"], pb.WaitRequest(rid=r, timeout_seconds=30)))
+    s.sendall(frame(METHOD_IDS["WaitReady"], pb.WaitRequest(rid=r, timeout_seconds=timeout)))
+
+
+def _stuck_echo(es, monkeypatch) -> threading.Event:
+    """The engine socket's Echo handler made to block until the returned event is set: a call
+    whose handler runs (a handler is never evicted, unlike an idle connection or a wait)."""
+    go = threading.Event()
+    echo = es._handlers[METHOD_IDS["Echo"]]
+
+    def stuck(request, ctx):
+        go.wait(30)
+        return echo(request, ctx)
+
+    monkeypatch.setitem(es._handlers, METHOD_IDS["Echo"], stuck)
+    return go
+
+
+def _busy(s: socket.socket) -> None:
+    """Keep connection ``s`` in a call whose handler runs (an Echo, with :func:`_stuck_echo`)."""
+    s.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest()))
 
 
 def _session_conn(t, name: str) -> socket.socket:
@@ -334,6 +355,67 @@ def test_a_new_connection_evicts_the_one_idle_longest(tmp_path):
     finally:
         for s in held:
             s.close()
+        dk.stop_inproc(t)
+
+
+def test_waits_holding_every_slot_lock_no_engine_out(tmp_path):
+    """Every slot in a WaitReady (hoarded waits, or an engine waiting per transfer) and none idle:
+    a new connection cuts short the wait parked longest -- a wait only reads -- answered EVICTED
+    and closed, and is served; the other waits go on. A client whose wait was cut asks again on
+    another connection, waiting only what is left of its timeout."""
+    import daemon_kit as dk
+
+    from kvd.client import TransferState
+    from kvd.ipc.frames import EVICTED
+
+    t = dk.start_inproc(tmp_path, metrics_port=0)
+    es = t.daemon.engine_socket
+    held: list[socket.socket] = []
+    c = Client.connect(t.unix, name="waiter", ttl=60.0, transport="fast")  # no heartbeat in the test's time
+    try:
+        r = rid("cut-short")
+        c.allocate_recv(r, 16)
+        got: dict = {}
+
+        def wait() -> None:
+            t0 = time.monotonic()
+            got["state"] = c.wait_ready(r, timeout=1.5).state
+            got["s"] = time.monotonic() - t0
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()  # the client's one connection, parked first
+        assert _until(lambda: len(es._parked) == 1, 2.0)
+        held = [_session_conn(t, f"waiting-{i}") for i in range(2)]
+        for i, s in enumerate(held):
+            _in_wait(s, f"waiting-{i}")
+        assert _until(lambda: len(es._parked) == 3, 2.0)
+        es.max_connections = es.connections  # every slot in a wait, none idle
+        newcomer = _session_conn(t, "newcomer")  # served: the wait parked longest was cut for it
+        newcomer.close()
+        waiter.join(5)
+        assert got["state"] is TransferState.WAITING  # nobody sent: answered at its timeout ...
+        assert 1.4 < got["s"] < 2.5, f"... the first one, not a second timeout after the cut: {got['s']:.2f} s"
+        assert es.evicted >= 1 and es.refused == 0
+        for s in held:  # parked later: still waiting, never cut
+            s.settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                s.recv(1)
+        # A raw waiter cut short sees the EVICTED answer, then the close.
+        c.close()  # its connection idle in its pool would go first
+        assert _until(lambda: es.connections == 2, 2.0)
+        es.max_connections = es.connections
+        extra = _raw(t)
+        held[0].settimeout(5)
+        kind, body = read_frame(held[0])
+        assert kind == EVICTED and "cut this wait short" in pb.PeerStatus.FromString(body).message
+        assert held[0].recv(1) == b""
+        extra.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest(payload=b"in")))
+        assert read_frame(extra)[0] == OK  # the connection it made room for is served
+        extra.close()
+    finally:
+        for s in held:
+            s.close()
+        c.close()
         dk.stop_inproc(t)
 
 
