@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import ClassVar, Generic, TypeVar
 
 from kvd.errors import Code, Unavailable
