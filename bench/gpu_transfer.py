@@ -285,7 +285,23 @@ class Pair:
 
     # -- life cycle ------------------------------------------------------------------------------
 
+    def fits(self) -> None:
+        """RuntimeError, saying what to pass, when the two arenas and the raw copy's buffers (the
+        largest request's bytes, on each side) do not fit the GPUs' free memory: the arenas are
+        sized for every workload at once (an H200's 139 GiB; an H100's 80 do not hold the mixed ones)."""
+        top = max(held_bytes(r.tokens, chunk=None) for r in [self.big, *self.mixed])
+        need = {self.a: self.p_bytes + top, self.b: 0}
+        need[self.b] += self.d_bytes + top
+        for dev, n in need.items():
+            free, total = torch.cuda.mem_get_info(dev)
+            if n > free:
+                raise RuntimeError(
+                    f"GPU {dev}: this run needs {n / GIB:.1f} GiB (arenas {self.p_bytes / GIB:.1f} + {self.d_bytes / GIB:.1f} GiB "
+                    f"and the raw copy's buffers), {free / GIB:.1f} of its {total / GIB:.1f} GiB are free; pass --no-mixed "
+                    "(the lone 32k request only), or run on a larger GPU")
+
     def start(self) -> None:
+        self.fits()
         t0 = time.perf_counter()
         common = ["--arena", "cuda", "--backend", self.backend, "--layout", LAYOUT, "--peer-timeout-s", "30",
                   "--lease-ttl-s", "120", "--session-ttl-s", "60", "--grace-s", "1"]
