@@ -231,6 +231,42 @@ def test_engines_carry_on_across_daemon_restarts(pd: PD) -> None:
     assert live_requests(pd.decode_d.address) == 0 and live_requests(pd.prefill_d.address) == 0, "pages leaked"
 
 
+def test_a_decode_daemon_restart_fails_the_transfer_in_flight_only(pd: PD) -> None:
+    """The decode daemon restarted while a transfer is open (the prefill engine's Send held) and
+    the decode vLLM waits for it: that request fails at once through vLLM's load-error path (its
+    doorbell board went with the daemon), the prefill side's Send is refused (a ticket of the old
+    boot) and its pages freed, and the next handoff is exact."""
+    if pd.model != "llama":
+        pytest.skip("one model is enough: the restart does not depend on the layout")
+    ps = prompts([100])
+    pd.hold.touch()
+    try:
+        tickets, _ = handoff(pd, ps)  # the prefill engine wrote the KV; its Send is held (transfer open)
+        rid = tickets[0]["kvd_rid"]
+        pd.decode.submit(ps, [{"kvd_rid": rid}])
+        end = time.monotonic() + 30
+        while not (transfer(pd.port, rid) or {}).get("admitted") and time.monotonic() < end:
+            time.sleep(0.05)
+        assert transfer(pd.port, rid)["state"] == "WAITING"
+        t0 = time.perf_counter()
+        pd.decode_d = pd.decode_d.restarted(layout=pd.tmp / "layout.json")
+        out = pd.decode.result(timeout=60)
+        failed_s = time.perf_counter() - t0
+    finally:
+        pd.hold.unlink()  # the held Send goes on, to a daemon that no longer knows its ticket
+    print(f"\n{pd.model}: decode request failed {failed_s:.2f} s after its daemon was stopped (and started again)")
+    assert len(out["tokens"][0]) < 32 and out["finish"][0] in ("error", "abort"), out
+    assert failed_s < ADMIT_TTL / 2, "the request waited out its deadline instead of failing with its daemon"
+    deadline = time.monotonic() + 10
+    while live_requests(pd.prefill_d.address) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(pd.prefill_d.address) == 0, "the prefill side kept the refused request's pages"
+    ps = prompts(LENGTHS[:1])
+    tickets, _ = handoff(pd, ps)
+    out = decode(pd, ps, tickets)
+    assert out["tokens"][0] == pd.baseline["tokens"][0], f"{pd.model}: PD after the decode daemon's restart differs from vLLM alone"
+
+
 def test_killed_prefill_fails_the_decode_request(pd: PD) -> None:
     """Last test of the module: it kills the prefill engine."""
     ps = prompts([100])
