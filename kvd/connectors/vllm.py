@@ -404,14 +404,18 @@ class _TicketBook:
                 self._free(p.rid)
 
     def _free(self, rid: str) -> None:
+        """``rid``'s pages back: one call for a transfer that landed (READY released its RECV
+        lease); one still pinned by its lease (waiting, or receiving) is aborted first."""
         try:
-            if self.kv.vectors(rid) is not None:
+            try:
+                self.kv.free(rid)
+            except FailedPrecondition:  # pinned by its RECV lease: the transfer is not over
                 try:
                     self.kv.abort(rid, "the decode vLLM is done with it")
                 except KvdError:
-                    pass  # nothing in flight
+                    pass  # it ended meanwhile
                 self.kv.free(rid)
-        except KvdError as exc:
+        except KvdError as exc:  # gone already (its session or daemon), or still fenced: the daemon frees it
             log.debug("free %s: %s", rid, exc)
 
     # -- scheduler hooks --
@@ -455,18 +459,37 @@ class _TicketBook:
             todo = [p for p in self.pending.values() if p.block_ids is not None and not p.dispatched and p.state in ("READY", "FAILED")]
             for p in todo:
                 p.dispatched = True
+        vecs = self._vectors([p.rid for p in todo if p.state == "READY"])
         for p in todo:
             if p.req_id is None or p.block_ids is None:  # allocated() sets block_ids only on an admitted request
                 raise RuntimeError(f"kvd request {p.rid}: dispatched with no admitted vLLM request or no blocks")
             load = _Load(p.req_id, p.block_ids, p.start, p.tokens, error=p.reason if p.state == "FAILED" else "")
             if not load.error:
-                try:
-                    v = self.kv.vectors(p.rid)
+                v = vecs[p.rid]
+                if isinstance(v, KvdError):
+                    load.error = f"{type(v).__name__}: {v}"
+                else:
                     load.full, load.swa_first, load.swa, load.state = v.full.tolist(), v.swa_first_page, v.swa.tolist(), v.state
                     load.boot = v.boot_id
-                except KvdError as exc:
-                    load.error = f"{type(exc).__name__}: {exc}"
             out.append(load)
+        return out
+
+    def _vectors(self, rids: list[str]) -> dict[str, Any]:
+        """The page ids of ``rids``, by rid, in one call (the scheduler's thread waits for it); a
+        request the daemon refuses (gone) maps to its error, the others asked again one by one."""
+        if not rids:
+            return {}
+        try:
+            return dict(zip(rids, self.kv.vectors_many(rids)))
+        except KvdError as exc:
+            if len(rids) == 1:
+                return {rids[0]: exc}
+        out: dict[str, Any] = {}
+        for rid in rids:
+            try:
+                out[rid] = self.kv.vectors(rid)
+            except KvdError as exc:
+                out[rid] = exc
         return out
 
     def finished(self, req_ids: set[str]) -> None:

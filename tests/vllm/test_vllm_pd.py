@@ -140,6 +140,9 @@ def test_pd_matches_vllm_alone(pd: PD) -> None:
     dp = pd.prefill_d.rpc_counts() - calls_p
     n = len(ps)
     assert dd["Allocate"] == n and dd["AcquireLease"] == 0, dict(dd)
+    # ... and on the decode side, the landed requests' page ids asked once per step (not per
+    # request), each freed in one call (READY released its lease: no Abort first).
+    assert dd["Free"] == n and dd["Abort"] == 0 and dd["GetVectors"] <= n, dict(dd)
     assert dp["Allocate"] == n and dp["Send"] == n and dp["Free"] == 0 and dp["BeginSend"] == 0, dict(dp)
 
 
