@@ -234,6 +234,20 @@ def test_engines_carry_on_across_daemon_restarts(pd: PD) -> None:
     assert live_requests(pd.decode_d.address) == 0 and live_requests(pd.prefill_d.address) == 0, "pages leaked"
 
 
+def held_open(pd: PD) -> str:
+    """One request's transfer open (the prefill engine wrote its KV; its Send held: ``pd.hold``
+    exists) and the decode vLLM admitted the request and waits for it; returns its kvd rid."""
+    ps = prompts([100])
+    tickets, _ = handoff(pd, ps)
+    rid = tickets[0]["kvd_rid"]
+    pd.decode.submit(ps, [{"kvd_rid": rid}])
+    end = time.monotonic() + 30
+    while not (transfer(pd.port, rid) or {}).get("admitted") and time.monotonic() < end:
+        time.sleep(0.05)
+    assert transfer(pd.port, rid)["state"] == "WAITING", "the transfer must still be open"
+    return rid
+
+
 def test_a_decode_daemon_restart_fails_the_transfer_in_flight_only(pd: PD) -> None:
     """The decode daemon restarted while a transfer is open (the prefill engine's Send held) and
     the decode vLLM waits for it: that request fails at once through vLLM's load-error path (its
@@ -241,16 +255,9 @@ def test_a_decode_daemon_restart_fails_the_transfer_in_flight_only(pd: PD) -> No
     boot) and its pages freed, and the next handoff is exact."""
     if pd.model != "llama":
         pytest.skip("one model is enough: the restart does not depend on the layout")
-    ps = prompts([100])
     pd.hold.touch()
     try:
-        tickets, _ = handoff(pd, ps)  # the prefill engine wrote the KV; its Send is held (transfer open)
-        rid = tickets[0]["kvd_rid"]
-        pd.decode.submit(ps, [{"kvd_rid": rid}])
-        end = time.monotonic() + 30
-        while not (transfer(pd.port, rid) or {}).get("admitted") and time.monotonic() < end:
-            time.sleep(0.05)
-        assert transfer(pd.port, rid)["state"] == "WAITING"
+        held_open(pd)
         t0 = time.perf_counter()
         pd.decode_d = pd.decode_d.restarted(layout=pd.tmp / "layout.json")
         out = pd.decode.result(timeout=60)
@@ -272,15 +279,8 @@ def test_a_decode_daemon_restart_fails_the_transfer_in_flight_only(pd: PD) -> No
 
 def test_killed_prefill_fails_the_decode_request(pd: PD) -> None:
     """Last test of the module: it kills the prefill engine."""
-    ps = prompts([100])
     pd.hold.touch()
-    tickets, _ = handoff(pd, ps)  # the prefill engine wrote the KV; its Send is held (transfer open)
-    rid = tickets[0]["kvd_rid"]
-    pd.decode.submit(ps, [{"kvd_rid": rid}])
-    end = time.monotonic() + 30
-    while not (transfer(pd.port, rid) or {}).get("admitted") and time.monotonic() < end:
-        time.sleep(0.05)
-    assert transfer(pd.port, rid)["state"] == "WAITING", "the transfer must still be open when the prefill dies"
+    held_open(pd)
     os.kill(pd.prefill.proc.pid, signal.SIGKILL)
     t0 = time.perf_counter()
     out = pd.decode.result(timeout=60)
