@@ -232,16 +232,24 @@ def test_a_busy_refusal_says_when_to_retry_and_keeps_the_doorbells(inproc, monke
             s.close()
         limit = es.max_connections
         es.max_connections = es.connections + 2
-        go = _stuck_echo(es, monkeypatch)
-        while True:  # the last slots, held by other engines' calls in progress (until one is refused)
-            s = _raw(inproc)
-            s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="slot-holder")))
-            if read_frame(s)[0] == REFUSED:
-                s.close()
-                break
-            others.append(s)
-            _busy(s)
-            assert len(others) <= 16, "no slot was ever refused"
+        go, entered = _stuck_echo(es, monkeypatch)
+        # The last slots, held by other engines' calls in progress (until one is refused); twice:
+        # a call of this client in flight meanwhile (its heartbeat) frees its slot only after.
+        for _ in range(2):
+            time.sleep(0.2)
+            while True:
+                s = _raw(inproc)
+                try:
+                    s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="slot-holder")))
+                    refused = read_frame(s)[0] == REFUSED
+                except (BrokenPipeError, ConnectionResetError):
+                    refused = True  # refused and closed before the request went out
+                if refused:
+                    s.close()
+                    break
+                others.append(s)
+                _busy(s, entered)
+                assert len(others) <= 16, "no slot was ever refused"
         refused = es.refused
         try:
             end = time.monotonic() + 5.0
@@ -272,29 +280,34 @@ def _in_wait(s: socket.socket, name: str, timeout: float = 30.0) -> None:
     s.sendall(frame(METHOD_IDS["WaitReady"], pb.WaitRequest(rid=r, timeout_seconds=timeout)))
 
 
-def _stuck_echo(es, monkeypatch) -> threading.Event:
+def _stuck_echo(es, monkeypatch) -> tuple[threading.Event, threading.Semaphore]:
     """The engine socket's Echo handler made to block until the returned event is set: a call
-    whose handler runs (a handler is never evicted, unlike an idle connection or a wait)."""
-    go = threading.Event()
+    whose handler runs (a handler is never evicted, unlike an idle connection or a wait). The
+    semaphore is released as each call enters it."""
+    go, entered = threading.Event(), threading.Semaphore(0)
     echo = es._handlers[METHOD_IDS["Echo"]]
 
     def stuck(request, ctx):
+        entered.release()
         go.wait(30)
         return echo(request, ctx)
 
     monkeypatch.setitem(es._handlers, METHOD_IDS["Echo"], stuck)
-    return go
+    return go, entered
 
 
-def _busy(s: socket.socket) -> None:
-    """Keep connection ``s`` in a call whose handler runs (an Echo, with :func:`_stuck_echo`)."""
+def _busy(s: socket.socket, entered: threading.Semaphore) -> None:
+    """Keep connection ``s`` in a call whose handler runs (an Echo, with :func:`_stuck_echo`), and
+    return once it does (until then the connection idles, and the next one would evict it)."""
     s.sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest()))
+    assert entered.acquire(timeout=5), "the held call never reached its handler"
 
 
 def _session_conn(t, name: str) -> socket.socket:
     """A raw connection of a session of its own, idle after its OpenSession."""
     s = _raw(t)
-    s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name=name)))
+    # A raw connection sends no KeepAlive: its session lives as long as a test on a loaded runner
+    s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name=name, ttl_seconds=120)))
     assert read_frame(s)[0] == OK
     return s
 
@@ -386,9 +399,9 @@ def test_waits_holding_every_slot_lock_no_engine_out(tmp_path):
         waiter.start()  # the client's one connection, parked first
         assert _until(lambda: len(es._parked) == 1, 2.0)
         held = [_session_conn(t, f"waiting-{i}") for i in range(2)]
-        for i, s in enumerate(held):
+        for i, s in enumerate(held):  # parked in this order (the next one sent once this one waits)
             _in_wait(s, f"waiting-{i}")
-        assert _until(lambda: len(es._parked) == 3, 2.0)
+            assert _until(lambda: len(es._parked) == 2 + i, 2.0)
         es.max_connections = es.connections  # every slot in a wait, none idle
         newcomer = _session_conn(t, "newcomer")  # served: the wait parked longest was cut for it
         newcomer.close()
@@ -471,12 +484,17 @@ def test_a_call_on_an_evicted_connection_is_sent_again_once(tmp_path, flavour, m
     r = rid("once")
 
     def fill() -> None:  # every slot taken; the next connection evicts the longest idle: this client's
+        # Each reader back in its read after its last reply (until then it counts as in a call).
+        assert _until(lambda: set(es._waiting) == set(es._conns), 2.0)
         es.max_connections = es.connections
         others.append(_session_conn(t, "newcomer"))
         end = time.monotonic() + 2.0
         while es.evicted < 1 and time.monotonic() < end:
             time.sleep(0.01)
         assert es.evicted == 1
+        # The newcomer's reader back in its read after the OpenSession: the client's next
+        # connection evicts it (before that, it counts as in a call, and the client is refused).
+        assert _until(lambda: set(es._waiting) == set(es._conns) - es._evicting, 2.0)
 
     try:
         if flavour == "no resend":
