@@ -349,9 +349,27 @@ class _Surface:
             "Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), self._note(_lease(r.leases[0])))
         )
 
-    def allocate_many(self, specs: Sequence[AllocSpec | tuple]) -> list[IndexVectors]:
-        """All or nothing; CapacityError carries ``shortfall_bytes``."""
-        return self._call("Allocate", pb.AllocateRequest(requests=_specs(specs)), lambda r: [vectors_from_pb(v) for v in r.vectors])
+    def allocate_many(
+        self, specs: Sequence[AllocSpec | tuple], *, tickets: Sequence[bytes | None] | None = None, chunk_tokens: int = 0
+    ) -> list[IndexVectors]:
+        """All or nothing; CapacityError carries ``shortfall_bytes``. ``tickets`` (prefill side),
+        one per spec in order (None: that request has none): each ticketed request's transfer is
+        also begun, as :meth:`allocate` ``(rid, tokens, ticket=, chunk_tokens=)`` begins it -- a
+        prefill step's new requests in one call. A ticket refused for what it shows refuses the
+        whole call: nothing is allocated and no receiver hears of any of them."""
+        wire = _specs(specs)
+        if tickets is not None:
+            if isinstance(tickets, (bytes, bytearray, memoryview)) or len(tickets) != len(wire):
+                raise InvalidArgument(
+                    f"allocate_many: tickets must be a sequence of one ticket (or None) per spec, {len(wire)} in all"
+                )
+            n = _chunk_tokens(chunk_tokens)
+            for spec, t in zip(wire, tickets):
+                if t is not None:
+                    spec.ticket, spec.chunk_tokens = _ticket(t), n
+        elif chunk_tokens:
+            raise InvalidArgument("allocate_many: chunk_tokens is the prefill chunk of the transfers tickets begin: pass tickets too")
+        return self._call("Allocate", pb.AllocateRequest(requests=wire), lambda r: [vectors_from_pb(v) for v in r.vectors])
 
     def shortfall(self, specs: Sequence[AllocSpec | tuple]) -> int:
         """Bytes missing to allocate ``specs`` now (0: it fits). Changes nothing."""

@@ -66,6 +66,7 @@ import queue
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
@@ -195,6 +196,9 @@ class CopyStats:
     load_s: float = 0.0
     loads: int = 0
     reconnects: int = 0  # the daemon forgot this worker's session (restart, reap): a new client and arena
+    opens: int = 0  # Allocate calls that opened requests (allocated, transfer begun) on the forward thread
+    opened: int = 0  # ... the requests they opened (more than ``opens``: a step's new requests share a call)
+    batches_refused: int = 0  # a step's shared Allocate refused: its requests were opened one call each
 
 
 # ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
@@ -826,6 +830,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._renew("this worker's session is gone")
         if self._slots_meta is not meta:  # a new step: its requests' slots, once per vLLM group
             self._slots_meta, self._step_slots = meta, {}
+            self._open_step(saves)
         for sv in saves:
             vec = self._open(sv)
             if vec is None:
@@ -860,6 +865,31 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return False
         return True
 
+    def _open_step(self, saves: Sequence[_Save]) -> None:
+        """The step's new requests opened in one Allocate (each allocated and its transfer begun),
+        not one call each on the forward thread. All or nothing: where the daemon refuses the
+        batch (one bad ticket, no room for all), :meth:`_open` opens each alone, so that only
+        the request at fault fails."""
+        new = [sv for sv in saves if sv.req_id not in self._vecs and sv.req_id not in self._bad_saves]
+        if len(new) < 2:
+            return
+        specs, tickets = [(sv.rid, sv.tokens) for sv in new], [sv.ticket for sv in new]
+        try:
+            try:
+                vecs = self._kv.allocate_many(specs, tickets=tickets)
+            except SessionGone:  # the call ran nowhere: once more on a new session, if one opens
+                if not self._renew("the daemon forgot this worker's session"):
+                    raise
+                vecs = self._kv.allocate_many(specs, tickets=tickets)
+        except KvdError as exc:
+            self.copy_stats.batches_refused += 1
+            log.warning("kvd: the step's %d new requests were refused together (%s); opening each alone", len(new), exc)
+            return
+        self.copy_stats.opens += 1
+        self.copy_stats.opened += len(new)
+        for sv, vec in zip(new, vecs):
+            self._vecs[sv.req_id] = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
+
     def _open(self, sv: _Save) -> dict | None:
         """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""
         v = self._vecs.get(sv.req_id)
@@ -875,6 +905,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     vec = self._kv.allocate(sv.rid, sv.tokens, ticket=sv.ticket)
                 v = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
                 self._vecs[sv.req_id] = v
+                self.copy_stats.opens += 1
+                self.copy_stats.opened += 1
             except KvdError as exc:
                 log.error("kvd: cannot open the transfer of request %s: %s", sv.req_id, exc)
                 self._bad_saves.add(sv.req_id)
@@ -887,6 +919,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         saves = getattr(meta, "saves", ())
         if saves and self._kv.stale:
             self._renew("this worker's session is gone")
+        self._open_step(saves)  # a model of state slots only opens its requests here
         for sv in saves:
             if not sv.last:
                 continue

@@ -262,3 +262,61 @@ def test_an_allocate_refused_at_a_later_ticket_leaves_the_earlier_receivers_unto
     hp.assert_landed(src, dst_b, before_d, before_p, dst_b.tokens, state=True)
     assert hp.d.free(a) == 1 and hp.d.free(b) == 1
     hp.check()
+
+
+def test_a_step_of_requests_is_allocated_and_begun_in_one_call(hp, prefill):
+    """``allocate_many(specs, tickets=)``: a prefill step's new requests in one Allocate, each
+    transfer begun as the single call begins it (one check each, the Send skipping it), and a
+    request without a ticket beside them only allocated; then every Send lands."""
+    c = prefill
+    sides = [_decode_side(hp, n, f"alloc-many-{i}") for i, n in enumerate((16, 40, 70))]
+    plain = dk.rid("alloc-many-plain")
+    checks0 = _checks(hp)
+    calls0 = hp.pair.prefill.counter("kvd_rpc_duration_seconds_count", method="Allocate", code="OK")
+    srcs = c.allocate_many(
+        [(rid, dst.tokens) for rid, dst, _ in sides] + [(plain, 24)], tickets=[le.ticket for *_, le in sides] + [None]
+    )
+    assert hp.pair.prefill.counter("kvd_rpc_duration_seconds_count", method="Allocate", code="OK") == calls0 + 1
+    assert [s.tokens for s in srcs] == [16, 40, 70, 24]
+    for rid, _, _ in sides:
+        dk.wait_for(lambda rid=rid: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, f"the decode daemon accepted {rid}'s ticket")
+    assert _checks(hp) == checks0 + 3
+    hk.randomize(hp.p.arena, hp.seed)
+    hk.randomize(hp.d.arena, hp.seed + 1)
+    before_p = hp.p.arena.clone()
+    for src, (rid, dst, lease) in zip(srcs, sides):
+        before_d = hp.d.arena.clone()
+        res = c.send(rid, lease.ticket, free=True)
+        assert "check" not in res.phases, res.phases
+        assert hp.d.c.wait_ready(rid, 5).state is READY
+        hp.assert_landed(src, dst, before_d, before_p, dst.tokens, state=True)
+    assert _checks(hp) == checks0 + 3
+    assert c.free(plain) == 1
+    for rid, _, _ in sides:
+        assert hp.d.free(rid) == 1
+    hp.check()
+
+
+def test_a_step_with_one_bad_ticket_is_refused_whole_and_tells_no_receiver(hp, prefill):
+    c = prefill
+    good, _, lease = _decode_side(hp, 20, "alloc-many-good")
+    other, _, lease_o = _decode_side(hp, 20, "alloc-many-other")
+    before = c.stats().pool
+    with dk.expect(InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "ticket is for request"):
+        c.allocate_many([(good, 20), ("not-its-request", 20)], tickets=[lease.ticket, lease_o.ticket])
+    assert c.stats().pool == before
+    with pytest.raises(InvalidArgument, match="one ticket .or None. per spec, 2 in all"):
+        c.allocate_many([(good, 20), (other, 20)], tickets=[lease.ticket])
+    with pytest.raises(InvalidArgument, match="one ticket .or None. per spec"):
+        c.allocate_many([(good, 20)], tickets=lease.ticket)  # type: ignore[arg-type]  # bytes, not a list of them
+    with pytest.raises(InvalidArgument, match="pass tickets too"):
+        c.allocate_many([(good, 20)], chunk_tokens=8)
+    assert c.stats().pool == before
+    # Neither receiver heard of the refused call; each ticket still opens its transfer.
+    assert hp.d.c.wait_ready(good, 0).state is WAITING and hp.d.c.wait_ready(other, 0).state is WAITING
+    c.allocate_many([(good, 20), (other, 20)], tickets=[lease.ticket, lease_o.ticket])
+    for rid, le in ((good, lease), (other, lease_o)):
+        c.send(rid, le.ticket, free=True)
+        assert hp.d.c.wait_ready(rid, 5).state is READY
+        assert hp.d.free(rid) == 1
+    hp.check()
