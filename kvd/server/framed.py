@@ -55,12 +55,13 @@ def exhausted(message: str) -> bytes:
 
 class Close(Exception):
     """The connection cannot go on (a refused hello, a frame past the limit): reply, then close.
-    ``evicted``: closed to make room, its request unread (counted apart from refusals)."""
+    ``why``: what :meth:`FramedServer.closed` counts it as -- ``refused``, ``evicted`` (closed
+    idle to make room, its request unread) or ``cut`` (a wait cut short to make room)."""
 
-    def __init__(self, reply: bytes, *, evicted: bool = False) -> None:
+    def __init__(self, reply: bytes, *, why: str = "refused") -> None:
         super().__init__()
         self.reply = reply
-        self.evicted = evicted
+        self.why = why
 
 
 class FramedServer(UnixServer, Generic[S]):
@@ -126,8 +127,8 @@ class FramedServer(UnixServer, Generic[S]):
         # cuts it (under _lock).
         self._parked: dict[socket.socket, Callable[[], None]] = {}
         #: connections refused (busy, a bad hello, a frame past the limit), dropped (gone
-        #: mid-frame) and evicted (closed idle to make room).
-        self.refused = self.dropped = self.evicted = 0
+        #: mid-frame), evicted (closed idle to make room) and cut (a wait cut short to make room).
+        self.refused = self.dropped = self.evicted = self.cut = 0
 
     # -- what it did ---------------------------------------------------------------------------
     @property
@@ -143,9 +144,10 @@ class FramedServer(UnixServer, Generic[S]):
 
     def closed(self) -> dict[str, int]:
         """Connections the server closed so far, by why: ``refused`` (busy, a bad hello, a frame
-        past the limit), ``evicted`` (idle, for a new one), ``dropped`` (gone or too slow mid-frame)."""
+        past the limit), ``evicted`` (idle, for a new one), ``cut`` (a wait cut short, for a new one),
+        ``dropped`` (gone or too slow mid-frame)."""
         with self._lock:
-            return {"refused": self.refused, "evicted": self.evicted, "dropped": self.dropped}
+            return {"refused": self.refused, "evicted": self.evicted, "cut": self.cut, "dropped": self.dropped}
 
     def _count(self, name: str, code: str) -> None:
         with self._lock:
@@ -237,7 +239,7 @@ class FramedServer(UnixServer, Generic[S]):
         if busy:
             self._close(conn, refusal(Unavailable(
                 f"{self.label} {self.path} serves {self.max_connections} connections already; {self.busy_hint}",
-                retry_after_s=BUSY_RETRY_S)))
+                retry_after_s=BUSY_RETRY_S)), "refused")
             return
         t.start()
 
@@ -256,7 +258,7 @@ class FramedServer(UnixServer, Generic[S]):
                 if after is not state:  # an identity test per frame, the hook only on a change
                     state, idle = after, self._idle(after)
         except Close as c:
-            self._close(conn, c.reply, evicted=c.evicted)
+            self._close(conn, c.reply, c.why)
         except OSError as exc:  # gone or too slow mid-frame (ConnectionError, TimeoutError); or stop()
             if not self._stop.is_set():
                 with self._lock:
@@ -290,7 +292,7 @@ class FramedServer(UnixServer, Generic[S]):
         return Close(frame(EVICTED, status_to_pb(Unavailable(
             f"{self.label} {self.path} cut this wait short and closed its connection to serve a new one "
             f"({self.max_connections} connections at most, none idle); ask again on another connection",
-            retry_after_s=0.0))), evicted=True)
+            retry_after_s=0.0))), why="cut")
 
     def _next_head(self, conn: socket.socket) -> tuple[int, int] | None:
         """The next frame's head (None: the caller closed), waiting listed as evictable; Close
@@ -313,12 +315,14 @@ class FramedServer(UnixServer, Generic[S]):
                 raise Close(frame(EVICTED, status_to_pb(Unavailable(
                     f"{self.label} {self.path} closed this idle connection to serve a new one ({self.max_connections} "
                     "connections at most); the request was not read: send it again on another connection",
-                    retry_after_s=0.0))), evicted=True)
+                    retry_after_s=0.0))), why="evicted")
 
-    def _close(self, conn: socket.socket, reply: bytes, *, evicted: bool = False) -> None:
+    def _close(self, conn: socket.socket, reply: bytes, why: str) -> None:
         with self._lock:
-            if evicted:
+            if why == "evicted":
                 self.evicted += 1
+            elif why == "cut":
+                self.cut += 1
             else:
                 self.refused += 1
         try:

@@ -128,7 +128,8 @@ class _NodeCollector(Collector):
             closed = CounterMetricFamily(
                 "kvd_engine_socket_closed", "Engine socket connections the daemon closed, by why: refused (every one in a "
                 "call, a bad hello, a frame past the limit), evicted (idle longest, for a new one: a client leaking or "
-                "hoarding connections shows here), dropped (gone or too slow mid-frame)", labels=["reason"],
+                "hoarding connections shows here), cut (a WaitReady cut short, for a new one: clients holding a blocking "
+                "wait per transfer), dropped (gone or too slow mid-frame)", labels=["reason"],
             )
             for reason, n in es.closed().items():
                 closed.add_metric([reason], n)

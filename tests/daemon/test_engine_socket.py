@@ -408,7 +408,9 @@ def test_waits_holding_every_slot_lock_no_engine_out(tmp_path):
         waiter.join(5)
         assert got["state"] is TransferState.WAITING  # nobody sent: answered at its timeout ...
         assert 1.4 < got["s"] < 2.5, f"... the first one, not a second timeout after the cut: {got['s']:.2f} s"
-        assert es.evicted >= 1 and es.refused == 0
+        assert es.cut == 1 and es.evicted == 0 and es.refused == 0  # counted apart from idle connections evicted
+        m = dk.samples(dk.scrape(t.metrics_port))
+        assert m[("kvd_engine_socket_closed_total", (("reason", "cut"),))] == 1
         for s in held:  # parked later: still waiting, never cut
             s.settimeout(0.2)
             with pytest.raises(TimeoutError):
