@@ -199,6 +199,7 @@ class CopyStats:
     opens: int = 0  # Allocate calls that opened requests (allocated, transfer begun) on the forward thread
     opened: int = 0  # ... the requests they opened (more than ``opens``: a step's new requests share a call)
     batches_refused: int = 0  # a step's shared Allocate refused: its requests were opened one call each
+    cached_tokens: int = 0  # tokens saved that vLLM did not compute (its prefix cache held them)
 
 
 # ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
@@ -209,9 +210,10 @@ class _Save:
     ticket: bytes
     tokens: int  # L: the request's prompt length, all of it sent
     block_ids: tuple[list[int], ...]
-    start: int  # tokens computed in this step: [start, end)
+    start: int  # tokens saved in this step: [start, end)
     end: int
     last: bool
+    cached: int = 0  # ... of which vLLM's prefix cache held the first ``cached`` (computed in no step)
 
 
 @dataclass
@@ -660,11 +662,14 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def _save_step(self, meta: _KvdMetadata, req_id: str, s: dict, computed: int, scheduled: int) -> None:
-        start, end = computed, min(computed + scheduled, s["tokens"])
+        # From the first token not saved yet, not from vLLM's first computed one: a prefix-cache
+        # hit starts a request's first step past the cached blocks, whose KV (in the request's
+        # blocks all the same) must reach the decode side too.
+        start, end = s.get("saved", 0), min(computed + scheduled, s["tokens"])
         if end > start and not s.get("sent"):
             last = end >= s["tokens"]
-            s["sent"] = last
-            meta.saves.append(_Save(req_id, s["rid"], s["ticket"], s["tokens"], s["blocks"], start, end, last))
+            s["sent"], s["saved"] = last, end
+            meta.saves.append(_Save(req_id, s["rid"], s["ticket"], s["tokens"], s["blocks"], start, end, last, max(0, computed - start)))
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._book is not None and connector_output.finished_recving:
@@ -921,6 +926,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._renew("this worker's session is gone")
         self._open_step(saves)  # a model of state slots only opens its requests here
         for sv in saves:
+            self.copy_stats.cached_tokens += sv.cached if sv.req_id in self._vecs else 0
             if not sv.last:
                 continue
             if sv.req_id in self._bad_saves:

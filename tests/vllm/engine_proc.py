@@ -30,13 +30,14 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens per step (default: the longest prompt in one step); below a prompt: chunked prefill")
+    ap.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix caching on (its default; the tier's engines run without it)")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
     kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, max_num_seqs=8,
-              seed=0, enable_prefix_caching=False, block_size=a.block_size,
+              seed=0, enable_prefix_caching=a.prefix_caching, block_size=a.block_size,
               max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_model_len))
     if a.kv:
         kw["kv_transfer_config"] = KVTransferConfig(**json.loads(a.kv))

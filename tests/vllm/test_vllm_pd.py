@@ -85,7 +85,7 @@ def pd(request, tmp_path_factory):
         # less: a loaded 2-core runner once held the starting vLLM's heartbeat past 0.5 s, its
         # session expired and every later Send of that engine was refused.
         prefill = Engine(tmp, "prefill", model_dir, kv_config("kv_producer", pd_.address, kvd_session_ttl_s=1.0),
-                         env={"KVDCONN_TEST_HOLD_FILE": str(hold)}, extra=["--max-num-batched-tokens", str(CHUNK)])
+                         env={"KVDCONN_TEST_HOLD_FILE": str(hold)}, extra=["--max-num-batched-tokens", str(CHUNK), "--prefix-caching"])
         started.append(prefill)
         prefill.ready()
         want = Layout.model_validate_json(layout.read_text())  # what the baseline engine derived
@@ -178,6 +178,22 @@ def test_a_prefill_step_opens_its_new_requests_in_one_allocate(pd: PD) -> None:
     want = pd.decode.run([ps2[i] for i in good])
     assert out["tokens"] == want["tokens"], f"{pd.model}: a refused batch spoilt the handoffs of its other requests"
     assert live_requests(pd.prefill_d.address) == 0, "the prefill connector kept kvd pages of a refused batch"
+
+
+def test_a_prefill_prefix_cache_hit_still_sends_every_token(pd: PD) -> None:
+    """The prefill vLLM runs with prefix caching (vLLM's default): a prompt it has seen starts
+    its first step past the cached blocks. Its KV for the cached tokens is in vLLM's blocks all
+    the same, and must reach the decode side: the same prompts handed off twice (the second time
+    mostly from the prefill's cache) both decode as vLLM alone."""
+    ps = prompts(LENGTHS)
+    for round_ in ("first", "cached"):
+        st0 = pd.prefill.copy_stats()
+        tickets, _ = handoff(pd, ps)
+        out = decode(pd, ps, tickets)
+        assert out["tokens"] == pd.baseline["tokens"], f"{pd.model}: PD with the prefill's prefix cache ({round_} run) differs from vLLM alone"
+    cached = pd.prefill.copy_stats()["cached_tokens"] - st0["cached_tokens"]
+    print(f"\n{pd.model}: {cached} of {sum(LENGTHS)} prompt tokens sent from the prefill's prefix cache")
+    assert cached > 0, f"{pd.model}: the second run hit no prefix cache: this test proves nothing"
 
 
 def test_prompt_shorter_than_a_block_gets_no_ticket(pd: PD) -> None:
