@@ -27,9 +27,10 @@ ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_I
            VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
 
 
-def prompts(lengths: list[int]) -> list[list[int]]:
-    """Deterministic token-id prompts (ids 4..511: no special tokens)."""
-    return [[4 + ((i * 131 + j * 37 + j * j) % 508) for j in range(n)] for i, n in enumerate(lengths)]
+def prompts(lengths: list[int], salt: int = 0) -> list[list[int]]:
+    """Deterministic token-id prompts (ids 4..511: no special tokens); another ``salt``, other
+    prompts (prompt i of one length is a prefix of prompt i of a longer one, within a salt)."""
+    return [[4 + ((i * 131 + j * 37 + j * j + salt * 8191) % 508) for j in range(n)] for i, n in enumerate(lengths)]
 
 
 def free_port() -> int:

@@ -56,6 +56,7 @@ class PD:
     decode: Engine
     port: int
     hold: Path
+    model_dir: str
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -92,7 +93,7 @@ def pd(request, tmp_path_factory):
         for d in (pd_, dd):
             with Client.connect(d.address, name="probe") as c:
                 assert c.info().layout == want, f"{model}: the daemon took another layout than the engine's"
-        yield PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold)
+        yield PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold, model_dir)
     finally:
         for p in reversed(started):
             p.stop()
@@ -194,6 +195,48 @@ def test_a_prefill_prefix_cache_hit_still_sends_every_token(pd: PD) -> None:
     cached = pd.prefill.copy_stats()["cached_tokens"] - st0["cached_tokens"]
     print(f"\n{pd.model}: {cached} of {sum(LENGTHS)} prompt tokens sent from the prefill's prefix cache")
     assert cached > 0, f"{pd.model}: the second run hit no prefix cache: this test proves nothing"
+
+
+def test_a_decode_prefix_cache_hit_loads_only_past_it(pd: PD) -> None:
+    """A second decode vLLM on the same daemon, with prefix caching (vLLM's default). Fresh
+    prompts load every ticketed token; the same prompts again find every ticketed token in its
+    own cache and load nothing (their kvd requests freed all the same); longer prompts that start
+    with them load only past the hit. Each run decodes as the engine without a cache computing
+    the prompts alone."""
+    port = free_port()
+    dec = Engine(pd.tmp, "decode-cached", pd.model_dir, kv_config("kv_consumer", pd.decode_d.address, kvd_ticket_listen=f"127.0.0.1:{port}",
+                                                                  kvd_admit_ttl_s=ADMIT_TTL), extra=["--prefix-caching"])
+    try:
+        dec.ready()
+        ps = prompts([70, 100, 77], salt=1)
+        longer = prompts([150, 180, 120], salt=1)  # prompt i starts with ps[i]
+        runs = []  # (ticketed tokens, loads, bytes loaded)
+        ticketed: list[list[int]] = []  # per run, each request's
+        for run in (ps, ps, longer):
+            st0 = dec.copy_stats()
+            tickets = [ticket(port, p) for p in run]
+            pd.prefill.run([p[: t["kvd_tokens"]] for p, t in zip(run, tickets)], tickets, max_tokens=1)
+            out = dec.run(run, [{"kvd_rid": t["kvd_rid"]} for t in tickets])
+            assert out["tokens"] == pd.decode.run(run)["tokens"], f"{pd.model}: PD into a prefix-caching decode vLLM differs"
+            st = dec.copy_stats()
+            runs.append((sum(t["kvd_tokens"] for t in tickets), st["loads"] - st0["loads"], st["load_bytes"] - st0["load_bytes"]))
+            ticketed.append([t["kvd_tokens"] for t in tickets])
+            deadline = time.monotonic() + 5
+            while any(transfer(port, t["kvd_rid"]) for t in tickets) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not any(transfer(port, t["kvd_rid"]) for t in tickets), "a finished request's kvd request was kept"
+        print(f"\n{pd.model}, decode with prefix caching: (ticketed tokens, loads, bytes loaded) per run: {runs}")
+        per_token = runs[0][2] / runs[0][0]
+        assert runs[0][1] == 3 and per_token > 0, runs
+        assert runs[1][1:] == (0, 0), runs  # every ticketed token in the decode's own cache
+        # only past ps's blocks (a longer prompt ticketed no further than its prefix -- granite's
+        # 64-token blocks: 120 tokens -- loads nothing) ...
+        assert runs[2][1] == sum(a > b for a, b in zip(ticketed[2], ticketed[0])), (runs, ticketed)
+        assert 0 < runs[2][2] < runs[2][0] * per_token, runs
+        if pd.model == "llama":  # ... exactly (its KV is per token; a window's or a state's is not)
+            assert runs[2][2] == (runs[2][0] - runs[0][0]) * per_token, runs
+    finally:
+        dec.stop()
 
 
 def test_prompt_shorter_than_a_block_gets_no_ticket(pd: PD) -> None:
