@@ -649,12 +649,15 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     s["blocks"] = tuple(list(b) for b in r.block_ids)
                     self._save_step(meta, r.req_id, s, r.num_computed_tokens, steps.get(r.req_id, 0))
             cached = scheduler_output.scheduled_cached_reqs
+            resumed = getattr(cached, "resumed_req_ids", ())
             for i, req_id in enumerate(cached.req_ids):
                 s = self._saving.get(req_id)
                 if s is None or s["blocks"] is None:
                     continue
                 new = cached.new_block_ids[i]
-                if new is not None:
+                if req_id in resumed:  # preempted, then scheduled again: its blocks are all new
+                    s["blocks"] = tuple(list(b) for b in new) if new is not None else s["blocks"]
+                elif new is not None:
                     s["blocks"] = tuple(old + list(b) for old, b in zip(s["blocks"], new))
                 self._save_step(meta, req_id, s, cached.num_computed_tokens[i], steps.get(req_id, 0))
         if self._book is not None:
