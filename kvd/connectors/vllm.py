@@ -928,6 +928,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if saves and self._kv.stale:
             self._renew("this worker's session is gone")
         self._open_step(saves)  # a model of state slots only opens its requests here
+        waited = False
         for sv in saves:
             self.copy_stats.cached_tokens += sv.cached if sv.req_id in self._vecs else 0
             if not sv.last:
@@ -946,14 +947,24 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                         dst.copy_(vb.state_bytes(self._caches[ln], _last_real(sv.block_ids[slot.vllm_group], ln)), non_blocking=True)
                         self.copy_stats.save_s += time.perf_counter() - t0
                         self.copy_stats.save_bytes += dst.numel()
-                done = self._copy.record()
-            if done is not None:
-                # vLLM may reuse the request's blocks from the next step on: its stream waits for our reads
-                torch.cuda.current_stream(self._copy.device).wait_event(done)
+                done = self._copy.record()  # after every copy of this step (the chunks' too)
+            self._after_copies(done)
+            waited = True
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_loop, name="kvd-sender", daemon=True)
                 self._sender.start()
             self._sends.put((sv, done))
+        if saves and not waited:
+            # Chunks only: vLLM frees a preempted request's blocks and may write them from the next
+            # step on, so its stream waits for this step's reads, as for a request's last chunk.
+            self._after_copies(self._copy.record())
+
+    def _after_copies(self, done: torch.cuda.Event | None) -> None:
+        """vLLM's stream waits for ``done`` (the copy stream's reads so far): vLLM may reuse the
+        blocks a copy reads from the next step on -- a finished request's, a preempted one's.
+        A wait on the device only; the host goes on."""
+        if done is not None:
+            torch.cuda.current_stream(self._copy.device).wait_event(done)
 
     def _send_loop(self) -> None:
         hold = os.environ.get(HOLD_SEND_ENV)
