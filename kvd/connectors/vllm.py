@@ -200,6 +200,7 @@ class CopyStats:
     opened: int = 0  # ... the requests they opened (more than ``opens``: a step's new requests share a call)
     batches_refused: int = 0  # a step's shared Allocate refused: its requests were opened one call each
     cached_tokens: int = 0  # tokens saved that vLLM did not compute (its prefix cache held them)
+    abandoned: int = 0  # opened requests vLLM ended before their last chunk (aborted): aborted and freed in kvd
 
 
 # ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
@@ -586,8 +587,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._caches: dict[str, torch.Tensor] = {}
         self._views: dict[str, list] = {}
-        self._sent_rids: set[str] = set()  # producer: kvd requests opened this step or before
-        self._vecs: dict[str, Any] = {}
+        self._vecs: dict[str, Any] = {}  # producer: by vLLM request, its open kvd request (rid, page ids)
+        self._queued: set[str] = set()  # producer: requests whose last chunk is saved, handed to the sender thread
         self._loading: dict[str, torch.cuda.Event | None] = {}  # consumer: loads issued, until their event completes
         self._blocks: dict[str, vb.LayerBlocks] = {}
         self._layer_sets: dict[tuple[str, int], list[str]] = {}  # (kvd group, vLLM group) -> its attention layers
@@ -896,7 +897,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self.copy_stats.opens += 1
         self.copy_stats.opened += len(new)
         for sv, vec in zip(new, vecs):
-            self._vecs[sv.req_id] = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
+            self._vecs[sv.req_id] = {"rid": sv.rid, "full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
 
     def _open(self, sv: _Save) -> dict | None:
         """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""
@@ -911,7 +912,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     if not self._renew("the daemon forgot this worker's session"):
                         raise
                     vec = self._kv.allocate(sv.rid, sv.tokens, ticket=sv.ticket)
-                v = {"full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
+                v = {"rid": sv.rid, "full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
                 self._vecs[sv.req_id] = v
                 self.copy_stats.opens += 1
                 self.copy_stats.opened += 1
@@ -953,6 +954,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_loop, name="kvd-sender", daemon=True)
                 self._sender.start()
+            self._queued.add(sv.req_id)
             self._sends.put((sv, done))
         if saves and not waited:
             # Chunks only: vLLM frees a preempted request's blocks and may write them from the next
@@ -994,6 +996,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def _drop(self, req_id: str, rid: str, *, freed: bool = False) -> None:
         """Forget ``req_id``'s kvd request and free it, unless its Send freed it already."""
         self._vecs.pop(req_id, None)
+        self._queued.discard(req_id)  # after the pop: _abandon never sees it open and not queued
         if freed:
             return
         try:
@@ -1001,7 +1004,27 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         except KvdError as exc:
             log.debug("free %s: %s", rid, exc)
 
+    def _abandon(self, finished: set[str]) -> None:
+        """Producer: what vLLM ended before its last chunk was saved (aborted: a client gone, a
+        deadline) has no Send coming. Each opened kvd request among them is aborted (its receiver
+        told at once, with the reason) and freed, instead of holding its pages, and the receiver's,
+        for as long as this worker's session lives."""
+        for req_id in finished:
+            self._bad_saves.discard(req_id)
+            v = self._vecs.get(req_id)
+            if v is None or req_id in self._queued:
+                continue
+            log.info("kvd: request %s ended before its prompt was computed: its transfer is aborted", req_id)
+            try:
+                self._kv.abort(v["rid"], "the prefill vLLM ended the request before its prompt was computed (aborted)")
+            except KvdError as exc:
+                log.debug("abort %s: %s", v["rid"], exc)
+            self._drop(req_id, v["rid"])
+            self.copy_stats.abandoned += 1
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if finished_req_ids and self._vecs:
+            self._abandon(finished_req_ids)
         # A failed receive is reported in both sets: vLLM then fails the request (kv_load_failure_policy
         # "fail", the default) instead of waiting for it; 0.32 refuses block-level errors with HMA groups.
         landed = {r for r, ev in self._loading.items() if ev is None or ev.query()}  # query: never waits

@@ -62,6 +62,19 @@ def main() -> None:
         params = job.get("params") or [None] * len(job["prompts"])
         sps = [SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True,
                               extra_args={"kv_transfer_params": p} if p else None) for p in params]
+        if job.get("abort_after_steps") is not None:  # a client gone mid-request: aborted after that many steps
+            eng = llm.llm_engine
+            ids = [f"abort-{time.monotonic_ns()}-{i}" for i in range(len(job["prompts"]))]
+            for rid, p, sp in zip(ids, job["prompts"], sps):
+                eng.add_request(rid, {"prompt_token_ids": p}, sp)
+            done: set[str] = set()
+            for _ in range(job["abort_after_steps"]):
+                done |= {o.request_id for o in eng.step() if o.finished}
+            eng.abort_request([r for r in ids if r not in done])
+            for _ in range(job.get("idle_steps", 4)):  # what the abort leaves the engine to do (vLLM tells the worker next step)
+                eng.step()
+            print("RESULT " + json.dumps({"finished_before_abort": sorted(done)}), flush=True)
+            continue
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], sps, use_tqdm=False)
         res = dict(tokens=[list(o.outputs[0].token_ids) for o in outs],

@@ -159,6 +159,13 @@ class Engine:
             raise RuntimeError(f"engine {self.name}: {line!r}\n{self.tail()}")
         return json.loads(line[len("RESULT "):])
 
+    def abort_after(self, prompts: list[list[int]], params: list[dict | None], steps: int) -> dict:
+        """The prompts added, the engine stepped ``steps`` times, the unfinished ones aborted (a
+        client gone mid-request), then a few idle steps: ``{"finished_before_abort": [...]}``."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "params": params, "max_tokens": 1, "abort_after_steps": steps}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.result()
+
     def run(self, prompts: list[list[int]], params: list[dict | None] | None = None, max_tokens: int = 32) -> dict:
         self.submit(prompts, params, max_tokens)
         return self.result()

@@ -239,6 +239,31 @@ def test_a_decode_prefix_cache_hit_loads_only_past_it(pd: PD) -> None:
         dec.stop()
 
 
+def test_a_prefill_aborted_mid_prompt_frees_its_kvd_request_and_fails_the_transfer(pd: PD) -> None:
+    """A prefill request aborted after two of its 64-token steps (its client gone): its kvd request
+    was opened and half saved, and no Send will come. The producer frees it once vLLM says the
+    request ended (at the worker's next step: vLLM steps no worker while idle), which fails the
+    transfer on the decode side at once, instead of holding the prefill daemon's pages for the
+    worker's lifetime and the decode side's until its admission window closes."""
+    if pd.model != "llama":
+        pytest.skip("one model is enough: the abort does not depend on the layout")
+    ps = prompts([300], salt=2)
+    tickets = [ticket(pd.port, p) for p in ps]
+    st0 = pd.prefill.copy_stats()
+    res = pd.prefill.abort_after([p[: t["kvd_tokens"]] for p, t in zip(ps, tickets)], tickets, steps=2)
+    assert res["finished_before_abort"] == [], res
+    t0 = time.monotonic()
+    after = prompts(LENGTHS[:1])
+    t2, _ = handoff(pd, after)  # the worker's next step, where vLLM names the aborted request
+    st = wait_state(pd.port, [tickets[0]["kvd_rid"]], {"FAILED"}, timeout=5)
+    assert st[0] is None or st[0]["state"] == "FAILED", st  # failed (or, failed and reclaimed already)
+    assert st[0] is None or "ended the request before its prompt was computed" in st[0]["reason"], st  # and why
+    assert time.monotonic() - t0 < ADMIT_TTL, "the transfer failed no sooner than the admission window"
+    assert decode(pd, after, t2)["tokens"] == pd.baseline["tokens"][:1]
+    assert live_requests(pd.prefill_d.address) == 0, "the aborted request's kvd pages were kept on the prefill daemon"
+    assert pd.prefill.copy_stats()["abandoned"] == st0["abandoned"] + 1
+
+
 def test_prompt_shorter_than_a_block_gets_no_ticket(pd: PD) -> None:
     import urllib.error
 
