@@ -270,7 +270,7 @@ class Pair:
         self.big = Req("big", BIG, 0)
         self.mixed = [Req(f"m{j}", t, j % SENDERS) for j, t in enumerate(mixed_tokens(args.seed))] if args.mixed else []
         # SendMany takes requests of the calling session only: the batched workload's own copies, all of sender 0.
-        self.batched = [Req(f"b{j}", t, 0) for j, t in enumerate(mixed_tokens(args.seed))] if args.mixed else []
+        self.batched = [Req(f"b{j}", t, 0) for j, t in enumerate(mixed_tokens(args.seed))] if args.mixed and args.batched else []
         self.warm = [Req(f"warm{i}", t, 0) for i, t in enumerate((1000, 4096))]  # allocated whole (no chunks)
         p_need = sum(held_bytes(r.tokens, chunk=args.chunk) for r in [self.big, *self.mixed, *self.batched])
         p_need += sum(held_bytes(r.tokens, chunk=r.tokens) for r in self.warm)
@@ -297,7 +297,7 @@ class Pair:
             if n > free:
                 raise RuntimeError(
                     f"GPU {dev}: this run needs {n / GIB:.1f} GiB (arenas {self.p_bytes / GIB:.1f} + {self.d_bytes / GIB:.1f} GiB "
-                    f"and the raw copy's buffers), {free / GIB:.1f} of its {total / GIB:.1f} GiB are free; pass --no-mixed "
+                    f"and the raw copy's buffers), {free / GIB:.1f} of its {total / GIB:.1f} GiB are free; pass --no-batched or --no-mixed "
                     "(the lone 32k request only), or run on a larger GPU")
 
     def start(self) -> None:
@@ -825,10 +825,10 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
         if pair.mixed:
             why_seq, first_seq = pair.checked_pass(pair.mixed, bd_mixed, SEQ)
             why_conc, first_conc = pair.checked_pass(pair.mixed, None, X8)
-            why_bat, first_bat = pair.checked_pass(pair.batched, None, BATCHED)
+            why_bat, first_bat = pair.checked_pass(pair.batched, None, BATCHED) if pair.batched else ("", 0.0)
             log(f"[{pair.label}] checked passes: 32k {'ok' if not why_big else why_big}; mixed seq "
                 f"{'ok' if not why_seq else why_seq}; mixed x8 {'ok' if not why_conc else why_conc}; mixed batched "
-                f"{'ok' if not why_bat else why_bat}")
+                f"{'skipped (--no-batched)' if not pair.batched else 'ok' if not why_bat else why_bat}")
         else:
             log(f"[{pair.label}] checked pass: 32k {'ok' if not why_big else why_big}; mixed workloads skipped")
 
@@ -860,13 +860,14 @@ def run_pair(a: int, b: int, args: argparse.Namespace) -> dict:
                     first_pass_s=first_seq, plan_here_s=plan_mixed),
                 Row(pair.backend, pair.label, f"mixed x{SENDERS}", len(pair.mixed), mixed_bytes, raw_mixed, ok=not why_conc,
                     why=why_conc, first_pass_s=first_conc, concurrent=True, plan_here_s=plan_mixed),
-                Row(pair.backend, pair.label, "mixed batched", len(pair.batched), sum(r.nbytes for r in pair.batched),
-                    sum(raw[r.nbytes] for r in pair.batched), ok=not why_bat, why=why_bat, first_pass_s=first_bat, batched=True,
-                    plan_here_s=sum(r.plan_s for r in pair.batched)),
             ]
-            pair.timed_passes(rows[-3], pair.mixed, args.mixed_passes, SEQ)
-            pair.timed_passes(rows[-2], pair.mixed, args.mixed_passes, X8)
-            pair.timed_passes(rows[-1], pair.batched, args.mixed_passes, BATCHED)
+            pair.timed_passes(rows[-2], pair.mixed, args.mixed_passes, SEQ)
+            pair.timed_passes(rows[-1], pair.mixed, args.mixed_passes, X8)
+            if pair.batched:
+                rows.append(Row(pair.backend, pair.label, "mixed batched", len(pair.batched), sum(r.nbytes for r in pair.batched),
+                                sum(raw[r.nbytes] for r in pair.batched), ok=not why_bat, why=why_bat, first_pass_s=first_bat,
+                                batched=True, plan_here_s=sum(r.plan_s for r in pair.batched)))
+                pair.timed_passes(rows[-1], pair.batched, args.mixed_passes, BATCHED)
         out["rows"] = [r.as_dict() for r in rows]
 
         # Where the time goes, per request: medians of the timed 32k passes; mixed: per-request
@@ -1018,6 +1019,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, help="timed passes of the 32k request (default 8; 3 with --backend mooncake)")
     ap.add_argument("--mixed", action=argparse.BooleanOptionalAction,
                     help="run the mixed workloads too (default: yes for local, no for mooncake)")
+    ap.add_argument("--batched", action=argparse.BooleanOptionalAction, default=True,
+                    help="with the mixed workloads, the SendMany one too (its own copy of the 32 requests in the prefill "
+                    "arena: --no-batched fits the mixed ones on an H100)")
     ap.add_argument("--mixed-passes", type=int, default=5, help="timed passes of each mixed workload (default 5; 1 with --backend mooncake)")
     ap.add_argument("--raw-reps", type=int, default=10, help="timed raw copies per byte count (default 10)")
     ap.add_argument("--batch", type=int, default=8, help="requests per SendMany call in the mixed batched workload (default 8)")
