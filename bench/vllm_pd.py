@@ -11,7 +11,10 @@ each kvd daemon is its own process; the daemons take their layout from their eng
    identical to the colocated vLLM's, or exit 1;
 2. TTFT, one request at a time, per prompt length: colocated = one completion with max_tokens=1;
    PD = ticket + prefill (max_tokens=1: the KV written to kvd, sent) + decode's first token (the
-   KV loaded, the tail computed). The median of --repeats, and what PD adds;
+   KV loaded, the tail computed). The median of --repeats, and what PD adds. Twice: the decode
+   connector as configured by default (a load whose KV landed before admission copied in the step
+   that computes the tail: "sync loads"), then a decode engine with ``kvd_sync_load_tokens=0``
+   (every load a step of its own first, as before), in the same run (--no-async-baseline: once);
 3. the connectors' copies (vLLM blocks <-> kvd pages) and kvd's Send (daemon to daemon, local
    backend), in bytes and seconds, against a plain ``torch`` copy of the same bytes here;
 4. --nixl: the same requests through vLLM's own NixlConnector (CPU, UCX), for comparison.
@@ -55,6 +58,25 @@ def pd_once(prefill: Engine, decode: Engine, port: int, ps: list[list[int]], max
     out = decode.run(ps, [{"kvd_rid": t["kvd_rid"]} for t in tks], max_tokens=max_tokens)
     PARTS.setdefault(len(ps[0]), []).append((t1 - t0, t2 - t1, time.perf_counter() - t2))
     return pre, out
+
+
+def ttft_pd(pre: Engine, dec: Engine, port: int, lengths: list[int], repeats: int) -> tuple[dict, dict, dict, dict]:
+    """Per prompt length: the median PD TTFT of ``repeats``, its parts' medians (ticket, prefill,
+    decode's first token), the copies per request, and how many decode loads were sync loads."""
+    ttft, parts, copies, sync = {}, {}, {}, {}
+    for n_ in lengths:
+        p = prompts([n_])
+        pd_once(pre, dec, port, p, 1)  # warm-up: the first request of a length is slower
+        before = pre.copy_stats(), dec.copy_stats()
+        PARTS[n_] = []
+        ttft[n_] = statistics.median(timed(lambda: pd_once(pre, dec, port, p, 1)) for _ in range(repeats))
+        after = pre.copy_stats(), dec.copy_stats()
+        parts[n_] = dict(zip(("ticket", "prefill", "decode"), (statistics.median(x[i] for x in PARTS[n_]) for i in range(3))))
+        copies[n_] = {
+            k: (after[0 if k.startswith(("save", "send")) else 1][k] - before[0 if k.startswith(("save", "send")) else 1][k]) / repeats
+            for k in ("save_bytes", "save_s", "send_bytes", "send_s", "load_bytes", "load_s")}
+        sync[n_] = after[1]["sync_loads"] - before[1]["sync_loads"]
+    return ttft, parts, copies, sync
 
 
 def plain_copy_s(nbytes: int, repeats: int = 16) -> float:
@@ -107,6 +129,8 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/kvd-demo-vllm")
     ap.add_argument("--out", default=None, help="write the figures here (JSON)")
     ap.add_argument("--nixl", action="store_true", help="also run vLLM's NixlConnector on the same pair")
+    ap.add_argument("--no-async-baseline", action="store_true",
+                    help="skip the second decode engine (kvd_sync_load_tokens=0: every load a step of its own)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.ttft_lengths.split(",") if x]
     tmp = Path(a.workdir)
@@ -143,17 +167,17 @@ def main() -> int:
         same = [x == y for x, y in zip(r_dec["tokens"], base["tokens"])]
         fig["identical"] = sum(same)
         fig["copy"] = {"prefill": pre.copy_stats(), "decode": dec.copy_stats()}
-        ttft = {}
-        for n_ in lengths:
-            p = prompts([n_])
-            pd_once(pre, dec, port, p, 1)  # warm-up: the first request of a length is slower
-            before = pre.copy_stats(), dec.copy_stats()
-            ttft[n_] = statistics.median(timed(lambda: pd_once(pre, dec, port, p, 1)) for _ in range(a.repeats))
-            after = pre.copy_stats(), dec.copy_stats()
-            fig.setdefault("copy_per_request", {})[n_] = {
-                k: (after[0 if k.startswith(("save", "send")) else 1][k] - before[0 if k.startswith(("save", "send")) else 1][k]) / a.repeats
-                for k in ("save_bytes", "save_s", "send_bytes", "send_s", "load_bytes", "load_s")}
-        fig["ttft_pd_s"] = ttft
+        fig["ttft_pd_s"], fig["ttft_pd_parts_s"], fig["copy_per_request"], fig["sync_loads"] = ttft_pd(pre, dec, port, lengths, a.repeats)
+        if not a.no_async_baseline:
+            dec.stop()
+            started.remove(dec)
+            port2 = free_port()
+            print("decode vLLM + kvd, every load a step of its own (kvd_sync_load_tokens=0) ...", flush=True)
+            dec2 = Engine(tmp, "demo-decode-async", model, kv_config("kv_consumer", ddd.address, kvd_ticket_listen=f"127.0.0.1:{port2}",
+                                                                    kvd_sync_load_tokens=0), extra=extra)
+            started.append(dec2)
+            dec2.ready()
+            fig["ttft_pd_async_s"], fig["ttft_pd_async_parts_s"], _, _ = ttft_pd(pre, dec2, port2, lengths, a.repeats)
     finally:
         for p in reversed(started):
             p.stop()
@@ -171,11 +195,15 @@ def main() -> int:
           f"{min(fig['prompt_tokens'])}-{max(fig['prompt_tokens'])} tokens)")
     print("TTFT (median of %d)  colocated   PD (kvd)   PD adds" % a.repeats)
     for n_ in lengths:
-        c, p = fig["ttft_colocated_s"][n_], fig["ttft_pd_s"][n_]
-        parts = [statistics.median(x[i] for x in PARTS[n_][-a.repeats:]) for i in range(3)]
-        fig.setdefault("ttft_pd_parts_s", {})[n_] = dict(zip(("ticket", "prefill", "decode"), parts))
-        print(f"  {n_:5d} tokens       {c * 1e3:8.1f} ms {p * 1e3:8.1f} ms {(p - c) * 1e3:+8.1f} ms   (ticket "
-              f"{parts[0] * 1e3:.1f} ms, prefill {parts[1] * 1e3:.1f} ms, decode's first token {parts[2] * 1e3:.1f} ms)")
+        c = fig["ttft_colocated_s"][n_]
+        for way, key in (("", "ttft_pd"), (" (async loads)", "ttft_pd_async")):
+            if f"{key}_s" not in fig:
+                continue
+            p, parts = fig[f"{key}_s"][n_], fig[f"{key}_parts_s"][n_]
+            sync = f", {fig['sync_loads'][n_]}/{a.repeats} sync loads" if not way else ""
+            print(f"  {n_:5d} tokens{way:15s} {c * 1e3:8.1f} ms {p * 1e3:8.1f} ms {(p - c) * 1e3:+8.1f} ms   (ticket "
+                  f"{parts['ticket'] * 1e3:.1f} ms, prefill {parts['prefill'] * 1e3:.1f} ms, decode's first token "
+                  f"{parts['decode'] * 1e3:.1f} ms{sync})")
     pre_s, dec_s = cs["prefill"], cs["decode"]
     print(f"KV moved by kvd: {pre_s['send_bytes']:,d} B in {pre_s['sends']} Sends, {pre_s['send_s'] * 1e3:.1f} ms in kvd "
           f"(a plain copy of those bytes: {fig['plain_copy_s']['send'] * 1e3:.2f} ms)")

@@ -17,7 +17,12 @@ the decode vLLM admits the request; the prefill side never waits for decode's fr
              each layer's KV of the request into its kvd pages; wait_for_save: Mamba state slots,
              then Send(free) on a background thread (vLLM frees its blocks at once)
     proxy ── prompt, kv_transfer_params {kvd_rid} ──▶ decode vLLM
-             get_num_new_matched_tokens -> (L, load_async=True); one watcher thread reads every
+             landed already (the doorbell says READY), at most kvd_sync_load_tokens, one KV cache
+             group: get_num_new_matched_tokens -> (L, load_async=False); the worker copies kvd
+             pages into vLLM's blocks before the forward of the step that computes the tail
+             (vLLM's stream waits for the copy), reports it done in build_connector_worker_meta
+             (the scheduler frees the kvd request) or failed in get_block_ids_with_load_errors
+             (vLLM fails the request). Else (L, load_async=True); one watcher thread reads every
              pending transfer's doorbell (no call; over gRPC: a WaitReady per transfer); once
              READY the worker copies kvd pages into vLLM's blocks
              (start_load_kv) and reports the request in get_transfer_results; FAILED: in
@@ -77,6 +82,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -106,6 +112,10 @@ BELL_POLL_S = 0.002
 ALIVE_S = 0.5
 #: A worker whose daemon forgot its session tries to connect again at most this often.
 RECONNECT_S = 1.0
+#: Default of ``kvd_sync_load_tokens``: a transfer READY when the decode vLLM admits its request,
+#: of at most this many tokens, is copied in the step that computes the request's tail (before
+#: that step's forward, which waits for it) instead of one step earlier, on its own.
+SYNC_LOAD_TOKENS = 8192
 
 
 class LayerSlot(NamedTuple):
@@ -201,6 +211,9 @@ class CopyStats:
     batches_refused: int = 0  # a step's shared Allocate refused: its requests were opened one call each
     cached_tokens: int = 0  # tokens saved that vLLM did not compute (its prefix cache held them)
     abandoned: int = 0  # opened requests vLLM ended before their last chunk (aborted): aborted and freed in kvd
+    steps: int = 0  # engine steps this worker ran (start_load_kv is called once a step)
+    sync_loads: int = 0  # loads copied in the step that computes their request's tail (READY when admitted)
+    sync_failed: int = 0  # ... that failed: their blocks reported (vLLM fails the request), nothing copied
 
 
 # ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
@@ -229,12 +242,31 @@ class _Load:
     state: int | None = None
     boot: str = ""  # the daemon boot whose arena the page ids index (IndexVectors.boot_id)
     error: str = ""  # the transfer failed: report, never copy
+    sync: bool = False  # copied before this step's forward, which computes the request's tail
 
 
 @dataclass
 class _KvdMetadata(KVConnectorMetadata):
     saves: list[_Save] = field(default_factory=list)
     loads: list[_Load] = field(default_factory=list)
+
+
+@dataclass
+class _KvdWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step: the sync loads each worker finished copying (or failed),
+    by vLLM request, counted per worker (vLLM aggregates the workers' objects of a step with
+    :meth:`aggregate`; the scheduler sums across steps and frees a kvd request once every
+    worker reported it)."""
+
+    loaded: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, _KvdWorkerMetadata):
+            raise TypeError(f"cannot aggregate {type(other).__name__} with kvd's worker metadata")
+        merged = dict(self.loaded)
+        for req_id, n in other.loaded.items():
+            merged[req_id] = merged.get(req_id, 0) + n
+        return _KvdWorkerMetadata(merged)
 
 
 # ---- the decode side's ticket book (scheduler role) ----------------------------------------------
@@ -251,16 +283,21 @@ class _Pending:
     block_ids: tuple[list[int], ...] | None = None
     start: int = 0
     dispatched: bool = False
+    sync: bool = False  # admitted READY: loaded in the step that computes the tail (vLLM's sync load)
+    loaded: int = 0  # workers that reported its sync load done (all of them: the kvd request is freed)
 
 
 class _TicketBook:
     """Tickets minted on the decode daemon for requests the decode vLLM has not admitted yet."""
 
-    def __init__(self, kv: Client, admit_ttl: float, block_size: int, layout: Layout) -> None:
+    def __init__(self, kv: Client, admit_ttl: float, block_size: int, layout: Layout, *, sync_tokens: int = 0,
+                 workers: int = 1) -> None:
         self.kv = kv
         self.layout = layout
         self.admit_ttl = admit_ttl
         self.block_size = block_size
+        self.sync_tokens = sync_tokens  # 0: every load asynchronous
+        self.workers = workers  # each reports a sync load done; the kvd request is freed after the last
         self.lock = threading.Lock()
         self.pending: dict[str, _Pending] = {}
         self.by_req: dict[str, str] = {}
@@ -448,7 +485,24 @@ class _TicketBook:
             p.req_id = request.request_id
             p.deadline = float("inf")
             self.by_req[request.request_id] = rid
-        return (p.tokens - num_computed, True) if p.tokens > num_computed else (0, False)
+            if p.tokens <= num_computed:  # vLLM's own prefix cache holds every ticketed token
+                return 0, False
+            # READY already: loaded before the forward of the step that computes the tail (vLLM's
+            # sync load), not in a step of its own first. Only where vLLM can fail such a load's
+            # request (one KV cache group: it names failed blocks by id), and only a short one
+            # (the whole batch's forward waits for the copy).
+            p.sync = 0 < p.tokens - num_computed <= self.sync_tokens and self._ready(p)
+        return p.tokens - num_computed, not p.sync
+
+    def _ready(self, p: _Pending) -> bool:
+        """Whether ``p``'s KV has landed, its doorbell read now (no call) if the watcher has not
+        seen it yet. Called under :attr:`lock`."""
+        if p.state == "WAITING":
+            st = self.kv.doorbell(p.rid)
+            if st is not None and st.name == "READY":
+                p.state = "READY"
+                self._rung.discard(p.rid)
+        return p.state == "READY"
 
     def allocated(self, request: Any, blocks: Any, n_external: int) -> None:
         if n_external <= 0:
@@ -470,7 +524,7 @@ class _TicketBook:
         for p in todo:
             if p.req_id is None or p.block_ids is None:  # allocated() sets block_ids only on an admitted request
                 raise RuntimeError(f"kvd request {p.rid}: dispatched with no admitted vLLM request or no blocks")
-            load = _Load(p.req_id, p.block_ids, p.start, p.tokens, error=p.reason if p.state == "FAILED" else "")
+            load = _Load(p.req_id, p.block_ids, p.start, p.tokens, error=p.reason if p.state == "FAILED" else "", sync=p.sync)
             if not load.error:
                 v = vecs[p.rid]
                 if isinstance(v, KvdError):
@@ -498,6 +552,21 @@ class _TicketBook:
             except KvdError as exc:
                 out[rid] = exc
         return out
+
+    def loaded(self, counts: dict[str, int]) -> None:
+        """Workers' reports of sync loads copied (or failed), by vLLM request: a kvd request is
+        freed once all :attr:`workers` reported it (each copies its own part)."""
+        done = set()
+        with self.lock:
+            for req_id, n in counts.items():
+                rid = self.by_req.get(req_id)
+                p = self.pending.get(rid) if rid is not None else None
+                if p is None:
+                    continue
+                p.loaded += n
+                if p.loaded >= self.workers:
+                    done.add(req_id)
+        self.finished(done)
 
     def finished(self, req_ids: set[str]) -> None:
         """The worker copied (or failed) these requests: their kvd pages go back."""
@@ -598,6 +667,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._step_slots: dict[tuple[str, int], vb.DeviceSlots] = {}
         self.copy_stats = CopyStats()
         self._failed: set[str] = set()  # consumer: loads that failed this step
+        self._sync_loads: dict[str, torch.cuda.Event | None] = {}  # consumer: sync loads copied, until reported
+        self._invalid: set[int] = set()  # consumer: vLLM blocks of sync loads that failed this step
         self._bad_saves: set[str] = set()  # producer: transfers that could not open
         self._sends: queue.Queue = queue.Queue()
         self._renew_at = 0.0  # no reconnect before (monotonic): the last one failed
@@ -607,7 +678,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             if not isinstance(listen, str) or ":" not in listen:
                 raise ValueError("KvdConnector (kv_consumer): set kv_connector_extra_config.kvd_ticket_listen to host:port "
                                  "(the proxy asks this decode instance for tickets there)")
-            self._book = _TicketBook(self._kv, float(extra.get("kvd_admit_ttl_s", 30.0)), self._bs, self._layout)
+            # vLLM fails a sync load's request by the ids of its failed blocks, which name a block
+            # only where the model has one KV cache group: hybrid models load asynchronously.
+            groups = len(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+            sync_tokens = int(extra.get("kvd_sync_load_tokens", SYNC_LOAD_TOKENS)) if groups == 1 else 0
+            workers = int(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
+            self._book = _TicketBook(self._kv, float(extra.get("kvd_admit_ttl_s", 30.0)), self._bs, self._layout,
+                                     sync_tokens=sync_tokens, workers=workers)
             self._server = _ticket_server(self._book, listen)
             log.info("KvdConnector: tickets on http://%s/v1/kvd/tickets, kvd at %s", listen, self._address)
 
@@ -676,8 +753,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             meta.saves.append(_Save(req_id, s["rid"], s["ticket"], s["tokens"], s["blocks"], start, end, last, max(0, computed - start)))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._book is not None and connector_output.finished_recving:
+        if self._book is None:
+            return
+        if connector_output.finished_recving:
             self._book.finished(set(connector_output.finished_recving))
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, _KvdWorkerMetadata) and meta.loaded:
+            self._book.loaded(meta.loaded)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self.request_finished_all_groups(request, (block_ids,))
@@ -783,6 +865,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         loads = getattr(meta, "loads", ())
+        self.copy_stats.steps += 1
         # Page ids index the arena of the boot that handed them out (the scheduler's client asked
         # the daemon): after a daemon restart, this worker's views map the old arena until it
         # attaches the new one; a load is never copied from another boot's arena.
@@ -794,19 +877,53 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                               "(the daemon restarted, and attaching its new arena failed)")
             if load.error:
                 log.error("kvd transfer for request %s failed: %s", load.req_id, load.error)
-                self._failed.add(load.req_id)
+                self._load_failed(load)
                 continue
             t0 = time.perf_counter()
             try:
                 with self._copy.after_current():
                     self._load(load)
-                    self._loading[load.req_id] = self._copy.record()
+                    done = self._copy.record()
             except (RuntimeError, IndexError, KvdError) as exc:
                 log.error("kvd load for request %s failed: %s", load.req_id, exc)
-                self._failed.add(load.req_id)
+                self._load_failed(load)
+                continue
+            self.copy_stats.load_s += time.perf_counter() - t0  # on CUDA: the time to issue the copies
+            self.copy_stats.loads += 1
+            if load.sync:
+                self._after_copies(done)  # this step's forward reads the blocks: vLLM's stream waits for the copy
+                self._sync_loads[load.req_id] = done
+                self.copy_stats.sync_loads += 1
             else:
-                self.copy_stats.load_s += time.perf_counter() - t0  # on CUDA: the time to issue the copies
-                self.copy_stats.loads += 1
+                self._loading[load.req_id] = done
+
+    def _load_failed(self, ld: _Load) -> None:
+        """Report ``ld`` failed, never copied: an async load in ``failed_recving`` (vLLM fails the
+        request it holds back); a sync load by its blocks (get_block_ids_with_load_errors: vLLM
+        drops what this step's forward computed for the request and fails it), then reported done
+        so that its kvd request is freed."""
+        if not ld.sync:
+            self._failed.add(ld.req_id)
+            return
+        bs = self._bs
+        self._invalid.update(b for b in ld.block_ids[0][ld.start // bs:-(-ld.end // bs)] if b != 0)
+        self._sync_loads[ld.req_id] = None
+        self.copy_stats.sync_failed += 1
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The sync loads whose copies completed (or failed) since the last step: the scheduler
+        frees their kvd requests. On CUDA a copy is reported once its event has completed (query:
+        never waits), at this or a later step."""
+        if not self._sync_loads:
+            return None
+        done = [r for r, ev in self._sync_loads.items() if ev is None or ev.query()]
+        for r in done:
+            del self._sync_loads[r]
+        return _KvdWorkerMetadata({r: 1 for r in done}) if done else None
 
     def _load(self, ld: _Load) -> None:
         """Issue the copies of ``ld``'s kvd pages into vLLM's blocks (on the copy stream): the
@@ -827,7 +944,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self.copy_stats.load_bytes += vb.load_layers(lbs, at, views)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-request and finish before the request is scheduled
+        return  # loads are whole-request: an async one finishes before its request is scheduled, vLLM's stream waits for a sync one
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         slot = self._slots.get(layer_name)

@@ -239,6 +239,59 @@ def test_a_decode_prefix_cache_hit_loads_only_past_it(pd: PD) -> None:
         dec.stop()
 
 
+def test_kv_landed_at_admission_is_loaded_in_the_step_that_computes_the_tail(pd: PD) -> None:
+    """Prompts whose KV has landed when the decode vLLM admits them. Llama (one KV cache group):
+    each is copied before the forward of the step that computes its tail (vLLM's sync load), so
+    its first token comes from the first step; the hybrid models load asynchronously as before, a
+    step of their own first (vLLM fails a sync load's request by block ids, which name a block
+    only with one group). vLLM alone's output either way, and every kvd request freed once loaded
+    (a sync load's on the worker's report, KVConnectorWorkerMetadata)."""
+    ps = prompts(LENGTHS, salt=3)
+    want = pd.decode.run(ps)["tokens"]  # the decode engine computing the prompts alone
+    tickets, _ = handoff(pd, ps)
+    st = wait_state(pd.port, [t["kvd_rid"] for t in tickets], {"READY"})
+    assert all(s and s["state"] == "READY" for s in st), st
+    st0 = pd.decode.copy_stats()
+    out = decode(pd, ps, tickets)
+    st1 = pd.decode.copy_stats()
+    got = {k: st1[k] - st0[k] for k in ("loads", "sync_loads", "sync_failed", "steps")}
+    print(f"\n{pd.model}: 4 requests landed at admission, 32 tokens each: {got}")
+    assert out["tokens"] == want, f"{pd.model}: PD with the KV landed at admission differs from vLLM alone"
+    sync = pd.model == "llama"
+    assert got["loads"] == len(ps) and got["sync_loads"] == (len(ps) if sync else 0) and got["sync_failed"] == 0, got
+    assert got["steps"] == (32 if sync else 33), got  # the load's own step, or none
+    deadline = time.monotonic() + 5
+    while any(transfer(pd.port, t["kvd_rid"]) for t in tickets) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(transfer(pd.port, t["kvd_rid"]) for t in tickets), "a loaded request's ticket was kept"
+    assert live_requests(pd.decode_d.address) == 0, "the decode connector kept kvd pages after loading them"
+
+
+def test_kv_landed_then_its_decode_daemon_restarted_fails_the_request(pd: PD) -> None:
+    """The KV landed, then the decode daemon restarted before the decode vLLM admitted the request:
+    its pages went with the old arena. The request fails (Llama: a sync load that reports its
+    blocks, and vLLM drops what the step computed; the hybrid models: failed_recving), never
+    decodes from the old arena, and the next handoff is exact."""
+    ps = prompts(LENGTHS[:1], salt=4)
+    tickets, _ = handoff(pd, ps)
+    st = wait_state(pd.port, [t["kvd_rid"] for t in tickets], {"READY"})
+    assert st[0] and st[0]["state"] == "READY", st
+    st0 = pd.decode.copy_stats()
+    pd.decode_d = pd.decode_d.restarted(layout=pd.tmp / "layout.json")
+    out = decode(pd, ps, tickets)
+    st1 = pd.decode.copy_stats()
+    assert len(out["tokens"][0]) < 32 and out["finish"][0] in ("error", "abort"), out
+    assert st1["sync_failed"] - st0["sync_failed"] == (1 if pd.model == "llama" else 0), (st0, st1)
+    assert st1["loads"] == st0["loads"], "nothing was copied"
+    ps = prompts(LENGTHS[:2])
+    tickets, _ = handoff(pd, ps)
+    assert decode(pd, ps, tickets)["tokens"] == pd.baseline["tokens"][:2], f"{pd.model}: PD after the restart differs"
+    deadline = time.monotonic() + 5
+    while live_requests(pd.decode_d.address) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_requests(pd.decode_d.address) == 0, "pages leaked"
+
+
 def test_a_prefill_aborted_mid_prompt_frees_its_kvd_request_and_fails_the_transfer(pd: PD) -> None:
     """A prefill request aborted after two of its 64-token steps (its client gone): its kvd request
     was opened and half saved, and no Send will come. The producer frees it once vLLM says the

@@ -1,0 +1,76 @@
+"""The decode connector's sync loads, piece by piece (the tier's test_vllm_pd.py runs them end to
+end): what a worker reports of a sync load that failed (its blocks, for vLLM to fail the request)
+and of one it copied (KVConnectorWorkerMetadata, summed over workers), and the scheduler freeing
+the kvd request only once every worker reported it -- against a real daemon in this process."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+# Not "vllm": with tests/ on sys.path (rootdir conftest), tests/vllm imports as a namespace package.
+pytest.importorskip("vllm.config", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
+
+from daemon_kit import start_inproc, stop_inproc  # noqa: E402
+
+from kvd.connectors.vllm import CopyStats, KvdConnector, _KvdWorkerMetadata, _Load, _TicketBook  # noqa: E402
+
+
+def _worker(block: int = 32) -> KvdConnector:
+    """The worker-side state the load hooks keep (no vLLM config, no daemon)."""
+    c = KvdConnector.__new__(KvdConnector)
+    c._bs, c._failed, c._invalid, c._sync_loads, c.copy_stats = block, set(), set(), {}, CopyStats()
+    return c
+
+
+def test_a_failed_sync_load_reports_its_blocks_and_is_reported_done():
+    """Tokens [32, 100) of a request in blocks [5, 6, 7, 8] (32 a block): blocks 6-8 hold them
+    (5 is vLLM's own prefix-cache hit), reported once; the load is reported done (its kvd request
+    freed) and never in failed_recving, which vLLM 0.32 asserts only of a request it holds back."""
+    c = _worker()
+    c._load_failed(_Load("req-0", ([5, 6, 7, 8],), 32, 100, sync=True))
+    assert c._failed == set() and c.copy_stats.sync_failed == 1
+    assert c.get_block_ids_with_load_errors() == {6, 7, 8}
+    assert c.get_block_ids_with_load_errors() == set()
+    meta = c.build_connector_worker_meta()
+    assert isinstance(meta, _KvdWorkerMetadata) and meta.loaded == {"req-0": 1}
+    assert c.build_connector_worker_meta() is None  # reported once
+
+
+def test_a_failed_async_load_goes_to_failed_recving():
+    c = _worker()
+    c._load_failed(_Load("req-1", ([5, 6],), 0, 64))
+    assert c._failed == {"req-1"} and c.get_block_ids_with_load_errors() == set() and c.build_connector_worker_meta() is None
+
+
+def test_workers_reports_add_up():
+    a, b = _KvdWorkerMetadata({"r1": 1, "r2": 1}), _KvdWorkerMetadata({"r1": 1})
+    assert a.aggregate(b).loaded == {"r1": 2, "r2": 1}
+    with pytest.raises(TypeError):
+        a.aggregate(object())  # type: ignore[arg-type]
+
+
+def test_a_sync_loads_kvd_request_is_freed_once_every_worker_reported_it(tmp_path):
+    """Two workers (tensor parallel): the first one's report keeps the kvd request, the second one
+    frees it (its RECV lease aborted first: no KV came in this test)."""
+    t = start_inproc(tmp_path)
+    try:
+        kv = t.connect(name="scheduler")
+        layout = kv.info().layout
+        book = _TicketBook(kv, 30.0, layout.page_size, layout, sync_tokens=8192, workers=2)
+        try:
+            prompt = list(range(1, 2 * layout.page_size + 2))
+            tk = book.mint(prompt)
+            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt)
+            assert book.matched(req, 0) == (tk["kvd_tokens"], True)  # not landed: a load of its own
+            assert kv.stats().pool.requests_live == 1
+            book.loaded({"req-0": 1})
+            assert kv.stats().pool.requests_live == 1 and book.status(tk["kvd_rid"]) is not None
+            book.loaded({"req-0": 1, "someone-else": 1})
+            assert kv.stats().pool.requests_live == 0 and book.status(tk["kvd_rid"]) is None
+            t.check()
+        finally:
+            book.close()
+    finally:
+        stop_inproc(t)
