@@ -79,6 +79,25 @@ def ttft_pd(pre: Engine, dec: Engine, port: int, lengths: list[int], repeats: in
     return ttft, parts, copies, sync
 
 
+def busy_first_token(pre: Engine, dec: Engine, port: int, lengths: list[int], repeats: int, background: int) -> dict:
+    """Per prompt length: a PD request (ticket, prefill) arriving at the decode engine while
+    ``background`` others decode there; the medians of its steps and ms from arrival to its first
+    token, over ``repeats``."""
+    out = {}
+    for n_ in lengths:
+        steps, secs = [], []
+        for i in range(repeats + 1):  # the first: a warm-up
+            p = prompts([n_], salt=100 + i)
+            t = ticket(port, p[0])
+            pre.run([p[0][: t["kvd_tokens"]]], [t], max_tokens=1)
+            r = dec.busy(p, [{"kvd_rid": t["kvd_rid"]}], background)
+            if i:
+                steps.append(r["steps"][0])
+                secs.append(r["seconds"][0])
+        out[n_] = {"steps": statistics.median(steps), "ms": statistics.median(secs) * 1e3}
+    return out
+
+
 def plain_copy_s(nbytes: int, repeats: int = 16) -> float:
     """A contiguous torch copy of ``nbytes`` in this process, from and to memory out of the caches
     (each repeat another slice of 64+ MiB buffers, touched first): the median of ``repeats``, the
@@ -129,6 +148,8 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/kvd-demo-vllm")
     ap.add_argument("--out", default=None, help="write the figures here (JSON)")
     ap.add_argument("--nixl", action="store_true", help="also run vLLM's NixlConnector on the same pair")
+    ap.add_argument("--busy", type=int, default=7,
+                    help="requests the decode engine decodes while a PD request arrives (0: skip; its engines take 8 at once)")
     ap.add_argument("--no-async-baseline", action="store_true",
                     help="skip the second decode engine (kvd_sync_load_tokens=0: every load a step of its own)")
     a = ap.parse_args()
@@ -168,6 +189,8 @@ def main() -> int:
         fig["identical"] = sum(same)
         fig["copy"] = {"prefill": pre.copy_stats(), "decode": dec.copy_stats()}
         fig["ttft_pd_s"], fig["ttft_pd_parts_s"], fig["copy_per_request"], fig["sync_loads"] = ttft_pd(pre, dec, port, lengths, a.repeats)
+        if a.busy:
+            fig["busy"] = busy_first_token(pre, dec, port, lengths, a.repeats, a.busy)
         if not a.no_async_baseline:
             dec.stop()
             started.remove(dec)
@@ -178,6 +201,8 @@ def main() -> int:
             started.append(dec2)
             dec2.ready()
             fig["ttft_pd_async_s"], fig["ttft_pd_async_parts_s"], _, _ = ttft_pd(pre, dec2, port2, lengths, a.repeats)
+            if a.busy:
+                fig["busy_async"] = busy_first_token(pre, dec2, port2, lengths, a.repeats, a.busy)
     finally:
         for p in reversed(started):
             p.stop()
@@ -204,6 +229,13 @@ def main() -> int:
             print(f"  {n_:5d} tokens{way:15s} {c * 1e3:8.1f} ms {p * 1e3:8.1f} ms {(p - c) * 1e3:+8.1f} ms   (ticket "
                   f"{parts['ticket'] * 1e3:.1f} ms, prefill {parts['prefill'] * 1e3:.1f} ms, decode's first token "
                   f"{parts['decode'] * 1e3:.1f} ms{sync})")
+    if "busy" in fig:
+        print(f"A PD request arriving while the decode engine decodes {a.busy} others: steps and ms to its first token "
+              f"(median of {a.repeats})")
+        for n_ in lengths:
+            b, ba = fig["busy"][n_], fig.get("busy_async", {}).get(n_)
+            vs = f"   async loads: {ba['steps']:.0f} steps, {ba['ms']:.1f} ms   ratio {b['ms'] / ba['ms']:.2f}" if ba else ""
+            print(f"  {n_:5d} tokens   sync loads: {b['steps']:.0f} steps, {b['ms']:.1f} ms{vs}")
     pre_s, dec_s = cs["prefill"], cs["decode"]
     print(f"KV moved by kvd: {pre_s['send_bytes']:,d} B in {pre_s['sends']} Sends, {pre_s['send_s'] * 1e3:.1f} ms in kvd "
           f"(a plain copy of those bytes: {fig['plain_copy_s']['send'] * 1e3:.2f} ms)")

@@ -7,7 +7,9 @@ this engine's own KV cache config there). Then each stdin line is a job
 ``{"prompts": [[ids]], "params": [kv_transfer_params | null], "max_tokens": N}`` (or ``{"stats": true}``:
 the connector's CopyStats), answered by one
 line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}`` (with
---kv also ``copy_stats``: the connector's CopyStats so far).
+--kv also ``copy_stats``: the connector's CopyStats so far). A job with ``"busy": M`` adds its prompts
+while M other requests decode and answers each prompt's steps and seconds to its first token
+(:func:`busy`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,43 @@ import json
 import signal
 import sys
 import time
+
+
+def busy(llm, job: dict, sps: list) -> dict:
+    """``job["busy"]`` background requests (random prompts of ``bg_tokens``) decoding for
+    ``warm_steps`` steps, then the job's prompts added: the engine steps until each has its first
+    token. Returns, per prompt, the steps and seconds from its arrival to its first token, and
+    its tokens; the background requests are aborted after."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    tag = time.monotonic_ns()
+    bg = [f"bg-{tag}-{i}" for i in range(job["busy"])]
+    for i, rid in enumerate(bg):
+        prompt = [(7 * i + 13 * k) % 500 + 1 for k in range(job.get("bg_tokens", 64))]
+        eng.add_request(rid, {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True))
+    for _ in range(job.get("warm_steps", 8)):
+        eng.step()
+    ids = [f"fg-{tag}-{i}" for i in range(len(job["prompts"]))]
+    t0 = time.perf_counter()
+    for rid, p, sp in zip(ids, job["prompts"], sps):
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    first: dict[str, tuple[int, float]] = {}
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while len(tokens) < len(ids) and steps < 10_000:
+        outs = eng.step()
+        steps += 1
+        for o in outs:
+            if o.request_id in ids and o.outputs and o.outputs[0].token_ids and o.request_id not in first:
+                first[o.request_id] = (steps, time.perf_counter() - t0)
+            if o.request_id in ids and o.finished:
+                tokens[o.request_id] = list(o.outputs[0].token_ids)
+    eng.abort_request(bg)
+    for _ in range(4):
+        eng.step()
+    return {"steps": [first.get(r, (-1, 0.0))[0] for r in ids], "seconds": [first.get(r, (-1, 0.0))[1] for r in ids],
+            "tokens": [tokens.get(r, []) for r in ids]}
 
 
 def main() -> None:
@@ -74,6 +113,9 @@ def main() -> None:
             for _ in range(job.get("idle_steps", 4)):  # what the abort leaves the engine to do (vLLM tells the worker next step)
                 eng.step()
             print("RESULT " + json.dumps({"finished_before_abort": sorted(done)}), flush=True)
+            continue
+        if job.get("busy") is not None:  # the prompts arriving while the engine decodes others
+            print("RESULT " + json.dumps(busy(llm, job, sps)), flush=True)
             continue
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]], sps, use_tqdm=False)

@@ -166,6 +166,14 @@ class Engine:
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self.result()
 
+    def busy(self, prompts: list[list[int]], params: list[dict | None] | None, background: int, max_tokens: int = 1) -> dict:
+        """The prompts added while ``background`` other requests decode: per prompt, the engine steps
+        and seconds from its arrival to its first token (engine_proc.busy)."""
+        job = {"prompts": prompts, "params": params, "max_tokens": max_tokens, "busy": background}
+        self.proc.stdin.write(json.dumps(job) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.result()
+
     def run(self, prompts: list[list[int]], params: list[dict | None] | None = None, max_tokens: int = 32) -> dict:
         self.submit(prompts, params, max_tokens)
         return self.result()
