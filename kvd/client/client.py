@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -213,6 +214,7 @@ class _Surface:
     _fast: Any  # the engine socket: a FastChannel (Client), an AsyncFastChannel (AsyncClient); None: gRPC
     _attached = False  # this client mapped its daemon's arena (attach)
     _stale = ""  # why every call is refused: the daemon forgot the session of a client that attached
+    _ok_at = float("inf")  # monotonic: when the last call the daemon answered was sent (inf: none yet)
 
     def _adopt(self, session_id: str, ttl: float, boot_id: str) -> None:
         """Act for ``session_id`` from now on (its doorbell board mapped at its first RECV lease;
@@ -220,6 +222,7 @@ class _Surface:
         self.session_id = session_id
         self.boot_id = boot_id
         self.ttl = ttl
+        self._ok_at = time.monotonic()  # just opened (or found alive)
         self._md = ((SESSION_KEY, session_id), (IDS_KEY, IDS_LE))  # packed ids: no per-id work either side
         self._bells = Bells(_board_fetch(self._fast, session_id, self.timeout))
 
@@ -230,6 +233,17 @@ class _Surface:
         within a third of the TTL, a call at once; an engine that sees it ends what it held in that
         session and connects a new client (the vLLM connector does)."""
         return self._stale
+
+    @property
+    def overdue(self) -> bool:
+        """Whether the session may be gone without this client knowing yet: the last call the
+        daemon answered was sent more than half the session's TTL ago. The heartbeat sends one
+        every third of it, so this means the process stalled (stopped, swapped, a long pause):
+        the daemon may have reaped the session and handed its pages to other requests, and the
+        heartbeat that would find out has not run yet. An engine about to write into pages of this
+        session calls :meth:`keep_alive` first: the session touched, or SessionGone (and
+        :attr:`stale` set, for a client that attached)."""
+        return time.monotonic() - self._ok_at > self.ttl / 2
 
     def _mapped(self, att: Attachment) -> Attachment:
         self._attached = True
@@ -570,17 +584,25 @@ class Client(_Surface):
     def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
         if self._stale:
             raise SessionGone(f"{method}: {self._stale}")
-        sid = self.session_id
+        sid, sent = self.session_id, time.monotonic()
         try:
             if self._fast is not None:
-                return self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
-            try:
-                return getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from exc
+                reply = self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
+            else:
+                try:
+                    reply = getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
+                except grpc.RpcError as exc:
+                    raise from_rpc_error(exc) from exc
         except SessionGone:
             self._reopen(sid)
             raise  # this call ran nowhere, and what the old session held is gone: its caller must know
+        if sid == self.session_id:
+            self._ok_at = sent  # the session was alive when this call reached the daemon, or later
+        return reply
+
+    def keep_alive(self) -> None:
+        """One KeepAlive now: the session touched (alive for its TTL from here), or SessionGone."""
+        self._raw("KeepAlive", pb.KeepAliveRequest(), self.timeout)
 
     def _reopen(self, gone: str) -> None:
         """The daemon forgot session ``gone`` (it restarted, or reaped it): open a new one with the
@@ -710,17 +732,25 @@ class AsyncClient(_Surface):
     async def _raw(self, method: str, request: Any, timeout: float | None) -> Any:
         if self._stale:
             raise SessionGone(f"{method}: {self._stale}")
-        sid = self.session_id
+        sid, sent = self.session_id, time.monotonic()
         try:
             if self._fast is not None:
-                return await self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
-            try:
-                return await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
-            except grpc.RpcError as exc:
-                raise from_rpc_error(exc) from exc
+                reply = await self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
+            else:
+                try:
+                    reply = await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
+                except grpc.RpcError as exc:
+                    raise from_rpc_error(exc) from exc
         except SessionGone:
             await self._reopen(sid)
             raise  # as the sync client: the call at hand ran nowhere
+        if sid == self.session_id:
+            self._ok_at = sent
+        return reply
+
+    async def keep_alive(self) -> None:
+        """As :meth:`Client.keep_alive`."""
+        await self._raw("KeepAlive", pb.KeepAliveRequest(), self.timeout)
 
     async def _reopen(self, gone: str) -> None:
         """As :meth:`Client._reopen`."""

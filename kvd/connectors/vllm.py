@@ -90,7 +90,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 from kvd.client import Client
 from kvd.connectors import vllm_blocks as vb
 from kvd.connectors.vllm_proxy import reply_json
-from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, SessionGone
+from kvd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, SessionGone
 from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
 __all__ = ["KvdConnector", "CopyStats", "layout_from_vllm", "LayerSlot"]
@@ -212,6 +212,7 @@ class CopyStats:
     cached_tokens: int = 0  # tokens saved that vLLM did not compute (its prefix cache held them)
     abandoned: int = 0  # opened requests vLLM ended before their last chunk (aborted): aborted and freed in kvd
     steps: int = 0  # engine steps this worker ran (start_load_kv is called once a step)
+    adopted: int = 0  # requests a step's Allocate opened though its reply was lost: carried on, not opened twice
     sync_loads: int = 0  # loads copied in the step that computes their request's tail (READY when admitted)
     sync_failed: int = 0  # ... that failed: their blocks reported (vLLM fails the request), nothing copied
 
@@ -569,14 +570,24 @@ class _TicketBook:
         self.finished(done)
 
     def finished(self, req_ids: set[str]) -> None:
-        """The worker copied (or failed) these requests: their kvd pages go back."""
-        for req_id in req_ids:
-            with self.lock:
+        """The worker copied (or failed) these requests: their kvd pages go back, in one call (on
+        the scheduler's thread); where the daemon refuses the batch (one still pinned by its
+        lease, one gone), each alone."""
+        rids = []
+        with self.lock:
+            for req_id in req_ids:
                 rid = self.by_req.pop(req_id, None)
                 if rid is not None:
                     self.pending.pop(rid, None)
-            if rid is not None:
-                self._free(rid)
+                    rids.append(rid)
+        if len(rids) > 1:
+            try:
+                self.kv.free(*rids)
+                return
+            except KvdError as exc:  # all or nothing: none was freed
+                log.debug("free %s together: %s; one by one", rids, exc)
+        for rid in rids:
+            self._free(rid)
 
     def close(self) -> None:
         self._stop.set()
@@ -952,7 +963,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             return  # state slots are copied once the step's forward is done (wait_for_save)
         meta = self._get_connector_metadata()
         saves = getattr(meta, "saves", ())
-        if saves and self._kv.stale:  # the heartbeat found the session gone: its pages are not ours to write
+        if saves and self._gone():  # its pages are not ours to write
             self._renew("this worker's session is gone")
         if self._slots_meta is not meta:  # a new step: its requests' slots, once per vLLM group
             self._slots_meta, self._step_slots = meta, {}
@@ -975,6 +986,18 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self.copy_stats.save_s += time.perf_counter() - t0  # on CUDA: the time to issue the copies
             if log.isEnabledFor(logging.DEBUG):  # a checksum: it waits for the device
                 log.debug("save %s %s [%d, %d): %d tokens", sv.req_id, layer_name, sv.start, sv.end, len(at))
+
+    def _gone(self) -> bool:
+        """Whether this worker's session is gone (the daemon reaped or forgot it, and its pages may
+        be other requests' by now): as the heartbeat found, or, where no call was answered for half
+        the session's TTL (this process stalled and the heartbeat has not run since), as one
+        KeepAlive finds now, before a byte is written."""
+        if not self._kv.stale and self._kv.overdue:
+            try:
+                self._kv.keep_alive()
+            except KvdError as exc:  # SessionGone marks the client stale (it attached)
+                log.warning("KvdConnector: no call answered for over half the session's %.1f s TTL, and now: %s", self._kv.ttl, exc)
+        return bool(self._kv.stale)
 
     def _renew(self, why: str) -> bool:
         """:meth:`_reconnect`, a failure logged: whether it connected. Tried at most every
@@ -1017,7 +1040,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._vecs[sv.req_id] = {"rid": sv.rid, "full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
 
     def _open(self, sv: _Save) -> dict | None:
-        """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed."""
+        """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed.
+
+        A refused open leaves nothing to free (an Allocate is all or nothing). One refused because
+        the kvd request exists already is either another vLLM request's here with the same ticket
+        (a client's retry while the first still computes: that one goes on, untouched, and this
+        one sends nothing) or this worker's own, opened by a step's Allocate whose reply was lost
+        (:meth:`_open_step`: it carries on with it)."""
         v = self._vecs.get(sv.req_id)
         if v is None and sv.req_id not in self._bad_saves:
             try:
@@ -1029,6 +1058,11 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                     if not self._renew("the daemon forgot this worker's session"):
                         raise
                     vec = self._kv.allocate(sv.rid, sv.tokens, ticket=sv.ticket)
+                except AlreadyExists:
+                    if any(o["rid"] == sv.rid for o in self._vecs.values()):
+                        raise  # another vLLM request's, here: not ours to write, nor to free
+                    vec = self._kv.vectors(sv.rid)  # this session's (else PermissionDenied): a lost reply's
+                    self.copy_stats.adopted += 1
                 v = {"rid": sv.rid, "full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
                 self._vecs[sv.req_id] = v
                 self.copy_stats.opens += 1
@@ -1036,14 +1070,13 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             except KvdError as exc:
                 log.error("kvd: cannot open the transfer of request %s: %s", sv.req_id, exc)
                 self._bad_saves.add(sv.req_id)
-                self._drop(sv.req_id, sv.rid)
                 return None
         return v
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         saves = getattr(meta, "saves", ())
-        if saves and self._kv.stale:
+        if saves and self._gone():
             self._renew("this worker's session is gone")
         self._open_step(saves)  # a model of state slots only opens its requests here
         waited = False

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-from daemon_kit import expect, rid, start_inproc, stop_inproc, wait_for
+from daemon_kit import REPO, expect, rid, start_inproc, stop_inproc, wait_for
 
 from kvd import errors as E
 from kvd.client import AsyncClient, Client, TransferState
@@ -199,4 +199,63 @@ def test_a_client_that_attached_opens_no_new_session_after_a_reap(tmp_path, monk
         del att
     finally:
         c.close()
+        stop_inproc(t)
+
+
+_STALLED = r'''
+import json, sys
+from kvd.client import Client
+c = Client.connect(sys.argv[1], name="stalled", ttl=float(sys.argv[2]), transport=sys.argv[3])
+c.attach()
+print("ready", flush=True)
+sys.stdin.readline()  # the parent stops this process past its TTL, continues it, then says go
+seen = {"stale_before": bool(c.stale), "overdue": c.overdue}
+try:
+    c.keep_alive()
+    seen["keep_alive"] = "ok"
+except Exception as exc:
+    seen["keep_alive"] = type(exc).__name__
+seen["stale_after"] = bool(c.stale)
+print(json.dumps(seen), flush=True)
+'''
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_client_stalled_past_its_ttl_learns_its_session_is_gone_before_it_writes(tmp_path, transport):
+    """An engine's process stopped (SIGSTOP: swapped, paused) past its session's TTL: the daemon
+    reaps the session and may hand its pages to other requests. Continued, the engine must not
+    write through its views before it knows: ``overdue`` says no call was answered for half the
+    TTL, and one ``keep_alive`` then says SessionGone and marks the client stale -- whether or not
+    its heartbeat thread ran first. A client whose heartbeat runs is never overdue."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    t = start_inproc(tmp_path, backend="local")
+    live = Client.connect(t.unix, name="live", ttl=1.0, transport=transport)
+    p = subprocess.Popen([sys.executable, "-c", _STALLED, t.unix, "1.0", transport], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, cwd=REPO)
+    try:
+        assert p.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
+        assert t.node.stats().sessions_live == 2
+        os.kill(p.pid, signal.SIGSTOP)
+        wait_for(lambda: t.node.stats().sessions_live == 1, 10, "the stopped client's session reaped")
+        time.sleep(0.2)
+        assert not live.overdue  # its heartbeat kept it answered throughout
+        os.kill(p.pid, signal.SIGCONT)
+        p.stdin.write("go\n")  # type: ignore[union-attr]
+        p.stdin.flush()  # type: ignore[union-attr]
+        seen = json.loads(p.stdout.readline())  # type: ignore[union-attr]
+        print(f"\n{transport}: after the stop: {seen}")
+        assert seen["overdue"] and seen["keep_alive"] == "SessionGone" and seen["stale_after"], seen
+        assert p.wait(10) == 0
+        t.check()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        live.close()
         stop_inproc(t)

@@ -111,6 +111,15 @@ def decode(pd: PD, ps: list[list[int]], tickets: list[dict]) -> dict:
     return pd.decode.run(ps, [{"kvd_rid": t["kvd_rid"]} for t in tickets])
 
 
+def sent(pd: PD, calls, n: int, timeout: float = 10.0):
+    """The prefill daemon's calls since ``calls``, once ``n`` Sends are among them (the worker's
+    sender thread sends after vLLM returned the requests) or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while (d := pd.prefill_d.rpc_counts() - calls)["Send"] < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return d
+
+
 def live_requests(address: str) -> int:
     with Client.connect(address, name="probe") as c:
         return c.stats().pool.requests_live
@@ -142,8 +151,8 @@ def test_pd_matches_vllm_alone(pd: PD) -> None:
     n = len(ps)
     assert dd["Allocate"] == n and dd["AcquireLease"] == 0, dict(dd)
     # ... and on the decode side, the landed requests' page ids asked once per step (not per
-    # request), each freed in one call (READY released its lease: no Abort first).
-    assert dd["Free"] == n and dd["Abort"] == 0 and dd["GetVectors"] <= n, dict(dd)
+    # request), and freed once per step (READY released their leases: no Abort first).
+    assert 1 <= dd["Free"] <= n and dd["Abort"] == 0 and 1 <= dd["GetVectors"] <= n, dict(dd)
     # (a prefill step's new requests share one Allocate: at most one per request; the next test)
     assert 1 <= dp["Allocate"] <= n and dp["Send"] == n and dp["Free"] == 0 and dp["BeginSend"] == 0, dict(dp)
 
@@ -160,7 +169,7 @@ def test_a_prefill_step_opens_its_new_requests_in_one_allocate(pd: PD) -> None:
     alone = pd.decode.run(ps)
     calls, st0 = pd.prefill_d.rpc_counts(), pd.prefill.copy_stats()
     tickets, _ = handoff(pd, ps)
-    dp, st = pd.prefill_d.rpc_counts() - calls, pd.prefill.copy_stats()
+    dp, st = sent(pd, calls, len(ps)), pd.prefill.copy_stats()
     assert dp["Allocate"] == st["opens"] - st0["opens"] < len(ps) == st["opened"] - st0["opened"], (dict(dp), st)
     assert dp["Send"] == len(ps) and st["batches_refused"] == st0["batches_refused"], (dict(dp), st)
     out = decode(pd, ps, tickets)
@@ -171,7 +180,7 @@ def test_a_prefill_step_opens_its_new_requests_in_one_allocate(pd: PD) -> None:
     bad = dict(tickets[1], kvd_ticket=tickets[2]["kvd_ticket"])  # request 2's ticket on request 1: refused
     calls, st0 = pd.prefill_d.rpc_counts(), pd.prefill.copy_stats()
     pd.prefill.run([p[: t["kvd_tokens"]] for p, t in zip(ps2, tickets)], [tickets[0], bad, *tickets[2:]], max_tokens=1)
-    dp, st = pd.prefill_d.rpc_counts() - calls, pd.prefill.copy_stats()
+    dp, st = sent(pd, calls, 3), pd.prefill.copy_stats()
     assert st["batches_refused"] == st0["batches_refused"] + 1, st  # request 1's step: refused together ...
     assert st["opened"] - st0["opened"] == 3 and dp["Send"] == 3, (dict(dp), st)  # ... then all but request 1 opened, and sent
     good = [0, 2, 3]
@@ -264,6 +273,8 @@ def test_kv_landed_at_admission_is_loaded_in_the_step_that_computes_the_tail(pd:
     while any(transfer(pd.port, t["kvd_rid"]) for t in tickets) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(transfer(pd.port, t["kvd_rid"]) for t in tickets), "a loaded request's ticket was kept"
+    while live_requests(pd.decode_d.address) and time.monotonic() < deadline + 5:  # the Free follows the ticket's end
+        time.sleep(0.05)
     assert live_requests(pd.decode_d.address) == 0, "the decode connector kept kvd pages after loading them"
 
 
@@ -290,6 +301,28 @@ def test_kv_landed_then_its_decode_daemon_restarted_fails_the_request(pd: PD) ->
     while live_requests(pd.decode_d.address) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_requests(pd.decode_d.address) == 0, "pages leaked"
+
+
+def test_a_ticket_sent_twice_to_the_prefill_engine_leaves_the_first_request_alone(pd: PD) -> None:
+    """Two prefill requests with one ticket in one step (a client's retry while the first still
+    computes): the second is refused its kvd request and sends nothing; the first's stays open,
+    is written and sent, and decodes exactly. Before, the refused open freed the kvd request the
+    first one was still writing into (its page ids kept in the worker: writes into pages the
+    daemon could hand to another request) and the handoff failed."""
+    if pd.model != "llama":
+        pytest.skip("one model is enough: the open does not depend on the layout")
+    ps = prompts([100], salt=5)
+    t = ticket(pd.port, ps[0])
+    st0 = pd.prefill.copy_stats()
+    pd.prefill.run([ps[0][: t["kvd_tokens"]]] * 2, [t, t], max_tokens=1)
+    st = wait_state(pd.port, [t["kvd_rid"]], {"READY", "FAILED"})
+    assert st[0] and st[0]["state"] == "READY", st
+    deadline = time.monotonic() + 5  # the sender thread counts its Send once the reply is back
+    while (st1 := pd.prefill.copy_stats())["sends"] == st0["sends"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert st1["sends"] - st0["sends"] == 1 and st1["adopted"] == st0["adopted"], (st0, st1)
+    assert decode(pd, ps, [t])["tokens"] == pd.decode.run(ps)["tokens"], f"{pd.model}: the first request's handoff is not exact"
+    assert live_requests(pd.prefill_d.address) == 0
 
 
 def test_a_prefill_aborted_mid_prompt_frees_its_kvd_request_and_fails_the_transfer(pd: PD) -> None:

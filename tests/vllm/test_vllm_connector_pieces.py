@@ -1,7 +1,9 @@
-"""The decode connector's sync loads, piece by piece (the tier's test_vllm_pd.py runs them end to
-end): what a worker reports of a sync load that failed (its blocks, for vLLM to fail the request)
-and of one it copied (KVConnectorWorkerMetadata, summed over workers), and the scheduler freeing
-the kvd request only once every worker reported it -- against a real daemon in this process."""
+"""The connector's hooks piece by piece, against real daemons in this process (the tier's
+test_vllm_pd.py runs them end to end through vLLM engines). Decode side, sync loads: what a worker
+reports of one that failed (its blocks, for vLLM to fail the request) and of one it copied
+(KVConnectorWorkerMetadata, summed over workers), and the scheduler freeing the kvd request only
+once every worker reported it. Prefill side, the open: a step's Allocate whose reply was lost
+carried on, a second vLLM request with the same ticket refused without touching the first's."""
 
 from __future__ import annotations
 
@@ -74,3 +76,37 @@ def test_a_sync_loads_kvd_request_is_freed_once_every_worker_reported_it(tmp_pat
             book.close()
     finally:
         stop_inproc(t)
+
+
+# ---- the producer's open: a lost reply adopted, a duplicate ticket refused without harm ------------
+
+def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_without_freeing(tmp_path):
+    """A step's Allocate applied by the prefill daemon but its reply lost (the worker falls back to
+    one open each): the open finds the request already there, in its own session and held by no
+    other vLLM request, and carries on with it (its page ids asked) instead of failing it. A second
+    vLLM request with the same ticket is refused, sends nothing, and frees nothing: the first one's
+    kvd request stays open, pages and all."""
+    import handoff_kit as hk
+
+    from kvd.connectors.vllm import _Save
+
+    pair = hk.make_pair(tmp_path)
+    try:
+        dec, pre = pair.decode.t.connect(name="decode"), pair.prefill.t.connect(name="prefill-worker")
+        _, lease = dec.allocate_recv("kvd-x", 40)
+        pre.allocate_many([("kvd-x", 40)], tickets=[lease.ticket])  # applied; its reply "lost"
+        want = pre.vectors("kvd-x")
+        c = KvdConnector.__new__(KvdConnector)
+        c._kv, c._vecs, c._bad_saves, c.copy_stats = pre, {}, set(), CopyStats()
+        first = _Save("req-a", "kvd-x", lease.ticket, 40, ([1, 2],), 0, 40, True)
+        v = c._open(first)
+        assert v is not None and v["full"] == want.full.tolist() and c.copy_stats.adopted == 1
+        dup = _Save("req-b", "kvd-x", lease.ticket, 40, ([3, 4],), 0, 40, True)
+        assert c._open(dup) is None and "req-b" in c._bad_saves and c.copy_stats.adopted == 1
+        assert pre.vectors("kvd-x").full.tolist() == want.full.tolist()  # still open, the same pages
+        assert c._vecs == {"req-a": v}
+        for side in pair.sides:
+            side.t.check()
+    finally:
+        for side in pair.sides:
+            side.stop()
