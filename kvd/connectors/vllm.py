@@ -212,6 +212,7 @@ class CopyStats:
     cached_tokens: int = 0  # tokens saved that vLLM did not compute (its prefix cache held them)
     abandoned: int = 0  # opened requests vLLM ended before their last chunk (aborted): aborted and freed in kvd
     steps: int = 0  # engine steps this worker ran (start_load_kv is called once a step)
+    session_probes: int = 0  # KeepAlives sent before writing: no call had been answered for half the session's TTL
     adopted: int = 0  # requests a step's Allocate opened though its reply was lost: carried on, not opened twice
     sync_loads: int = 0  # loads copied in the step that computes their request's tail (READY when admitted)
     sync_failed: int = 0  # ... that failed: their blocks reported (vLLM fails the request), nothing copied
@@ -683,6 +684,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._bad_saves: set[str] = set()  # producer: transfers that could not open
         self._sends: queue.Queue = queue.Queue()
         self._renew_at = 0.0  # no reconnect before (monotonic): the last one failed
+        self._probe_at = 0.0  # no KeepAlive probe before (monotonic): the last one failed (_gone)
         self._sender: threading.Thread | None = None
         if role is KVConnectorRole.SCHEDULER and self._consumer:
             listen = extra.get("kvd_ticket_listen")
@@ -991,11 +993,16 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         """Whether this worker's session is gone (the daemon reaped or forgot it, and its pages may
         be other requests' by now): as the heartbeat found, or, where no call was answered for half
         the session's TTL (this process stalled and the heartbeat has not run since), as one
-        KeepAlive finds now, before a byte is written."""
-        if not self._kv.stale and self._kv.overdue:
+        KeepAlive finds now, before a byte is written. Called for every layer: the KeepAlive is
+        tried at most every :data:`RECONNECT_S` (a daemon that hangs must not hold each layer of
+        vLLM's forward for a call timeout)."""
+        now = time.monotonic()
+        if not self._kv.stale and now >= self._probe_at and self._kv.overdue:
+            self.copy_stats.session_probes += 1
             try:
                 self._kv.keep_alive()
             except KvdError as exc:  # SessionGone marks the client stale (it attached)
+                self._probe_at = now + RECONNECT_S
                 log.warning("KvdConnector: no call answered for over half the session's %.1f s TTL, and now: %s", self._kv.ttl, exc)
         return bool(self._kv.stale)
 

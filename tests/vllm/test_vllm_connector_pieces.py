@@ -110,3 +110,27 @@ def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_with
     finally:
         for side in pair.sides:
             side.stop()
+
+
+def test_an_overdue_session_is_probed_once_a_second_not_once_a_layer(tmp_path):
+    """A worker whose daemon stopped answering (no call answered for half its TTL) asks once
+    before writing; the next layers of the step do not ask again (each could wait a call's
+    timeout), and writing stays refused once the daemon says the session is gone."""
+    import time
+
+    from kvd.client import Client
+
+    t = start_inproc(tmp_path)
+    kv = Client.connect(t.unix, name="worker", ttl=1.0)
+    kv.attach()
+    stop_inproc(t)  # its heartbeat fails from here on
+    time.sleep(0.6)
+    c = KvdConnector.__new__(KvdConnector)
+    c._kv, c._probe_at, c.copy_stats = kv, 0.0, CopyStats()
+    try:
+        assert kv.overdue
+        for _ in range(8):  # a step's layers
+            c._gone()
+        assert c.copy_stats.session_probes == 1
+    finally:
+        kv.close()
