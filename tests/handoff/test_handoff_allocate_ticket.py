@@ -276,7 +276,10 @@ def test_a_step_of_requests_is_allocated_and_begun_in_one_call(hp, prefill):
     srcs = c.allocate_many(
         [(rid, dst.tokens) for rid, dst, _ in sides] + [(plain, 24)], tickets=[le.ticket for *_, le in sides] + [None]
     )
-    assert hp.pair.prefill.counter("kvd_rpc_duration_seconds_count", method="Allocate", code="OK") == calls0 + 1
+    # The engine socket observes the latency histogram after the reply is out: wait for it.
+    allocs = lambda: hp.pair.prefill.counter("kvd_rpc_duration_seconds_count", method="Allocate", code="OK")  # noqa: E731
+    dk.wait_for(lambda: allocs() >= calls0 + 1, 5, "the Allocate was observed")
+    assert allocs() == calls0 + 1
     assert [s.tokens for s in srcs] == [16, 40, 70, 24]
     for rid, _, _ in sides:
         dk.wait_for(lambda rid=rid: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, f"the decode daemon accepted {rid}'s ticket")
