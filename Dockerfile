@@ -35,8 +35,9 @@ FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_SPEC="torch==2.13.0"
 # Extra pip options for the torch install: --index-url of a CPU wheel index, --find-links, ...
 ARG TORCH_PIP_ARGS=""
-# kvd's optional dependencies: "mooncake" (the CPU build of the Transfer Engine: shm arenas), or ""
-ARG EXTRAS="mooncake"
+# kvd's optional dependencies: "mooncake" (the CPU build of the Transfer Engine: shm arenas), "proxy"
+# (aiohttp, for `kvd proxy`), or ""
+ARG EXTRAS="mooncake,proxy"
 # More packages, resolved with kvd. arena=cuda needs cuda-python, and with Mooncake its CUDA build
 # instead of the extra: --build-arg EXTRAS= --build-arg EXTRA_PACKAGES="mooncake-transfer-engine cuda-python"
 ARG EXTRA_PACKAGES=""

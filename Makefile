@@ -24,7 +24,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[dev,mooncake]"
+	$(BIN)/pip install -q -e ".[dev,mooncake,proxy]"
 	$(BIN)/pip install -q --no-deps $(NIXL_PKGS)
 	touch $@
 

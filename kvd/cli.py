@@ -232,23 +232,32 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _proxy_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "proxy",
-        help="OpenAI-compatible proxy for vLLM prefill/decode over kvd (POST /v1/completions)",
-        description="Prefill with max_tokens=1 on --prefill carrying a ticket from the decode instance's KvdConnector "
-        "(--tickets, its kvd_ticket_listen), then decode on --decode; see docs/vllm.md.",
+        help="OpenAI-compatible proxy for vLLM prefill/decode over kvd (completions and chat, streamed or not)",
+        description="Prefill with max_tokens=1 on a --prefill instance carrying a ticket from a decode instance's "
+        "KvdConnector (--tickets, its kvd_ticket_listen), then decode there; a request the handoff cannot serve "
+        "goes to the decode instance alone. Repeat --prefill, and --decode with its --tickets, for several "
+        "instances. See docs/vllm.md.",
     )
     p.add_argument("--listen", default="127.0.0.1:8000", help="host:port to serve on (default: %(default)s)")
-    p.add_argument("--prefill", required=True, help="prefill vLLM base URL, e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", required=True, help="decode vLLM base URL, e.g. http://127.0.0.1:8200")
-    p.add_argument("--tickets", required=True, help="the decode connector's ticket URL, e.g. http://127.0.0.1:8201")
+    p.add_argument("--prefill", required=True, action="append", help="a prefill vLLM base URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, action="append", help="a decode vLLM base URL, e.g. http://127.0.0.1:8200")
+    p.add_argument("--tickets", required=True, action="append",
+                   help="that decode instance's ticket URL (its connector's kvd_ticket_listen), e.g. http://127.0.0.1:8201")
+    p.add_argument("--prefill-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds a prefill instance may take for one prompt before the decode instance serves it alone")
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
-    from kvd.connectors.vllm_proxy import make_server
+    from kvd.connectors.vllm_proxy import ProxyConfig, serve
 
-    srv = make_server(args.listen, args.prefill, args.decode, args.tickets)
+    try:
+        cfg = ProxyConfig(args.prefill, args.decode, args.tickets, prefill_timeout_s=args.prefill_timeout)
+    except ValueError as exc:
+        print(f"kvd proxy: {exc}", file=sys.stderr)
+        return 2
     print(f"kvd proxy: serving on {args.listen}", flush=True)
     try:
-        srv.serve_forever()
+        serve(args.listen, cfg)
     except KeyboardInterrupt:
         pass
     return 0

@@ -89,7 +89,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 
 from kvd.client import Client
 from kvd.connectors import vllm_blocks as vb
-from kvd.connectors.vllm_proxy import reply_json
 from kvd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, SessionGone
 from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
@@ -360,6 +359,22 @@ class _TicketBook:
             p = self.pending.get(rid)
             return None if p is None else {"kvd_rid": rid, "state": p.state, "reason": p.reason, "admitted": p.req_id is not None}
 
+    def cancel(self, rid: str) -> tuple[int, str]:
+        """Give back the pages of a ticket whose request will not come (HTTP status, why): 200
+        freed (its transfer aborted first if one is under way: the daemon keeps the pages
+        fenced until no sender can write them); 404 no such ticket here; 409 the decode vLLM
+        admitted its request already (the request frees it when it finishes)."""
+        with self.lock:
+            p = self.pending.get(rid)
+            if p is None:
+                return 404, "no such ticket on this decode instance (freed, expired, or never minted)"
+            if p.req_id is not None:
+                return 409, f"the decode vLLM admitted it as request {p.req_id}; it is freed when that request ends"
+            del self.pending[rid]
+            self._rung.discard(rid)
+        self._free(rid)
+        return 200, "freed"
+
     def _watch(self, rid: str) -> None:
         while not self._stop.is_set():
             with self.lock:
@@ -595,12 +610,25 @@ class _TicketBook:
         self._ring.set()
 
 
+def _reply_json(handler: BaseHTTPRequestHandler, code: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
 def _ticket_server(book: _TicketBook, listen: str) -> ThreadingHTTPServer:
+    """``POST /v1/kvd/tickets`` mints a ticket, ``DELETE /v1/kvd/tickets/{rid}`` gives back one
+    whose request never came (the proxy's prefill failed), ``GET /v1/kvd/transfers/{rid}`` says
+    where a ticket's transfer stands."""
     host, _, port = listen.rpartition(":")
+    tickets = "/v1/kvd/tickets/"
 
     class Handler(BaseHTTPRequestHandler):
         def _reply(self, code: int, body: dict) -> None:
-            reply_json(self, code, body)
+            _reply_json(self, code, body)
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
             if self.path != "/v1/kvd/tickets":
@@ -615,6 +643,12 @@ def _ticket_server(book: _TicketBook, listen: str) -> ThreadingHTTPServer:
                 self._reply(400, {"error": str(exc)})
             except KvdError as exc:
                 self._reply(503, {"error": f"{type(exc).__name__}: {exc}"})
+
+        def do_DELETE(self) -> None:  # noqa: N802
+            if not self.path.startswith(tickets):
+                return self._reply(404, {"error": f"no such endpoint {self.path[:64]!r}; DELETE {tickets}{{kvd_rid}}"})
+            code, why = book.cancel(self.path[len(tickets):])
+            self._reply(code, {"kvd_rid": self.path[len(tickets):][:64], "released": code == 200, "reason": why})
 
         def do_GET(self) -> None:  # noqa: N802
             prefix = "/v1/kvd/transfers/"

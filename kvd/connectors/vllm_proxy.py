@@ -1,101 +1,333 @@
-"""``kvd proxy``: a minimal OpenAI-compatible front for vLLM prefill/decode over kvd (stdlib only).
+"""``kvd proxy``: an OpenAI-compatible front for vLLM prefill/decode instances over kvd (aiohttp).
 
-``POST /v1/completions`` (non-streaming; ``prompt`` a string or token ids):
+``POST /v1/completions`` and ``POST /v1/chat/completions``, streamed (``stream: true``, server-sent
+events passed through as the decode instance writes them) or not:
 
-1. tokenize the prompt on the prefill instance (``POST /tokenize``) unless it is token ids;
-2. ask the decode instance's KvdConnector for a ticket (``POST {tickets}/v1/kvd/tickets``): the
+1. the prompt's token ids: given (completions), or from a prefill instance's ``POST /tokenize``
+   (a string prompt; a chat's ``messages`` with its template options);
+2. a ticket from a decode instance's KvdConnector (``POST {tickets}/v1/kvd/tickets``): that
    decode daemon allocates and leases the request's pages now (push mode);
-3. prefill: ``prompt[:kvd_tokens]``, ``max_tokens=1``, ``kv_transfer_params`` = the ticket;
-4. decode: the whole prompt and the caller's parameters, ``kv_transfer_params={"kvd_rid": ...}``;
-   its reply goes back to the caller with ``kvd`` timings (ticket, prefill, decode seconds).
+3. prefill: ``POST /v1/completions`` with ``prompt[:kvd_tokens]``, ``max_tokens=1`` and the ticket as
+   ``kv_transfer_params`` (the connector sends the KV, then frees it);
+4. decode, on the instance that minted the ticket: the caller's request with
+   ``kv_transfer_params={"kvd_rid": ...}`` (a completion's prompt as the token ids of step 1, so
+   the decode instance loads exactly the KV it was sent); its answer goes back to the caller.
 
-Other paths are passed to the decode instance unchanged (``/v1/models``, ``/health``).
+A request is never lost to the handoff: when no ticket can be had (a prompt shorter than a block
+plus one, a decode daemon out of pages, a ticket server down), or the prefill instance fails, the
+decode instance serves the whole request itself; a ticket already minted is released at once
+(``DELETE {tickets}/v1/kvd/tickets/{rid}``), not left to its admission window. Each answer says
+which way it went: headers ``x-kvd-path`` (``pd``, or ``decode-only:<reason>``), ``x-kvd-ticket-ms``,
+``x-kvd-prefill-ms``; a whole (not streamed) answer also carries them in a ``kvd`` field.
+``/metrics`` counts requests by route and path, fallbacks by reason, and times each stage.
+
+Several instances of each role (``--prefill`` / ``--decode`` + ``--tickets``, repeated): each
+request goes to the instance of the role with the fewest requests in flight (ties in turn).
+
+A caller that goes away mid-stream closes the decode connection, which makes vLLM abort the
+request (its kvd pages are freed by the connector as for any finished request).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
+import itertools
+import logging
 import time
-import urllib.error
-import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["make_server", "post_json", "reply_json"]
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
+__all__ = ["Instance", "ProxyConfig", "Upstreams", "build_app", "serve"]
 
-def reply_json(handler: BaseHTTPRequestHandler, code: int, body: dict) -> None:
-    """Answer ``handler``'s request with ``code`` and ``body`` as JSON (the proxy's and the
-    connector's ticket server's one reply)."""
-    data = json.dumps(body).encode()
-    handler.send_response(code)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    handler.end_headers()
-    handler.wfile.write(data)
+log = logging.getLogger("kvd.proxy")
 
-
-def post_json(url: str, body: dict, timeout: float = 600.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+#: Keys of a chat request that shape its prompt: passed to ``/tokenize`` with its ``messages``.
+CHAT_PROMPT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                    "tools", "documents", "add_special_tokens")
+_STAGES = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-def make_server(listen: str, prefill: str, decode: str, tickets: str) -> ThreadingHTTPServer:
-    """A proxy on ``listen`` (host:port) over the prefill and decode vLLM base URLs and the decode
-    connector's ticket URL (``kvd_ticket_listen``). Call ``serve_forever()``."""
-    prefill, decode, tickets = (u.rstrip("/") for u in (prefill, decode, tickets))
+@dataclass
+class Instance:
+    """One vLLM instance behind the proxy (a decode one with its connector's ticket URL)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def _reply(self, code: int, body: dict) -> None:
-            reply_json(self, code, body)
+    url: str
+    tickets: str = ""
+    in_flight: int = 0
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+
+@dataclass
+class Upstreams:
+    """The instances of one role. :meth:`take` picks the one with the fewest requests in flight
+    (ties in turn) and counts the request in flight until its ``with`` block ends. Not
+    thread-safe: the proxy's one event loop is its only user."""
+
+    members: list[Instance]
+    _turn: Iterator[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError("give at least one instance")
+        self._turn = itertools.cycle(range(len(self.members)))
+
+    def pick(self) -> Instance:
+        low = min(m.in_flight for m in self.members)
+        for _ in range(len(self.members)):
+            m = self.members[next(self._turn)]
+            if m.in_flight == low:
+                return m
+        raise AssertionError("unreachable: one member has the lowest count")
+
+    @contextmanager
+    def take(self, inst: Instance | None = None) -> Iterator[Instance]:
+        m = inst or self.pick()
+        m.in_flight += 1
+        try:
+            yield m
+        finally:
+            m.in_flight -= 1
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    prefill: Sequence[str]
+    decode: Sequence[str]
+    tickets: Sequence[str]
+    prefill_timeout_s: float = 600.0  # a whole prompt on the prefill instance
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ValueError("give at least one --prefill and one --decode instance")
+        if len(self.decode) != len(self.tickets):
+            raise ValueError(
+                f"{len(self.decode)} --decode instance(s) but {len(self.tickets)} --tickets URL(s): give each decode "
+                "instance its connector's ticket URL (kvd_ticket_listen), in the same order"
+            )
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvd_proxy_requests_total", "Requests answered, by route and by the way they went",
+                                ["route", "path"], registry=self.registry)
+        self.fallbacks = Counter("kvd_proxy_fallbacks_total", "Requests served by a decode instance alone, by reason",
+                                 ["reason"], registry=self.registry)
+        self.cut = Counter("kvd_proxy_streams_cut_total", "Streams that ended before the decode answer did (caller gone)",
+                           registry=self.registry)
+        self.stage = Histogram("kvd_proxy_stage_seconds", "Time of each stage of a PD request (first_byte: of the decode answer)",
+                               ["stage"], buckets=_STAGES, registry=self.registry)
+
+
+class _Upstream(Exception):
+    """An upstream answered with another status than 200."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"HTTP {status}: {text}")
+        self.status = status
+
+
+class _Fallback(Exception):
+    """The handoff could not be set up: serve the request on a decode instance alone."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class _Proxy:
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.cfg = cfg
+        self.prefill = Upstreams([Instance(u.rstrip("/")) for u in cfg.prefill])
+        self.decode = Upstreams([Instance(u.rstrip("/"), t.rstrip("/")) for u, t in zip(cfg.decode, cfg.tickets)])
+        self.metrics = _Metrics()
+        self.http: ClientSession | None = None
+
+    async def session(self, app: web.Application) -> Any:  # aiohttp's cleanup context
+        # One pool of keep-alive connections to every upstream; no total timeout (a stream
+        # lasts as long as the decode instance writes), the prefill call bounded on its own.
+        self.http = ClientSession(connector=TCPConnector(limit=0), timeout=ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout_s))
+        yield
+        await self.http.close()
+
+    # -- upstream calls ----------------------------------------------------------------------
+    async def _post(self, url: str, body: dict, timeout: float | None = None) -> Any:
+        """POST ``body`` as JSON; the JSON answer, or _Upstream naming the status and its text."""
+        assert self.http is not None
+        to = ClientTimeout(total=timeout, sock_connect=self.cfg.connect_timeout_s) if timeout else None
+        async with self.http.post(url, json=body, **({"timeout": to} if to else {})) as r:
+            if r.status != 200:
+                raise _Upstream(r.status, (await r.text())[:500])
+            return await r.json()
+
+    async def _tokens(self, route: str, body: dict) -> list[int]:
+        if route == "completions":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return prompt
+            if not isinstance(prompt, str):
+                raise _Fallback("prompt_kind", "a batch of prompts, or no prompt: the decode instance answers it whole")
+            req: dict = {"prompt": prompt}
+        else:
+            if not isinstance(body.get("messages"), list):
+                raise web.HTTPBadRequest(text='{"error": "messages: give the chat as a list"}', content_type="application/json")
+            req = {"messages": body["messages"], **{k: body[k] for k in CHAT_PROMPT_KEYS if k in body}}
+        if "model" in body:
+            req["model"] = body["model"]
+        with self.prefill.take() as p:
             try:
-                with urllib.request.urlopen(decode + self.path, timeout=30) as r:
-                    self._reply(r.status, json.loads(r.read() or b"{}"))
-            except urllib.error.HTTPError as e:
-                self._reply(e.code, {"error": e.reason})
+                got = await self._post(f"{p.url}/tokenize", req, self.cfg.connect_timeout_s + 20)
+            except (_Upstream, ClientError, asyncio.TimeoutError) as exc:
+                raise _Fallback("tokenize_failed", f"{p.url}/tokenize: {exc}") from exc
+        toks = got.get("tokens") if isinstance(got, dict) else None
+        if not isinstance(toks, list):
+            raise _Fallback("tokenize_failed", f"{p.url}/tokenize answered no token list")
+        return toks
 
-        def do_POST(self) -> None:  # noqa: N802
-            if self.path != "/v1/completions":
-                return self._reply(404, {"error": "kvd proxy serves POST /v1/completions"})
-            try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
-                self._reply(200, complete(body))
-            except urllib.error.HTTPError as e:
-                self._reply(e.code, {"error": f"upstream: {e.read()[:500].decode(errors='replace')}"})
-            except (ValueError, KeyError, TypeError) as e:
-                self._reply(400, {"error": str(e)})
+    async def _release(self, dec: Instance, rid: str) -> None:
+        """Give a minted ticket's pages back now (best effort: its admission window frees them anyway)."""
+        assert self.http is not None
+        try:
+            async with self.http.delete(f"{dec.tickets}/v1/kvd/tickets/{rid}") as r:
+                if r.status not in (200, 404, 409):
+                    log.warning("releasing ticket %s at %s: HTTP %d", rid, dec.tickets, r.status)
+        except (ClientError, asyncio.TimeoutError) as exc:
+            log.warning("releasing ticket %s at %s: %s (its admission window frees it)", rid, dec.tickets, exc)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    def complete(body: dict) -> dict:
-        if body.get("stream"):
-            raise ValueError("kvd proxy: streaming is not supported; drop stream")
-        prompt = body["prompt"]
-        if isinstance(prompt, str):
-            prompt = post_json(f"{prefill}/tokenize", {"model": body.get("model"), "prompt": prompt})["tokens"]
-        if not (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
-            raise ValueError("prompt: one string or one list of token ids")
+    async def _handoff(self, route: str, body: dict, dec: Instance, timings: dict[str, float]) -> tuple[dict, list[int] | None]:
+        """Steps 1-3: the decode request's ``kv_transfer_params`` (and the completion's token ids)
+        once the prefill instance sent the KV; _Fallback when the handoff cannot be made."""
+        tokens = await self._tokens(route, body)
         t0 = time.perf_counter()
         try:
-            tk = post_json(f"{tickets}/v1/kvd/tickets", {"prompt_token_ids": prompt})
-        except urllib.error.HTTPError as e:
-            if e.code != 400:
-                raise
-            return post_json(f"{decode}/v1/completions", dict(body, prompt=prompt))  # too short to hand off
+            tk = await self._post(f"{dec.tickets}/v1/kvd/tickets", {"prompt_token_ids": tokens}, self.cfg.connect_timeout_s + 20)
+        except _Upstream as exc:
+            raise _Fallback("short_prompt" if exc.status == 400 else "no_ticket", f"{dec.tickets}: {exc}") from exc
+        except (ClientError, asyncio.TimeoutError) as exc:
+            raise _Fallback("no_ticket", f"{dec.tickets}: {exc}") from exc
         t1 = time.perf_counter()
-        pre = dict(body, prompt=prompt[: tk["kvd_tokens"]], max_tokens=1, kv_transfer_params=tk)
-        pre.pop("min_tokens", None)
-        post_json(f"{prefill}/v1/completions", pre)
-        t2 = time.perf_counter()
-        out = post_json(f"{decode}/v1/completions", dict(body, prompt=prompt, kv_transfer_params={"kvd_rid": tk["kvd_rid"]}))
-        t3 = time.perf_counter()
-        out["kvd"] = {"ticket_s": t1 - t0, "prefill_s": t2 - t1, "decode_s": t3 - t2, "prompt_tokens": len(prompt)}
-        return out
+        timings["ticket"] = t1 - t0
+        pre = {"prompt": tokens[: tk["kvd_tokens"]], "max_tokens": 1, "stream": False, "kv_transfer_params": tk}
+        if "model" in body:
+            pre["model"] = body["model"]
+        with self.prefill.take() as p:
+            try:
+                await self._post(f"{p.url}/v1/completions", pre, self.cfg.prefill_timeout_s)
+            except (_Upstream, ClientError, asyncio.TimeoutError) as exc:
+                await self._release(dec, tk["kvd_rid"])
+                raise _Fallback("prefill_failed", f"{p.url}: {exc}") from exc
+        timings["prefill"] = time.perf_counter() - t1
+        for stage in ("ticket", "prefill"):
+            self.metrics.stage.labels(stage).observe(timings[stage])
+        return {"kvd_rid": tk["kvd_rid"]}, (tokens if route == "completions" else None)
 
+    # -- the routes --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve("completions", request)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve("chat", request)
+
+    async def _serve(self, route: str, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": "the body is not JSON: send the OpenAI request object"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "the body must be a JSON object (the OpenAI request)"}, status=400)
+        path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+        timings: dict[str, float] = {}
+        with self.decode.take() as dec:
+            try:
+                params, tokens = await self._handoff(route, body, dec, timings)
+                way = "pd"
+                out = dict(body, kv_transfer_params=params)
+                if tokens is not None:
+                    out["prompt"] = tokens
+            except _Fallback as fb:
+                log.info("%s: served by %s alone (%s): %s", path, dec.url, fb.reason, fb)
+                self.metrics.fallbacks.labels(fb.reason).inc()
+                way, out = f"decode-only:{fb.reason}", body
+            self.metrics.requests.labels(route, way.split(":")[0]).inc()
+            headers = {"x-kvd-path": way, **{f"x-kvd-{k}-ms": f"{v * 1e3:.3f}" for k, v in timings.items()}}
+            return await self._decode(request, dec, path, out, headers, timings)
+
+    async def _decode(self, request: web.Request, dec: Instance, path: str, body: dict, headers: dict[str, str],
+                      timings: dict[str, float]) -> web.StreamResponse:
+        """Step 4: the decode instance's answer, streamed through as it comes (or whole)."""
+        assert self.http is not None
+        t0 = time.perf_counter()
+        try:
+            async with self.http.post(f"{dec.url}{path}", json=body) as r:
+                ctype = r.headers.get("Content-Type", "application/json")
+                if r.status != 200 or not ctype.startswith("text/event-stream"):
+                    data = await r.read()
+                    self.metrics.stage.labels("first_byte").observe(time.perf_counter() - t0)
+                    if r.status == 200 and ctype.startswith("application/json") and timings:
+                        try:
+                            doc = await r.json()
+                            doc["kvd"] = {f"{k}_s": v for k, v in timings.items()}
+                            return web.json_response(doc, headers=headers)
+                        except (ValueError, TypeError):
+                            pass
+                    return web.Response(body=data, status=r.status, content_type=ctype.split(";")[0], headers=headers)
+                out = web.StreamResponse(status=200, headers={**headers, "Content-Type": ctype, "Cache-Control": "no-cache"})
+                await out.prepare(request)
+                first = True
+                try:
+                    async for chunk in r.content.iter_any():
+                        if first:
+                            self.metrics.stage.labels("first_byte").observe(time.perf_counter() - t0)
+                            first = False
+                        await out.write(chunk)
+                    await out.write_eof()
+                except (ConnectionError, ClientError, asyncio.TimeoutError) as exc:
+                    # The caller went away (or the decode instance did, mid-stream: the caller's
+                    # stream just ends). Leaving the block closes the decode connection unread,
+                    # and vLLM aborts the request.
+                    log.info("%s%s: stream cut: %s: %s", dec.url, path, type(exc).__name__, exc)
+                    self.metrics.cut.inc()
+                return out
+        except (ClientError, asyncio.TimeoutError) as exc:
+            return web.json_response({"error": f"decode instance {dec.url}: {type(exc).__name__}: {exc}"}, status=502, headers=headers)
+
+    async def passthrough(self, request: web.Request) -> web.Response:
+        """Other GETs (``/v1/models``, ``/version``...) answered by a decode instance."""
+        assert self.http is not None
+        dec = self.decode.pick()
+        try:
+            async with self.http.get(f"{dec.url}{request.rel_url}") as r:
+                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+        except (ClientError, asyncio.TimeoutError) as exc:
+            return web.json_response({"error": f"decode instance {dec.url}: {exc}"}, status=502)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "prefill": [m.url for m in self.prefill.members],
+                                  "decode": [m.url for m in self.decode.members]})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(cfg: ProxyConfig) -> web.Application:
+    """The proxy as an aiohttp application (run it with :func:`serve`, or an ``AppRunner``)."""
+    proxy = _Proxy(cfg)
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # long prompts as token ids
+    app.cleanup_ctx.append(proxy.session)
+    app.router.add_post("/v1/completions", proxy.completions)
+    app.router.add_post("/v1/chat/completions", proxy.chat)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics_page)
+    app.router.add_get("/{tail:.*}", proxy.passthrough)
+    return app
+
+
+def serve(listen: str, cfg: ProxyConfig) -> None:
+    """Serve on ``listen`` (host:port) until interrupted."""
     host, _, port = listen.rpartition(":")
-    srv = ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
-    srv.daemon_threads = True
-    return srv
+    web.run_app(build_app(cfg), host=host or "127.0.0.1", port=int(port), print=lambda *_: None, access_log=None)

@@ -17,5 +17,5 @@ fi
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton || true
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/pip" install -q "grpcio-health-checking>=1.85.1" "grpcio-reflection>=1.85.1" "pytest>=8" "pytest-timeout>=2.3"
-"$VENV/bin/python" -c 'import vllm, kvd.connectors.vllm, grpc_health, grpc_reflection, prometheus_client, pydantic_settings' 
+"$VENV/bin/python" -c 'import vllm, kvd.connectors.vllm, kvd.connectors.vllm_proxy, grpc_health, grpc_reflection, prometheus_client, pydantic_settings' 
 echo "$VLLM_PIN" > "$marker"

@@ -134,3 +134,35 @@ def test_an_overdue_session_is_probed_once_a_second_not_once_a_layer(tmp_path):
         assert c.copy_stats.session_probes == 1
     finally:
         kv.close()
+
+
+def test_a_ticket_whose_request_will_not_come_is_given_back_at_once(tmp_path):
+    """``DELETE /v1/kvd/tickets/{rid}`` (the proxy, when its prefill instance failed): a ticket not
+    admitted is freed now (its RECV lease aborted first), an unknown one is 404, one the decode
+    vLLM admitted is 409 and stays (the request frees it when it ends)."""
+    t = start_inproc(tmp_path)
+    try:
+        kv = t.connect(name="scheduler")
+        layout = kv.info().layout
+        book = _TicketBook(kv, 30.0, layout.page_size, layout)
+        try:
+            prompt = list(range(1, 2 * layout.page_size + 2))
+            tk = book.mint(prompt)
+            assert kv.stats().pool.requests_live == 1
+            assert book.cancel(tk["kvd_rid"]) == (200, "freed")
+            assert kv.stats().pool.requests_live == 0 and book.status(tk["kvd_rid"]) is None
+            code, why = book.cancel(tk["kvd_rid"])
+            assert code == 404 and "no such ticket" in why
+            # the decode vLLM may still come with it: it computes the prompt itself
+            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt)
+            assert book.matched(req, 0) == (0, False)
+            tk2 = book.mint(prompt)
+            req2 = SimpleNamespace(request_id="req-1", kv_transfer_params={"kvd_rid": tk2["kvd_rid"]}, prompt_token_ids=prompt)
+            assert book.matched(req2, 0) == (tk2["kvd_tokens"], True)
+            code, why = book.cancel(tk2["kvd_rid"])
+            assert code == 409 and "req-1" in why and kv.stats().pool.requests_live == 1
+            t.check()
+        finally:
+            book.close()
+    finally:
+        stop_inproc(t)

@@ -1,0 +1,269 @@
+"""``kvd proxy`` in front of two real vLLM OpenAI servers (prefill, decode; tiny Llama), each beside
+its own kvd daemon: completions and chat, whole and streamed, answer what the decode server alone
+answers, with the KV handed off (the decode daemon's page ids asked for: a load); a request the
+handoff cannot serve (a prompt too short, a prefill instance down) is served by the decode instance
+alone and its ticket given back at once; a caller gone mid-stream aborts the decode request."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Not "vllm": with tests/ on sys.path (rootdir conftest), tests/vllm imports as a namespace package.
+pytest.importorskip("vllm.config", reason="the vLLM tier runs in .venv-vllm (make venv-vllm)")
+
+import pd_kit as pk  # noqa: E402
+import tiny_models  # noqa: E402
+from daemon_kit import samples  # noqa: E402
+
+from kvd.client import Client  # noqa: E402
+
+# A Llama-style template: the tiny tokenizer has none. Both servers get the same one.
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
+CHAT = [{"role": "system", "content": " ".join(WORDS * 3)}, {"role": "user", "content": " ".join(reversed(WORDS * 2))}]
+# the bench's server recipe: the engine core in its own process (vLLM's default for a server)
+SERVER_ENV = {k: v for k, v in pk.ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+
+
+@dataclass
+class Stack:
+    tmp: Path
+    model: str
+    prefill_d: pk.Daemon
+    decode_d: pk.Daemon
+    prefill: str  # base URLs
+    decode: str
+    tickets: str
+    proxy: str
+    procs: list[subprocess.Popen]
+
+
+def _server(tmp: Path, name: str, model: str, port: int, kv: str, template: Path) -> subprocess.Popen:
+    log = open(tmp / f"{name}.server.log", "w")  # noqa: SIM115 -- the child holds it
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port), "--model", model,
+            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--no-enable-prefix-caching",
+            "--block-size", "32", "--seed", "0", "--chat-template", str(template), "--kv-transfer-config", kv]
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=pk.REPO, env={**os.environ, **SERVER_ENV})
+
+
+def _up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    raise RuntimeError(f"no server on {url} after {timeout} s: {log.read_text()[-3000:]}")
+
+
+def _proxy(tmp: Path, name: str, prefill: str, decode: str, tickets: str) -> tuple[str, subprocess.Popen]:
+    port = pk.free_port()
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "proxy", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
+                             "--decode", decode, "--tickets", tickets, "--prefill-timeout", "60"],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=pk.REPO)
+    url = f"http://127.0.0.1:{port}"
+    _up(url, proc, tmp / f"{name}.log", 60)
+    return url, proc
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("proxy")
+    model = tiny_models.build("llama", str(tmp_path_factory.getbasetemp() / "models"))
+    template = tmp / "chat.jinja"
+    template.write_text(TEMPLATE)
+    procs: list[subprocess.Popen] = []
+    pd_ = dd = None
+    try:
+        pd_, dd = pk.Daemon.start(tmp, "p"), pk.Daemon.start(tmp, "d")
+        pport, dport, tport = pk.free_port(), pk.free_port(), pk.free_port()
+        # one at a time: two vLLM start-ups at once crawl on 2 cores
+        procs.append(_server(tmp, "decode", model, dport, pk.kv_config("kv_consumer", dd.address, kvd_ticket_listen=f"127.0.0.1:{tport}"),
+                             template))
+        _up(f"http://127.0.0.1:{dport}", procs[-1], tmp / "decode.server.log")
+        procs.append(_server(tmp, "prefill", model, pport, pk.kv_config("kv_producer", pd_.address), template))
+        _up(f"http://127.0.0.1:{pport}", procs[-1], tmp / "prefill.server.log")
+        urls = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{tport}"
+        proxy, proc = _proxy(tmp, "proxy", *urls)
+        procs.append(proc)
+        yield Stack(tmp, model, pd_, dd, *urls, proxy, procs)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for d in (pd_, dd):
+            if d is not None:
+                d.stop()
+
+
+def _post(url: str, path: str, body: dict) -> tuple[dict, dict[str, str]]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read()), {k.lower(): v for k, v in r.headers.items()}
+
+
+def _stream(url: str, path: str, body: dict) -> tuple[str, dict[str, str], bool]:
+    """The text of a streamed answer (completion text or chat deltas), its headers, and whether it
+    ended with ``data: [DONE]``."""
+    req = urllib.request.Request(url + path, data=json.dumps(dict(body, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    parts, done = [], False
+    with urllib.request.urlopen(req, timeout=120) as r:
+        headers = {k.lower(): v for k, v in r.headers.items()}
+        assert headers["content-type"].startswith("text/event-stream"), headers
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            ch = json.loads(line[6:])["choices"]
+            if ch:
+                parts.append(ch[0].get("text") or (ch[0].get("delta") or {}).get("content") or "")
+    return "".join(parts), headers, done
+
+
+def _text(doc: dict) -> str:
+    c = doc["choices"][0]
+    return c["text"] if "text" in c else c["message"]["content"]
+
+
+def _live(address: str) -> int:
+    with Client.connect(address, name="probe") as c:
+        return c.stats().pool.requests_live
+
+
+def _wait_live_zero(address: str, timeout: float = 10) -> int:
+    end = time.monotonic() + timeout
+    while (n := _live(address)) and time.monotonic() < end:
+        time.sleep(0.05)
+    return n
+
+
+def _loads(s: Stack) -> int:
+    """Page-id lookups on the decode daemon: the connector asks one per load it copies."""
+    return s.decode_d.rpc_counts()["GetVectors"]
+
+
+def test_completions_whole_and_streamed_match_the_decode_server_alone(stack: Stack) -> None:
+    s = stack
+    prompt = pk.prompts([100])[0]
+    body = {"model": s.model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    alone, _ = _post(s.decode, "/v1/completions", body)
+    loads = _loads(s)
+    doc, hdr = _post(s.proxy, "/v1/completions", body)
+    assert hdr["x-kvd-path"] == "pd" and float(hdr["x-kvd-prefill-ms"]) > 0, hdr
+    assert set(doc["kvd"]) == {"ticket_s", "prefill_s"}, doc.get("kvd")
+    assert _text(doc) == _text(alone) and doc["usage"]["completion_tokens"] == 16
+    text, hdr, done = _stream(s.proxy, "/v1/completions", body)
+    assert hdr["x-kvd-path"] == "pd" and done and text == _text(alone)
+    # a string prompt: tokenized on the prefill instance, the decode instance given those ids
+    words = {"model": s.model, "prompt": " ".join(WORDS * 4), "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    doc, hdr = _post(s.proxy, "/v1/completions", words)
+    assert hdr["x-kvd-path"] == "pd" and _text(doc) == _text(_post(s.decode, "/v1/completions", words)[0])
+    assert _loads(s) >= loads + 3, "the decode vLLM computed the prompts itself instead of loading the KV sent"
+    assert _wait_live_zero(s.decode_d.address) == 0 and _wait_live_zero(s.prefill_d.address) == 0
+
+
+def test_chat_whole_and_streamed_matches_the_decode_server_alone(stack: Stack) -> None:
+    s = stack
+    body = {"model": s.model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone, _ = _post(s.decode, "/v1/chat/completions", body)
+    loads = _loads(s)
+    doc, hdr = _post(s.proxy, "/v1/chat/completions", body)
+    assert hdr["x-kvd-path"] == "pd" and doc["object"] == "chat.completion" and _text(doc) == _text(alone)
+    text, hdr, done = _stream(s.proxy, "/v1/chat/completions", body)
+    assert hdr["x-kvd-path"] == "pd" and done and text == _text(alone)
+    # The decode instance templated the chat to the very tokens the ticket was minted for: it loaded.
+    assert _loads(s) >= loads + 2
+    assert _wait_live_zero(s.decode_d.address) == 0
+
+
+def test_what_the_handoff_cannot_serve_the_decode_instance_serves_alone(stack: Stack) -> None:
+    s = stack
+    short = {"model": s.model, "prompt": pk.prompts([20])[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    doc, hdr = _post(s.proxy, "/v1/completions", short)
+    assert hdr["x-kvd-path"] == "decode-only:short_prompt" and "kvd" not in doc
+    assert _text(doc) == _text(_post(s.decode, "/v1/completions", short)[0])
+    # A prefill instance that does not answer: the ticket minted for it is given back at once (not
+    # after the connector's 30 s admission window) and the decode instance computes the prompt.
+    dead = f"http://127.0.0.1:{pk.free_port()}"
+    url, proc = _proxy(s.tmp, "proxy-dead-prefill", dead, s.decode, s.tickets)
+    try:
+        body = {"model": s.model, "prompt": pk.prompts([90], salt=3)[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        t0 = time.monotonic()
+        doc, hdr = _post(url, "/v1/completions", body)
+        assert hdr["x-kvd-path"] == "decode-only:prefill_failed", hdr
+        assert _text(doc) == _text(_post(s.decode, "/v1/completions", body)[0])
+        assert _wait_live_zero(s.decode_d.address, 5) == 0 and time.monotonic() - t0 < 20
+        m = samples(_scrape_proxy(url))
+        assert m[("kvd_proxy_fallbacks_total", (("reason", "prefill_failed"),))] == 1
+        assert m[("kvd_proxy_requests_total", (("path", "decode-only"), ("route", "completions")))] == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    # bad input: a clear 400, nothing minted
+    req = urllib.request.Request(s.proxy + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and b"not JSON" in e.value.read()
+
+
+def _scrape_proxy(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def _vllm(url: str, name: str) -> float:
+    """A counter or gauge of the decode vLLM's own /metrics, summed over its labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(v for (n, _), v in samples(text).items() if n == name)
+
+
+def test_a_caller_gone_mid_stream_aborts_the_decode_request(stack: Stack) -> None:
+    """The caller reads one event and leaves: the proxy stops the stream and closes the decode
+    connection, so the decode vLLM drops the request with its 900 tokens far from done (no finished
+    request counted, fewer than 900 tokens generated) and its kvd pages are freed."""
+    s = stack
+    done0, gen0 = _vllm(s.decode, "vllm:request_success_total"), _vllm(s.decode, "vllm:generation_tokens_total")
+    host, port = s.proxy.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"model": s.model, "prompt": pk.prompts([100], salt=5)[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("x-kvd-path") == "pd"
+    assert r.readline().startswith(b"data: ")  # the first token is out
+    conn.sock.close()  # the caller goes away, 899 tokens early
+    conn.close()
+    end = time.monotonic() + 60
+    while (_vllm(s.decode, "vllm:num_requests_running") or _vllm(s.decode, "vllm:num_requests_waiting")) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert _vllm(s.decode, "vllm:num_requests_running") == 0
+    assert _vllm(s.decode, "vllm:request_success_total") == done0, "the decode vLLM finished the request for a caller that left"
+    assert _vllm(s.decode, "vllm:generation_tokens_total") - gen0 < 900
+    assert samples(_scrape_proxy(s.proxy))[("kvd_proxy_streams_cut_total", ())] == 1
+    assert _wait_live_zero(s.decode_d.address) == 0
