@@ -202,6 +202,10 @@ class _Proxy:
     async def _handoff(self, route: str, body: dict, dec: Instance, timings: dict[str, float]) -> tuple[dict, list[int] | None]:
         """Steps 1-3: the decode request's ``kv_transfer_params`` (and the completion's token ids)
         once the prefill instance sent the KV; _Fallback when the handoff cannot be made."""
+        if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
+            # Logprobs of the prompt need its logits, which only an instance that computes the
+            # prompt has: with the KV handed over, the decode instance never computes them.
+            raise _Fallback("prompt_logprobs", "the prompt's logprobs asked for: computed where the prompt is")
         tokens = await self._tokens(route, body)
         t0 = time.perf_counter()
         try:

@@ -207,6 +207,11 @@ def test_what_the_handoff_cannot_serve_the_decode_instance_serves_alone(stack: S
     doc, hdr = _post(s.proxy, "/v1/completions", short)
     assert hdr["x-kvd-path"] == "decode-only:short_prompt" and "kvd" not in doc
     assert _text(doc) == _text(_post(s.decode, "/v1/completions", short)[0])
+    # Logprobs of the prompt: only an instance that computes the prompt has them.
+    lp = {"model": s.model, "prompt": pk.prompts([70], salt=4)[0], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1}
+    doc, hdr = _post(s.proxy, "/v1/completions", lp)
+    assert hdr["x-kvd-path"] == "decode-only:prompt_logprobs"
+    assert doc["choices"][0]["prompt_logprobs"][1:] == _post(s.decode, "/v1/completions", lp)[0]["choices"][0]["prompt_logprobs"][1:]
     # A prefill instance that does not answer: the ticket minted for it is given back at once (not
     # after the connector's 30 s admission window) and the decode instance computes the prompt.
     dead = f"http://127.0.0.1:{pk.free_port()}"
