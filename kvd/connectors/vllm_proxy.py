@@ -22,7 +22,10 @@ which way it went: headers ``x-kvd-path`` (``pd``, or ``decode-only:<reason>``),
 ``/metrics`` counts requests by route and path, fallbacks by reason, and times each stage.
 
 Several instances of each role (``--prefill`` / ``--decode`` + ``--tickets``, repeated): each
-request goes to the instance of the role with the fewest requests in flight (ties in turn).
+request goes to the instance of the role with the fewest requests in flight (ties in turn). One
+that refuses a connection (nothing was started there) is passed over for :data:`DOWN_S` and the
+request tries the next: a prefill instance for its tokens or its prompt, a decode instance whose
+ticket server is down for its ticket.
 
 A caller that goes away mid-stream closes the decode connection, which makes vLLM abort the
 request (its kvd pages are freed by the connector as for any finished request).
@@ -39,7 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientConnectorError, ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 __all__ = ["Instance", "ProxyConfig", "Upstreams", "build_app", "serve"]
@@ -52,6 +55,10 @@ CHAT_PROMPT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_tem
 _STAGES = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+#: Seconds an instance that refused a connection is passed over (unless every one of its role is).
+DOWN_S = 5.0
+
+
 @dataclass
 class Instance:
     """One vLLM instance behind the proxy (a decode one with its connector's ticket URL)."""
@@ -59,13 +66,16 @@ class Instance:
     url: str
     tickets: str = ""
     in_flight: int = 0
+    down_until: float = 0.0  # time.monotonic(): refused a connection, passed over until then
 
 
 @dataclass
 class Upstreams:
-    """The instances of one role. :meth:`take` picks the one with the fewest requests in flight
-    (ties in turn) and counts the request in flight until its ``with`` block ends. Not
-    thread-safe: the proxy's one event loop is its only user."""
+    """The instances of one role. :meth:`take` picks, among those not marked down, the one with
+    the fewest requests in flight (ties in turn), and counts the request in flight until its
+    ``with`` block ends; :meth:`down` passes an instance over for :data:`DOWN_S` (all of them
+    down: every one is a candidate again). Not thread-safe: the proxy's one event loop is its
+    only user."""
 
     members: list[Instance]
     _turn: Iterator[int] = field(init=False, repr=False)
@@ -75,17 +85,25 @@ class Upstreams:
             raise ValueError("give at least one instance")
         self._turn = itertools.cycle(range(len(self.members)))
 
-    def pick(self) -> Instance:
-        low = min(m.in_flight for m in self.members)
+    def pick(self, now: float | None = None, *, besides: Sequence[Instance] = ()) -> Instance:
+        """``besides``: instances this request tried already (chosen only when nothing else is left)."""
+        now = time.monotonic() if now is None else now
+        up = [m for m in self.members if m.down_until <= now and m not in besides]
+        pool = up or [m for m in self.members if m not in besides] or self.members
+        low = min(m.in_flight for m in pool)
         for _ in range(len(self.members)):
             m = self.members[next(self._turn)]
-            if m.in_flight == low:
+            if m in pool and m.in_flight == low:
                 return m
         raise AssertionError("unreachable: one member has the lowest count")
 
+    def down(self, m: Instance, now: float | None = None) -> None:
+        m.down_until = (time.monotonic() if now is None else now) + DOWN_S
+        log.warning("%s refused a connection: passed over for %.0f s", m.url, DOWN_S)
+
     @contextmanager
-    def take(self, inst: Instance | None = None) -> Iterator[Instance]:
-        m = inst or self.pick()
+    def take(self, inst: Instance | None = None, *, besides: Sequence[Instance] = ()) -> Iterator[Instance]:
+        m = inst or self.pick(besides=besides)
         m.in_flight += 1
         try:
             yield m
@@ -132,6 +150,10 @@ class _Upstream(Exception):
         self.status = status
 
 
+class _DecodeDown(Exception):
+    """A decode instance's ticket server refused the connection: try another decode instance."""
+
+
 class _Fallback(Exception):
     """The handoff could not be set up: serve the request on a decode instance alone."""
 
@@ -165,6 +187,20 @@ class _Proxy:
                 raise _Upstream(r.status, (await r.text())[:500])
             return await r.json()
 
+    async def _on_prefill(self, path: str, body: dict, timeout: float) -> Any:
+        """POST to a prefill instance; one that refuses the connection (nothing started there) is
+        marked down and the next one tried. Raises what the last try raised."""
+        tried: list[Instance] = []
+        while True:
+            with self.prefill.take(besides=tried) as p:
+                try:
+                    return await self._post(f"{p.url}{path}", body, timeout)
+                except ClientConnectorError:
+                    self.prefill.down(p)
+                    tried.append(p)
+                    if len(tried) >= len(self.prefill.members):
+                        raise
+
     async def _tokens(self, route: str, body: dict) -> list[int]:
         if route == "completions":
             prompt = body.get("prompt")
@@ -179,14 +215,13 @@ class _Proxy:
             req = {"messages": body["messages"], **{k: body[k] for k in CHAT_PROMPT_KEYS if k in body}}
         if "model" in body:
             req["model"] = body["model"]
-        with self.prefill.take() as p:
-            try:
-                got = await self._post(f"{p.url}/tokenize", req, self.cfg.connect_timeout_s + 20)
-            except (_Upstream, ClientError, asyncio.TimeoutError) as exc:
-                raise _Fallback("tokenize_failed", f"{p.url}/tokenize: {exc}") from exc
+        try:
+            got = await self._on_prefill("/tokenize", req, self.cfg.connect_timeout_s + 20)
+        except (_Upstream, ClientError, asyncio.TimeoutError) as exc:
+            raise _Fallback("tokenize_failed", f"/tokenize: {exc}") from exc
         toks = got.get("tokens") if isinstance(got, dict) else None
         if not isinstance(toks, list):
-            raise _Fallback("tokenize_failed", f"{p.url}/tokenize answered no token list")
+            raise _Fallback("tokenize_failed", "/tokenize answered no token list")
         return toks
 
     async def _release(self, dec: Instance, rid: str) -> None:
@@ -201,7 +236,8 @@ class _Proxy:
 
     async def _handoff(self, route: str, body: dict, dec: Instance, timings: dict[str, float]) -> tuple[dict, list[int] | None]:
         """Steps 1-3: the decode request's ``kv_transfer_params`` (and the completion's token ids)
-        once the prefill instance sent the KV; _Fallback when the handoff cannot be made."""
+        once the prefill instance sent the KV; _Fallback when the handoff cannot be made,
+        _DecodeDown when ``dec``'s ticket server refuses the connection."""
         if body.get("prompt_logprobs") is not None or (body.get("echo") and body.get("logprobs") is not None):
             # Logprobs of the prompt need its logits, which only an instance that computes the
             # prompt has: with the KV handed over, the decode instance never computes them.
@@ -212,6 +248,8 @@ class _Proxy:
             tk = await self._post(f"{dec.tickets}/v1/kvd/tickets", {"prompt_token_ids": tokens}, self.cfg.connect_timeout_s + 20)
         except _Upstream as exc:
             raise _Fallback("short_prompt" if exc.status == 400 else "no_ticket", f"{dec.tickets}: {exc}") from exc
+        except ClientConnectorError as exc:
+            raise _DecodeDown(str(exc)) from exc
         except (ClientError, asyncio.TimeoutError) as exc:
             raise _Fallback("no_ticket", f"{dec.tickets}: {exc}") from exc
         t1 = time.perf_counter()
@@ -219,12 +257,11 @@ class _Proxy:
         pre = {"prompt": tokens[: tk["kvd_tokens"]], "max_tokens": 1, "stream": False, "kv_transfer_params": tk}
         if "model" in body:
             pre["model"] = body["model"]
-        with self.prefill.take() as p:
-            try:
-                await self._post(f"{p.url}/v1/completions", pre, self.cfg.prefill_timeout_s)
-            except (_Upstream, ClientError, asyncio.TimeoutError) as exc:
-                await self._release(dec, tk["kvd_rid"])
-                raise _Fallback("prefill_failed", f"{p.url}: {exc}") from exc
+        try:
+            await self._on_prefill("/v1/completions", pre, self.cfg.prefill_timeout_s)
+        except (_Upstream, ClientError, asyncio.TimeoutError) as exc:
+            await self._release(dec, tk["kvd_rid"])
+            raise _Fallback("prefill_failed", f"prefill: {type(exc).__name__}: {exc}") from exc
         timings["prefill"] = time.perf_counter() - t1
         for stage in ("ticket", "prefill"):
             self.metrics.stage.labels(stage).observe(timings[stage])
@@ -245,21 +282,31 @@ class _Proxy:
         if not isinstance(body, dict):
             return web.json_response({"error": "the body must be a JSON object (the OpenAI request)"}, status=400)
         path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
-        timings: dict[str, float] = {}
-        with self.decode.take() as dec:
-            try:
-                params, tokens = await self._handoff(route, body, dec, timings)
-                way = "pd"
-                out = dict(body, kv_transfer_params=params)
-                if tokens is not None:
-                    out["prompt"] = tokens
-            except _Fallback as fb:
-                log.info("%s: served by %s alone (%s): %s", path, dec.url, fb.reason, fb)
-                self.metrics.fallbacks.labels(fb.reason).inc()
-                way, out = f"decode-only:{fb.reason}", body
-            self.metrics.requests.labels(route, way.split(":")[0]).inc()
-            headers = {"x-kvd-path": way, **{f"x-kvd-{k}-ms": f"{v * 1e3:.3f}" for k, v in timings.items()}}
-            return await self._decode(request, dec, path, out, headers, timings)
+        tried: list[Instance] = []
+        while True:
+            timings: dict[str, float] = {}
+            with self.decode.take(besides=tried) as dec:
+                try:
+                    params, tokens = await self._handoff(route, body, dec, timings)
+                    way = "pd"
+                    out = dict(body, kv_transfer_params=params)
+                    if tokens is not None:
+                        out["prompt"] = tokens
+                except _DecodeDown as exc:
+                    self.decode.down(dec)
+                    tried.append(dec)
+                    if len(tried) < len(self.decode.members):
+                        continue  # another decode instance (nothing was started on this one)
+                    way, out = "decode-only:decode_down", body
+                    self.metrics.fallbacks.labels("decode_down").inc()
+                    log.warning("%s: every decode instance's ticket server refused (%s)", path, exc)
+                except _Fallback as fb:
+                    log.info("%s: served by %s alone (%s): %s", path, dec.url, fb.reason, fb)
+                    self.metrics.fallbacks.labels(fb.reason).inc()
+                    way, out = f"decode-only:{fb.reason}", body
+                self.metrics.requests.labels(route, way.split(":")[0]).inc()
+                headers = {"x-kvd-path": way, **{f"x-kvd-{k}-ms": f"{v * 1e3:.3f}" for k, v in timings.items()}}
+                return await self._decode(request, dec, path, out, headers, timings)
 
     async def _decode(self, request: web.Request, dec: Instance, path: str, body: dict, headers: dict[str, str],
                       timings: dict[str, float]) -> web.StreamResponse:
@@ -298,6 +345,8 @@ class _Proxy:
                     self.metrics.cut.inc()
                 return out
         except (ClientError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ClientConnectorError):
+                self.decode.down(dec)
             return web.json_response({"error": f"decode instance {dec.url}: {type(exc).__name__}: {exc}"}, status=502, headers=headers)
 
     async def passthrough(self, request: web.Request) -> web.Response:

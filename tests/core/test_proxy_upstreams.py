@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("aiohttp", reason="kvd proxy needs the proxy extra (aiohttp)")
 
-from kvd.connectors.vllm_proxy import Instance, ProxyConfig, Upstreams  # noqa: E402
+from kvd.connectors.vllm_proxy import DOWN_S, Instance, ProxyConfig, Upstreams  # noqa: E402
 
 
 def test_ties_go_in_turn_and_a_busy_instance_is_passed_over():
@@ -38,3 +38,24 @@ def test_the_configuration_refuses_what_cannot_work():
         ProxyConfig(["http://p"], ["http://d1", "http://d2"], ["http://t1"])
     with pytest.raises(ValueError, match="at least one --prefill"):
         ProxyConfig([], ["http://d"], ["http://t"])
+
+
+def test_an_instance_that_refused_is_passed_over_until_its_time_is_up():
+    ups = Upstreams([Instance("a"), Instance("b")])
+    a, b = ups.members
+    ups.down(a, now=100.0)
+    assert {ups.pick(now=101.0).url for _ in range(4)} == {"b"}
+    assert {ups.pick(now=100.0 + DOWN_S).url for _ in range(4)} == {"a", "b"}
+    ups.down(b, now=100.0)
+    assert {ups.pick(now=101.0).url for _ in range(4)} == {"a", "b"}, "all down: every one is a candidate again"
+
+
+def test_a_request_tries_each_instance_once_before_any_again():
+    ups = Upstreams([Instance("a"), Instance("b"), Instance("c")])
+    tried: list[Instance] = []
+    for _ in range(3):
+        with ups.take(besides=tried) as m:
+            assert m not in tried
+            tried.append(m)
+    assert sorted(m.url for m in tried) == ["a", "b", "c"]
+    assert ups.pick(besides=tried).url in {"a", "b", "c"}  # all tried: any again

@@ -98,6 +98,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                   "decode": {"kvdConfig": {"arena_bytes": "1536MiB", "grace_s": 30, "layout": "qwen3.5-0.8b"},
                              "engine": {"image": {"tag": "1.1"}}}},  # a part of the image only: the rest from engine
         "kvd": {"peerToken": {"secretName": "kvd-token"}},
+        "proxy": {"enabled": True},
         "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
         "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
                           "extraIngress": [{"ports": [{"port": 9999}]}]},
@@ -400,3 +401,77 @@ def test_daemonset_mode_one_kvd_per_node_over_a_hostpath_socket(tmp_path):
     assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
     bad = helm("template", "t1", values={**DAEMONSET, "daemonset": {"kvdConfig": {"listen_unix": ""}}}, tmp=tmp_path)
     assert bad.returncode != 0 and "listen_unix must be set" in bad.stderr
+
+
+def _proxy_config(objs: dict[str, list[dict]]):
+    """The proxy Deployment's container and the configuration kvd's own CLI makes of its command."""
+    import argparse
+
+    from kvd import cli
+    from kvd.connectors.vllm_proxy import ProxyConfig
+
+    (dep,) = [d for d in objs["Deployment"] if d["metadata"]["labels"]["app.kubernetes.io/component"] == "proxy"]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    parser = argparse.ArgumentParser()
+    cli._proxy_parser(parser.add_subparsers(dest="cmd"))
+    assert c["command"][:2] == ["kvd", "proxy"]
+    args = parser.parse_args(c["command"][1:] + c["args"])
+    return dep, c, args, ProxyConfig(args.prefill, args.decode, args.tickets, prefill_timeout_s=args.prefill_timeout)
+
+
+@helm_only
+def test_the_proxy_is_given_every_pod_of_both_roles(tmp_path):
+    """proxy.enabled: a Deployment whose command kvd's CLI parses, naming each pod of both roles by
+    its stable DNS name (StatefulSet pod <sts>-<i> under the role's headless Service), each decode
+    pod with its ticket URL; a Service in front and its metrics port for the ServiceMonitor."""
+    pytest.importorskip("aiohttp")
+    objs = render({"proxy": {"enabled": True, "ticketPort": 8301}, "roles": {"prefill": {"replicas": 2}, "decode": {"replicas": 3}},
+                   "metrics": {"serviceMonitor": {"enabled": True}}}, tmp_path)
+    dep, c, args, cfg = _proxy_config(objs)
+    sts = {s["metadata"]["labels"]["app.kubernetes.io/component"]: s for s in objs["StatefulSet"]}
+    for role, urls, n in (("prefill", cfg.prefill, 2), ("decode", cfg.decode, 3)):
+        name, svc = sts[role]["metadata"]["name"], sts[role]["spec"]["serviceName"]
+        assert urls == [f"http://{name}-{i}.{svc}.serving.svc:8000" for i in range(n)]
+    assert cfg.tickets == [u.replace(":8000", ":8301") for u in cfg.decode]
+    assert args.listen == "0.0.0.0:8000" and c["ports"] == [{"name": "http", "containerPort": 8000}]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health" and c["securityContext"]["readOnlyRootFilesystem"] is True
+    (svc,) = [s for s in objs["Service"] if s["metadata"]["labels"]["app.kubernetes.io/component"] == "proxy"]
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert all(pod_labels[k] == v for k, v in svc["spec"]["selector"].items())
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"http": 80, "metrics": 8000}
+    (sm,) = objs["ServiceMonitor"]
+    assert all(svc["metadata"]["labels"][k] == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
+    # no role's pods are selected by the proxy's Service, and the proxy's by no role's
+    for s in objs["Service"]:
+        if s is not svc:
+            assert s["spec"]["selector"]["app.kubernetes.io/component"] != "proxy"
+
+
+@helm_only
+def test_the_proxy_takes_given_urls_and_refuses_half_of_them(tmp_path):
+    pytest.importorskip("aiohttp")
+    given = {"proxy": {"enabled": True, "prefill": ["http://p0:8000"],
+                       "decode": [{"url": "http://d0:8000", "tickets": "http://d0:8201"}, {"url": "http://d1:8000", "tickets": "http://d1:8201"}]},
+             "mode": "daemonset"}
+    _, _, _, cfg = _proxy_config(render(given, tmp_path))
+    assert (list(cfg.prefill), list(cfg.decode), list(cfg.tickets)) == (["http://p0:8000"], ["http://d0:8000", "http://d1:8000"],
+                                                                        ["http://d0:8201", "http://d1:8201"])
+    for values, phrase in (({"proxy": {"enabled": True, "prefill": ["http://p0:8000"]}}, "give both proxy.prefill and proxy.decode"),
+                           ({"proxy": {"enabled": True}, "mode": "daemonset"}, "mode daemonset runs no engines"),
+                           ({"proxy": {"enabled": True}, "roles": {"decode": {"enabled": False}}}, "it needs prefill and decode pods"),
+                           ({"proxy": {"enabled": True, "prefill": ["p0:8000"], "decode": []}}, "does not match")):
+        r = helm("template", "t1", values=values, tmp=tmp_path)
+        assert r.returncode != 0 and phrase in r.stderr, (phrase, r.stderr)
+
+
+@helm_only
+def test_a_network_policy_that_names_the_engines_callers_lets_the_proxy_in(tmp_path):
+    values = {"proxy": {"enabled": True}, "engine": {"image": {"repository": "e", "tag": "1"}, "ports": [{"name": "http", "containerPort": 8000},
+                                                                                             {"name": "tickets", "containerPort": 8201}]},
+              "networkPolicy": {"enabled": True, "engineFrom": [{"podSelector": {"matchLabels": {"app": "router"}}}]}}
+    objs = render(values, tmp_path)
+    for np in objs["NetworkPolicy"]:
+        (rule,) = [r for r in np["spec"]["ingress"] if {p["port"] for p in r.get("ports", [])} == {8000, 8201}]
+        selectors = [f["podSelector"]["matchLabels"] for f in rule["from"]]
+        assert {"app": "router"} in selectors
+        assert any(s.get("app.kubernetes.io/component") == "proxy" for s in selectors)

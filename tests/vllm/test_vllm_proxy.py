@@ -236,6 +236,30 @@ def test_what_the_handoff_cannot_serve_the_decode_instance_serves_alone(stack: S
     assert e.value.code == 400 and b"not JSON" in e.value.read()
 
 
+def test_instances_that_refuse_connections_are_passed_over(stack: Stack) -> None:
+    """A proxy given a dead instance of each role beside the live one (listed first): every
+    request still goes through the handoff, on the live instances."""
+    s = stack
+    dead = [f"http://127.0.0.1:{pk.free_port()}" for _ in range(3)]
+    port = pk.free_port()
+    log = open(s.tmp / "proxy-dead-first.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "proxy", "--listen", f"127.0.0.1:{port}",
+                             "--prefill", dead[0], "--prefill", s.prefill, "--decode", dead[1], "--tickets", dead[2],
+                             "--decode", s.decode, "--tickets", s.tickets], stdout=log, stderr=subprocess.STDOUT, cwd=pk.REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _up(url, proc, s.tmp / "proxy-dead-first.log", 60)
+        for i in range(3):
+            body = {"model": s.model, "prompt": " ".join(WORDS[i:] * 4), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            doc, hdr = _post(url, "/v1/completions", body)
+            assert hdr["x-kvd-path"] == "pd", hdr
+            assert _text(doc) == _text(_post(s.decode, "/v1/completions", body)[0])
+        assert _wait_live_zero(s.decode_d.address) == 0
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def _scrape_proxy(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return r.read().decode()
