@@ -227,3 +227,66 @@ def wait_state(port: int, rids: list[str], states: set[str], timeout: float = 60
         if all(s is not None and s["state"] in states for s in st) or time.monotonic() > end:
             return st
         time.sleep(0.05)
+
+
+# -- OpenAI servers (vLLM's api_server) and `kvd proxy`, for the proxy's tier test and bench --
+
+#: The servers' environment: the engine core in its own process (vLLM's default for a server).
+SERVER_ENV = {k: v for k, v in ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+#: A chat template for the tiny tokenizer (it has none); give both servers the same one.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def start_server(tmp: Path, name: str, model: str, port: int, kv: str, *, max_len: int = 1024) -> subprocess.Popen:
+    """``python -m vllm.entrypoints.openai.api_server`` on ``port`` with kvd's connector (``kv``);
+    its log in ``tmp/name.server.log``. Not waited for: :func:`wait_up`."""
+    template = tmp / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    log = open(tmp / f"{name}.server.log", "w")  # noqa: SIM115 -- the child holds it
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port), "--model", model,
+            "--dtype", "float32", "--max-model-len", str(max_len), "--enforce-eager", "--no-enable-prefix-caching",
+            "--block-size", "32", "--seed", "0", "--chat-template", str(template), "--kv-transfer-config", kv]
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **SERVER_ENV})
+
+
+def wait_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    """Until ``url``/health answers; RuntimeError with the log's tail if ``proc`` exits or time runs out."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(1)
+    raise RuntimeError(f"no server on {url} after {timeout} s: {log.read_text()[-3000:]}")
+
+
+def start_proxy(tmp: Path, name: str, prefill: list[str], decode: list[tuple[str, str]]) -> tuple[str, subprocess.Popen]:
+    """``kvd proxy`` over ``prefill`` URLs and ``decode`` (URL, ticket URL) pairs, answering; its URL."""
+    port = free_port()
+    log = tmp / f"{name}.log"
+    argv = [sys.executable, "-m", "kvd.cli", "proxy", "--listen", f"127.0.0.1:{port}", "--prefill-timeout", "60"]
+    for u in prefill:
+        argv += ["--prefill", u]
+    for u, t in decode:
+        argv += ["--decode", u, "--tickets", t]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    wait_up(url, proc, log, 60)
+    return url, proc
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,13 +27,8 @@ from daemon_kit import samples  # noqa: E402
 
 from kvd.client import Client  # noqa: E402
 
-# A Llama-style template: the tiny tokenizer has none. Both servers get the same one.
-TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
 CHAT = [{"role": "system", "content": " ".join(WORDS * 3)}, {"role": "user", "content": " ".join(reversed(WORDS * 2))}]
-# the bench's server recipe: the engine core in its own process (vLLM's default for a server)
-SERVER_ENV = {k: v for k, v in pk.ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
 
 
 @dataclass
@@ -51,67 +44,26 @@ class Stack:
     procs: list[subprocess.Popen]
 
 
-def _server(tmp: Path, name: str, model: str, port: int, kv: str, template: Path) -> subprocess.Popen:
-    log = open(tmp / f"{name}.server.log", "w")  # noqa: SIM115 -- the child holds it
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port), "--model", model,
-            "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager", "--no-enable-prefix-caching",
-            "--block-size", "32", "--seed", "0", "--chat-template", str(template), "--kv-transfer-config", kv]
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=pk.REPO, env={**os.environ, **SERVER_ENV})
-
-
-def _up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1)
-    raise RuntimeError(f"no server on {url} after {timeout} s: {log.read_text()[-3000:]}")
-
-
-def _proxy(tmp: Path, name: str, prefill: str, decode: str, tickets: str) -> tuple[str, subprocess.Popen]:
-    port = pk.free_port()
-    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "proxy", "--listen", f"127.0.0.1:{port}", "--prefill", prefill,
-                             "--decode", decode, "--tickets", tickets, "--prefill-timeout", "60"],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=pk.REPO)
-    url = f"http://127.0.0.1:{port}"
-    _up(url, proc, tmp / f"{name}.log", 60)
-    return url, proc
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("proxy")
     model = tiny_models.build("llama", str(tmp_path_factory.getbasetemp() / "models"))
-    template = tmp / "chat.jinja"
-    template.write_text(TEMPLATE)
     procs: list[subprocess.Popen] = []
     pd_ = dd = None
     try:
         pd_, dd = pk.Daemon.start(tmp, "p"), pk.Daemon.start(tmp, "d")
         pport, dport, tport = pk.free_port(), pk.free_port(), pk.free_port()
-        # one at a time: two vLLM start-ups at once crawl on 2 cores
-        procs.append(_server(tmp, "decode", model, dport, pk.kv_config("kv_consumer", dd.address, kvd_ticket_listen=f"127.0.0.1:{tport}"),
-                             template))
-        _up(f"http://127.0.0.1:{dport}", procs[-1], tmp / "decode.server.log")
-        procs.append(_server(tmp, "prefill", model, pport, pk.kv_config("kv_producer", pd_.address), template))
-        _up(f"http://127.0.0.1:{pport}", procs[-1], tmp / "prefill.server.log")
         urls = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{dport}", f"http://127.0.0.1:{tport}"
-        proxy, proc = _proxy(tmp, "proxy", *urls)
+        # one at a time: two vLLM start-ups at once crawl on 2 cores
+        procs.append(pk.start_server(tmp, "decode", model, dport, pk.kv_config("kv_consumer", dd.address, kvd_ticket_listen=f"127.0.0.1:{tport}")))
+        pk.wait_up(urls[1], procs[-1], tmp / "decode.server.log")
+        procs.append(pk.start_server(tmp, "prefill", model, pport, pk.kv_config("kv_producer", pd_.address)))
+        pk.wait_up(urls[0], procs[-1], tmp / "prefill.server.log")
+        proxy, proc = pk.start_proxy(tmp, "proxy", [urls[0]], [(urls[1], urls[2])])
         procs.append(proc)
         yield Stack(tmp, model, pd_, dd, *urls, proxy, procs)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        pk.stop_all(procs)
         for d in (pd_, dd):
             if d is not None:
                 d.stop()
@@ -215,7 +167,7 @@ def test_what_the_handoff_cannot_serve_the_decode_instance_serves_alone(stack: S
     # A prefill instance that does not answer: the ticket minted for it is given back at once (not
     # after the connector's 30 s admission window) and the decode instance computes the prompt.
     dead = f"http://127.0.0.1:{pk.free_port()}"
-    url, proc = _proxy(s.tmp, "proxy-dead-prefill", dead, s.decode, s.tickets)
+    url, proc = pk.start_proxy(s.tmp, "proxy-dead-prefill", [dead], [(s.decode, s.tickets)])
     try:
         body = {"model": s.model, "prompt": pk.prompts([90], salt=3)[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         t0 = time.monotonic()
@@ -227,8 +179,7 @@ def test_what_the_handoff_cannot_serve_the_decode_instance_serves_alone(stack: S
         assert m[("kvd_proxy_fallbacks_total", (("reason", "prefill_failed"),))] == 1
         assert m[("kvd_proxy_requests_total", (("path", "decode-only"), ("route", "completions")))] == 1
     finally:
-        proc.terminate()
-        proc.wait(10)
+        pk.stop_all([proc])
     # bad input: a clear 400, nothing minted
     req = urllib.request.Request(s.proxy + "/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as e:
@@ -241,14 +192,8 @@ def test_instances_that_refuse_connections_are_passed_over(stack: Stack) -> None
     request still goes through the handoff, on the live instances."""
     s = stack
     dead = [f"http://127.0.0.1:{pk.free_port()}" for _ in range(3)]
-    port = pk.free_port()
-    log = open(s.tmp / "proxy-dead-first.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen([sys.executable, "-m", "kvd.cli", "proxy", "--listen", f"127.0.0.1:{port}",
-                             "--prefill", dead[0], "--prefill", s.prefill, "--decode", dead[1], "--tickets", dead[2],
-                             "--decode", s.decode, "--tickets", s.tickets], stdout=log, stderr=subprocess.STDOUT, cwd=pk.REPO)
-    url = f"http://127.0.0.1:{port}"
+    url, proc = pk.start_proxy(s.tmp, "proxy-dead-first", [dead[0], s.prefill], [(dead[1], dead[2]), (s.decode, s.tickets)])
     try:
-        _up(url, proc, s.tmp / "proxy-dead-first.log", 60)
         for i in range(3):
             body = {"model": s.model, "prompt": " ".join(WORDS[i:] * 4), "max_tokens": 4, "temperature": 0, "ignore_eos": True}
             doc, hdr = _post(url, "/v1/completions", body)
@@ -256,8 +201,7 @@ def test_instances_that_refuse_connections_are_passed_over(stack: Stack) -> None
             assert _text(doc) == _text(_post(s.decode, "/v1/completions", body)[0])
         assert _wait_live_zero(s.decode_d.address) == 0
     finally:
-        proc.terminate()
-        proc.wait(10)
+        pk.stop_all([proc])
 
 
 def _scrape_proxy(url: str) -> str:
