@@ -166,3 +166,58 @@ def test_a_ticket_whose_request_will_not_come_is_given_back_at_once(tmp_path):
             book.close()
     finally:
         stop_inproc(t)
+
+
+def test_the_ticket_server_keeps_a_proxys_connection_and_drops_one_it_cannot_reuse(tmp_path):
+    """HTTP/1.1 keep-alive: mint, look up and give back tickets on one connection (a pooled proxy
+    connection costs no connect and no thread per ticket); a request whose body it does not read
+    (a wrong path) is answered with ``Connection: close`` and the connection closed, so that body is
+    never taken for the next request."""
+    import http.client
+    import json
+
+    from kvd.connectors.vllm import _ticket_server
+    from pd_kit import free_port
+
+    t = start_inproc(tmp_path)
+    try:
+        kv = t.connect(name="scheduler")
+        layout = kv.info().layout
+        book = _TicketBook(kv, 30.0, layout.page_size, layout)
+        port = free_port()
+        srv = _ticket_server(book, f"127.0.0.1:{port}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            prompt = list(range(1, 2 * layout.page_size + 2))
+            rids = []
+            for _ in range(3):
+                conn.request("POST", "/v1/kvd/tickets", json.dumps({"prompt_token_ids": prompt}), {"Content-Type": "application/json"})
+                r = conn.getresponse()
+                assert r.status == 200 and r.getheader("Connection") != "close"
+                rids.append(json.loads(r.read())["kvd_rid"])
+            sock = conn.sock
+            conn.request("GET", f"/v1/kvd/transfers/{rids[0]}")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["state"] == "WAITING"
+            for rid in rids:
+                conn.request("DELETE", f"/v1/kvd/tickets/{rid}")
+                r = conn.getresponse()
+                assert r.status == 200 and json.loads(r.read())["released"] is True
+            assert conn.sock is sock, "the connection was not kept"
+            assert kv.stats().pool.requests_live == 0
+            conn.request("POST", "/v1/kvd/nope", json.dumps({"prompt_token_ids": prompt}), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            assert r.status == 404 and r.getheader("Connection") == "close"
+            r.read()
+            conn.request("POST", "/v1/kvd/tickets", json.dumps({"prompt_token_ids": prompt}), {"Content-Type": "application/json"})
+            r = conn.getresponse()  # http.client reconnected: the unread body never reached a handler
+            assert r.status == 200 and conn.sock is not sock
+            assert book.cancel(json.loads(r.read())["kvd_rid"]) == (200, "freed")
+            conn.close()
+            t.check()
+        finally:
+            srv.shutdown()
+            srv.server_close()
+            book.close()
+    finally:
+        stop_inproc(t)
