@@ -89,6 +89,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 
 from kvd.client import Client
 from kvd.connectors import vllm_blocks as vb
+from kvd.connectors.vllm_stats import CopyStats, KvdConnectorStats, KvdPromMetrics, TicketStats, grown
 from kvd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, SessionGone
 from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
@@ -189,34 +190,6 @@ def _prompt_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
 
 
-@dataclass
-class CopyStats:
-    """What the worker side of a connector copied and sent so far (bytes, seconds): ``save`` is
-    vLLM's blocks -> kvd pages (prefill, in save_kv_layer / wait_for_save), ``send`` the kvd Sends
-    (prefill daemon -> decode daemon, as SendResult reports them), ``load`` kvd pages -> vLLM's
-    blocks (decode, start_load_kv)."""
-
-    save_bytes: int = 0
-    save_s: float = 0.0
-    send_bytes: int = 0
-    send_s: float = 0.0
-    sends: int = 0
-    load_bytes: int = 0
-    load_s: float = 0.0
-    loads: int = 0
-    reconnects: int = 0  # the daemon forgot this worker's session (restart, reap): a new client and arena
-    opens: int = 0  # Allocate calls that opened requests (allocated, transfer begun) on the forward thread
-    opened: int = 0  # ... the requests they opened (more than ``opens``: a step's new requests share a call)
-    batches_refused: int = 0  # a step's shared Allocate refused: its requests were opened one call each
-    cached_tokens: int = 0  # tokens saved that vLLM did not compute (its prefix cache held them)
-    abandoned: int = 0  # opened requests vLLM ended before their last chunk (aborted): aborted and freed in kvd
-    steps: int = 0  # engine steps this worker ran (start_load_kv is called once a step)
-    session_probes: int = 0  # KeepAlives sent before writing: no call had been answered for half the session's TTL
-    adopted: int = 0  # requests a step's Allocate opened though its reply was lost: carried on, not opened twice
-    sync_loads: int = 0  # loads copied in the step that computes their request's tail (READY when admitted)
-    sync_failed: int = 0  # ... that failed: their blocks reported (vLLM fails the request), nothing copied
-
-
 # ---- metadata: scheduler -> worker (plain values: it may be pickled between processes) ------------
 @dataclass
 class _Save:
@@ -300,6 +273,7 @@ class _TicketBook:
         self.sync_tokens = sync_tokens  # 0: every load asynchronous
         self.workers = workers  # each reports a sync load done; the kvd request is freed after the last
         self.lock = threading.Lock()
+        self.stats = TicketStats()  # counted under the lock
         self.pending: dict[str, _Pending] = {}
         self.by_req: dict[str, str] = {}
         self._stop = threading.Event()
@@ -329,6 +303,7 @@ class _TicketBook:
         with self.lock:
             now = time.monotonic()
             self.pending[rid] = _Pending(rid, n, _prompt_digest(prompt[:n]), now + self.admit_ttl, now + self.admit_ttl)
+            self.stats.tickets_minted += 1
         if self.kv.doorbell(rid) is not None:
             with self.lock:
                 self._rung.add(rid)
@@ -372,6 +347,7 @@ class _TicketBook:
                 return 409, f"the decode vLLM admitted it as request {p.req_id}; it is freed when that request ends"
             del self.pending[rid]
             self._rung.discard(rid)
+            self.stats.tickets_released += 1
         self._free(rid)
         return 200, "freed"
 
@@ -460,6 +436,7 @@ class _TicketBook:
                 dead = [p for p in self.pending.values() if p.req_id is None and p.deadline <= now]
                 for p in dead:
                     del self.pending[p.rid]
+                self.stats.tickets_expired += len(dead)
             for p in dead:
                 log.warning("kvd request %s was never admitted by this vLLM within %.1f s: freed", p.rid, self.admit_ttl)
                 self._free(p.rid)
@@ -490,16 +467,20 @@ class _TicketBook:
             if p is None:
                 log.warning("request %s names kvd request %r, which this connector does not hold (expired?): computing locally",
                             request.request_id, rid)
+                self.stats.not_matched += 1
                 return 0, False
             if p.req_id not in (None, request.request_id):
                 log.warning("kvd request %r is already admitted as %s; computing %s locally", rid, p.req_id, request.request_id)
+                self.stats.not_matched += 1
                 return 0, False
             prompt = list(request.prompt_token_ids or [])
             if len(prompt) <= p.tokens or _prompt_digest(prompt[: p.tokens]) != p.digest:
                 log.warning("request %s: its prompt is not the one kvd request %r was minted for: computing locally",
                             request.request_id, rid)
+                self.stats.not_matched += 1
                 return 0, False
             p.req_id = request.request_id
+            self.stats.admitted += 1
             p.deadline = float("inf")
             self.by_req[request.request_id] = rid
             if p.tokens <= num_computed:  # vLLM's own prefix cache holds every ticketed token
@@ -537,6 +518,7 @@ class _TicketBook:
             todo = [p for p in self.pending.values() if p.block_ids is not None and not p.dispatched and p.state in ("READY", "FAILED")]
             for p in todo:
                 p.dispatched = True
+                self.stats.transfers_failed += p.state == "FAILED"
         vecs = self._vectors([p.rid for p in todo if p.state == "READY"])
         for p in todo:
             if p.req_id is None or p.block_ids is None:  # allocated() sets block_ids only on an admitted request
@@ -727,6 +709,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._slots_meta: object = None
         self._step_slots: dict[tuple[str, int], vb.DeviceSlots] = {}
         self.copy_stats = CopyStats()
+        self._stats_seen: dict[str, Any] = {}  # what get_kv_connector_stats reported last
         self._failed: set[str] = set()  # consumer: loads that failed this step
         self._sync_loads: dict[str, torch.cuda.Event | None] = {}  # consumer: sync loads copied, until reported
         self._invalid: set[int] = set()  # consumer: vLLM blocks of sync loads that failed this step
@@ -971,6 +954,28 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._invalid.update(b for b in ld.block_ids[0][ld.start // bs:-(-ld.end // bs)] if b != 0)
         self._sync_loads[ld.req_id] = None
         self.copy_stats.sync_failed += 1
+
+    # -- telemetry (kvd/connectors/vllm_stats.py) --
+    def get_kv_connector_stats(self) -> KvdConnectorStats | None:
+        """What this side counted since the previous call (vLLM calls it each step on a worker and
+        each scheduler step on the scheduler); None when nothing did."""
+        if self._book is not None:
+            with self._book.lock:
+                grew = grown(self._book.stats, self._stats_seen)
+        elif self.role is KVConnectorRole.WORKER:
+            grew = grown(self.copy_stats, self._stats_seen)
+        else:
+            return None
+        return KvdConnectorStats(data=grew) if grew else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvdConnectorStats:
+        return KvdConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvdPromMetrics:
+        return KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()

@@ -221,3 +221,24 @@ def test_the_ticket_server_keeps_a_proxys_connection_and_drops_one_it_cannot_reu
             book.close()
     finally:
         stop_inproc(t)
+
+
+def test_the_counts_vllm_logs_and_exports_are_what_grew_summed_over_workers():
+    """get_kv_connector_stats hands vLLM only what grew since its last call; vLLM sums workers'
+    (and the scheduler's) and logs the sum."""
+    from kvd.connectors.vllm_stats import KvdConnectorStats, grown
+
+    c = _worker()
+    seen: dict = {}
+    c.copy_stats.loads, c.copy_stats.load_bytes, c.copy_stats.load_s = 2, 4096, 0.0015
+    assert grown(c.copy_stats, seen) == {"loads": 2, "load_bytes": 4096, "load_s": 0.0015}
+    assert grown(c.copy_stats, seen) == {}
+    c.copy_stats.loads += 1
+    a = KvdConnectorStats(data=grown(c.copy_stats, seen))
+    b = KvdConnector.build_kv_connector_stats({"loads": 2, "load_bytes": 100, "load_s": 0.25})
+    total = a.aggregate(b)
+    assert total.data == {"loads": 3, "load_bytes": 100, "load_s": 0.25} and not total.is_empty()
+    assert total.reduce() == {"load_bytes": 100, "load_s": 0.25, "loads": 3}
+    assert KvdConnectorStats(data={"loads": 0}).is_empty()
+    total.reset()
+    assert total.is_empty()

@@ -137,6 +137,15 @@ def test_completions_whole_and_streamed_match_the_decode_server_alone(stack: Sta
     assert hdr["x-kvd-path"] == "pd" and _text(doc) == _text(_post(s.decode, "/v1/completions", words)[0])
     assert _loads(s) >= loads + 3, "the decode vLLM computed the prompts itself instead of loading the KV sent"
     assert _wait_live_zero(s.decode_d.address) == 0 and _wait_live_zero(s.prefill_d.address) == 0
+    # The connectors' counts in vLLM's own /metrics (vllm:kvd_*), each side its own.
+    dec = _wait_vllm(s.decode, "vllm:kvd_loads_total", 3)
+    assert dec["vllm:kvd_tickets_minted_total"] >= 3 and dec["vllm:kvd_admitted_total"] >= 3
+    assert dec["vllm:kvd_load_bytes_total"] > 0 and dec.get("vllm:kvd_sends_total", 0) == 0
+    # A Send ends after its request's last step, and vLLM collects a worker's counts at its steps:
+    # the last Send is counted at the prefill server's next step (any request).
+    _post(s.prefill, "/v1/completions", {"model": s.model, "prompt": pk.prompts([8])[0], "max_tokens": 1})
+    pre = _wait_vllm(s.prefill, "vllm:kvd_sends_total", 3)
+    assert pre["vllm:kvd_send_bytes_total"] > 0 and pre["vllm:kvd_save_bytes_total"] > 0 and pre.get("vllm:kvd_loads_total", 0) == 0
 
 
 def test_chat_whole_and_streamed_matches_the_decode_server_alone(stack: Stack) -> None:
@@ -178,6 +187,7 @@ def test_what_the_handoff_cannot_serve_the_decode_instance_serves_alone(stack: S
         m = samples(_scrape_proxy(url))
         assert m[("kvd_proxy_fallbacks_total", (("reason", "prefill_failed"),))] == 1
         assert m[("kvd_proxy_requests_total", (("path", "decode-only"), ("route", "completions")))] == 1
+        _wait_vllm(s.decode, "vllm:kvd_tickets_released_total", 1)
     finally:
         pk.stop_all([proc])
     # bad input: a clear 400, nothing minted
@@ -207,6 +217,25 @@ def test_instances_that_refuse_connections_are_passed_over(stack: Stack) -> None
 def _scrape_proxy(url: str) -> str:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return r.read().decode()
+
+
+def _kvd_counts(url: str) -> dict[str, float]:
+    """A vLLM server's ``vllm:kvd_*`` series, summed over their labels."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for (n, _), v in samples(text).items():
+        if n.startswith("vllm:kvd_") and n.endswith("_total"):
+            out[n] = out.get(n, 0) + v
+    return out
+
+
+def _wait_vllm(url: str, name: str, at_least: float, timeout: float = 15) -> dict[str, float]:
+    end = time.monotonic() + timeout
+    while (got := _kvd_counts(url)).get(name, 0) < at_least and time.monotonic() < end:
+        time.sleep(0.2)
+    assert got.get(name, 0) >= at_least, (name, got)
+    return got
 
 
 def _vllm(url: str, name: str) -> float:
