@@ -148,6 +148,20 @@ def test_completions_whole_and_streamed_match_the_decode_server_alone(stack: Sta
     assert pre["vllm:kvd_send_bytes_total"] > 0 and pre["vllm:kvd_save_bytes_total"] > 0 and pre.get("vllm:kvd_loads_total", 0) == 0
 
 
+def test_several_samples_of_one_prompt(stack: Stack) -> None:
+    """``n=2``: vLLM runs two requests of one prompt on the decode server; one loads the KV sent,
+    the other finds the ticket taken and computes the prompt itself (the connector's rule): both
+    samples (seeded: vLLM refuses n > 1 greedy) are the decode server's alone, and no kvd page is
+    left behind."""
+    s = stack
+    body = {"model": s.model, "prompt": pk.prompts([96], salt=11)[0], "max_tokens": 6, "temperature": 1.0, "seed": 7, "ignore_eos": True, "n": 2}
+    alone, _ = _post(s.decode, "/v1/completions", body)
+    doc, hdr = _post(s.proxy, "/v1/completions", body)
+    assert hdr["x-kvd-path"] == "pd"
+    assert sorted(c["text"] for c in doc["choices"]) == sorted(c["text"] for c in alone["choices"])
+    assert _wait_live_zero(s.decode_d.address) == 0 and _wait_live_zero(s.prefill_d.address) == 0
+
+
 def test_chat_whole_and_streamed_matches_the_decode_server_alone(stack: Stack) -> None:
     s = stack
     body = {"model": s.model, "messages": CHAT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
