@@ -209,6 +209,8 @@ class _Proxy:
             if not isinstance(prompt, str):
                 raise _Fallback("prompt_kind", "a batch of prompts, or no prompt: the decode instance answers it whole")
             req: dict = {"prompt": prompt}
+            if "add_special_tokens" in body:  # the ids the decode instance is given must be the caller's
+                req["add_special_tokens"] = body["add_special_tokens"]
         else:
             if not isinstance(body.get("messages"), list):
                 raise web.HTTPBadRequest(text='{"error": "messages: give the chat as a list"}', content_type="application/json")
