@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -102,8 +103,8 @@ class Upstreams:
         log.warning("%s refused a connection: passed over for %.0f s", m.url, DOWN_S)
 
     @contextmanager
-    def take(self, inst: Instance | None = None, *, besides: Sequence[Instance] = ()) -> Iterator[Instance]:
-        m = inst or self.pick(besides=besides)
+    def take(self, *, besides: Sequence[Instance] = ()) -> Iterator[Instance]:
+        m = self.pick(besides=besides)
         m.in_flight += 1
         try:
             yield m
@@ -323,11 +324,11 @@ class _Proxy:
                     self.metrics.stage.labels("first_byte").observe(time.perf_counter() - t0)
                     if r.status == 200 and ctype.startswith("application/json") and timings:
                         try:
-                            doc = await r.json()
+                            doc = json.loads(data)
                             doc["kvd"] = {f"{k}_s": v for k, v in timings.items()}
                             return web.json_response(doc, headers=headers)
                         except (ValueError, TypeError):
-                            pass
+                            pass  # not the JSON object vLLM answers with: passed on as it came
                     return web.Response(body=data, status=r.status, content_type=ctype.split(";")[0], headers=headers)
                 out = web.StreamResponse(status=200, headers={**headers, "Content-Type": ctype, "Cache-Control": "no-cache"})
                 await out.prepare(request)

@@ -229,34 +229,29 @@ def test_instances_that_refuse_connections_are_passed_over(stack: Stack) -> None
 
 
 def _scrape_proxy(url: str) -> str:
+    """A server's /metrics (the proxy's, or a vLLM server's) as text."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return r.read().decode()
 
 
-def _kvd_counts(url: str) -> dict[str, float]:
-    """A vLLM server's ``vllm:kvd_*`` series, summed over their labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
+def _summed(url: str) -> dict[str, float]:
+    """A server's series by sample name, summed over their labels."""
     out: dict[str, float] = {}
-    for (n, _), v in samples(text).items():
-        if n.startswith("vllm:kvd_") and n.endswith("_total"):
-            out[n] = out.get(n, 0) + v
+    for (n, _), v in samples(_scrape_proxy(url)).items():
+        out[n] = out.get(n, 0) + v
     return out
 
 
 def _wait_vllm(url: str, name: str, at_least: float, timeout: float = 15) -> dict[str, float]:
     end = time.monotonic() + timeout
-    while (got := _kvd_counts(url)).get(name, 0) < at_least and time.monotonic() < end:
+    while (got := _summed(url)).get(name, 0) < at_least and time.monotonic() < end:
         time.sleep(0.2)
-    assert got.get(name, 0) >= at_least, (name, got)
+    assert got.get(name, 0) >= at_least, (name, {k: v for k, v in got.items() if k.startswith("vllm:kvd_")})
     return got
 
 
 def _vllm(url: str, name: str) -> float:
-    """A counter or gauge of the decode vLLM's own /metrics, summed over its labels."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(v for (n, _), v in samples(text).items() if n == name)
+    return _summed(url).get(name, 0)
 
 
 def test_a_caller_gone_mid_stream_aborts_the_decode_request(stack: Stack) -> None:
