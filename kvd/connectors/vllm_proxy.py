@@ -53,8 +53,17 @@ log = logging.getLogger("kvd.proxy")
 #: Keys of a chat request that shape its prompt: passed to ``/tokenize`` with its ``messages``.
 CHAT_PROMPT_KEYS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
                     "tools", "documents", "add_special_tokens")
-_STAGES = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
+#: The label values of the proxy's series, every one exported from the start (at 0), so that a
+#: rate or a ratio over them is 0, not absent, before the first request of its kind.
+ROUTE_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ROUTES = tuple(ROUTE_PATHS)
+PATHS = ("pd", "decode-only")
+#: Why a request went to a decode instance alone. The first three are the request's own (by design);
+#: the others mean the handoff is broken somewhere (deploy/prometheus/kvd-rules.yaml alerts on them).
+REASONS = ("short_prompt", "prompt_logprobs", "prompt_kind", "no_ticket", "prefill_failed", "tokenize_failed", "decode_down")
+STAGES = ("ticket", "prefill", "first_byte")
 
 #: Seconds an instance that refused a connection is passed over (unless every one of its role is).
 DOWN_S = 5.0
@@ -140,7 +149,18 @@ class _Metrics:
         self.cut = Counter("kvd_proxy_streams_cut_total", "Streams that ended before the decode answer did (caller gone)",
                            registry=self.registry)
         self.stage = Histogram("kvd_proxy_stage_seconds", "Time of each stage of a PD request (first_byte: of the decode answer)",
-                               ["stage"], buckets=_STAGES, registry=self.registry)
+                               ["stage"], buckets=_BUCKETS, registry=self.registry)
+        self.decode_errors = Counter("kvd_proxy_decode_errors_total",
+                                     "Requests answered 502: the decode instance could not be reached or did not answer",
+                                     ["route"], registry=self.registry)
+        for route in ROUTES:
+            self.decode_errors.labels(route)
+            for way in PATHS:
+                self.requests.labels(route, way)
+        for reason in REASONS:
+            self.fallbacks.labels(reason)
+        for stage in STAGES:
+            self.stage.labels(stage)
 
 
 class _Upstream(Exception):
@@ -159,6 +179,7 @@ class _Fallback(Exception):
     """The handoff could not be set up: serve the request on a decode instance alone."""
 
     def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REASONS, reason
         super().__init__(detail)
         self.reason = reason
 
@@ -284,7 +305,7 @@ class _Proxy:
             return web.json_response({"error": "the body is not JSON: send the OpenAI request object"}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"error": "the body must be a JSON object (the OpenAI request)"}, status=400)
-        path = "/v1/completions" if route == "completions" else "/v1/chat/completions"
+        path = ROUTE_PATHS[route]
         tried: list[Instance] = []
         while True:
             timings: dict[str, float] = {}
@@ -309,12 +330,13 @@ class _Proxy:
                     way, out = f"decode-only:{fb.reason}", body
                 self.metrics.requests.labels(route, way.split(":")[0]).inc()
                 headers = {"x-kvd-path": way, **{f"x-kvd-{k}-ms": f"{v * 1e3:.3f}" for k, v in timings.items()}}
-                return await self._decode(request, dec, path, out, headers, timings)
+                return await self._decode(request, dec, route, out, headers, timings)
 
-    async def _decode(self, request: web.Request, dec: Instance, path: str, body: dict, headers: dict[str, str],
+    async def _decode(self, request: web.Request, dec: Instance, route: str, body: dict, headers: dict[str, str],
                       timings: dict[str, float]) -> web.StreamResponse:
         """Step 4: the decode instance's answer, streamed through as it comes (or whole)."""
         assert self.http is not None
+        path = ROUTE_PATHS[route]
         t0 = time.perf_counter()
         try:
             async with self.http.post(f"{dec.url}{path}", json=body) as r:
@@ -350,6 +372,10 @@ class _Proxy:
         except (ClientError, asyncio.TimeoutError) as exc:
             if isinstance(exc, ClientConnectorError):
                 self.decode.down(dec)
+            self.metrics.decode_errors.labels(route).inc()
+            rid = (body.get("kv_transfer_params") or {}).get("kvd_rid")
+            if rid:  # the KV landed for a request the decode instance never got
+                await self._release(dec, rid)
             return web.json_response({"error": f"decode instance {dec.url}: {type(exc).__name__}: {exc}"}, status=502, headers=headers)
 
     async def passthrough(self, request: web.Request) -> web.Response:

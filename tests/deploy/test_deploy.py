@@ -1,7 +1,8 @@
 """The deployment files against the code they deploy (no Docker, Prometheus or Grafana needed):
 
 * every kvd_* series, label and label value that the Grafana dashboard and the Prometheus rules
-  select exists in the /metrics scrape of real daemons after a handoff (Send and SendMany);
+  select exists in the /metrics scrape of real daemons after a handoff (Send and SendMany), or
+  of a real ``kvd proxy`` (its kvd_proxy_* series);
 * the Dockerfile runs real CLI commands, EXPOSEs the ports its settings listen on, and its
   HEALTHCHECK answers 0 against a serving daemon and 1 once it stopped;
 * the image's settings file and compose's KVD_* variables load through kvd's own loader, and
@@ -19,12 +20,15 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import defaultdict
+from pathlib import Path
 
 import deploy_kit as K
 import pytest
 
 import daemon_kit as dk  # noqa: E402
+from handoff_kit import free_port  # noqa: E402
 
 from kvd.cli import main as cli_main  # noqa: E402
 from kvd.client import Client
@@ -48,10 +52,33 @@ class Scrape:
                         self.values[(s.name, k)].add(v)
 
 
+def _proxy_metrics(tmp: Path) -> str:
+    """The /metrics of a ``kvd proxy`` just started (its instances' URLs lead nowhere: it exports
+    every label value of its series from the start, and no request is needed for that)."""
+    pytest.importorskip("aiohttp", reason="kvd proxy needs the proxy extra (aiohttp)")
+    port, dead = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvd.cli", "proxy", "--listen", f"127.0.0.1:{port}", "--prefill", f"http://127.0.0.1:{dead}",
+            "--decode", f"http://127.0.0.1:{dead}", "--tickets", f"http://127.0.0.1:{dead}"]
+    with open(tmp / "proxy.log", "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                return dk.scrape(port)
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"kvd proxy did not answer /metrics: {(tmp / 'proxy.log').read_text()}") from None
+                time.sleep(0.1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory) -> Scrape:
     """A prefill and a decode daemon (in this process, backend local, metrics on) after one Send
-    and one SendMany between them; both scraped over HTTP."""
+    and one SendMany between them, both scraped over HTTP; and a ``kvd proxy``."""
     root = tmp_path_factory.mktemp("deploy-metrics")
     sides = []
     try:
@@ -69,7 +96,7 @@ def scrape(tmp_path_factory) -> Scrape:
             assert d.wait_ready("one", 5).nbytes > 0
             assert p.send_many([("many", tickets["many"])])[0].nbytes > 0
             assert d.wait_ready("many", 5).nbytes > 0
-            texts = [dk.scrape(t.metrics_port) for t in sides]
+            texts = [dk.scrape(t.metrics_port) for t in sides] + [_proxy_metrics(root)]
         finally:
             p.close()
             d.close()
@@ -115,7 +142,8 @@ def test_recorded_series_are_recorded_before_use():
 def test_alerts_say_what_and_how_bad():
     alerts = [r for g in K.read_yaml(K.RULES)["groups"] for r in g["rules"] if "alert" in r]
     assert {a["alert"] for a in alerts} >= {"KvdDown", "KvdPoolNearlyFull", "KvdTransferFailures", "KvdLeasesExpiring",
-                                            "KvdLeasesStuck", "KvdSendLatencyHigh"}
+                                            "KvdLeasesStuck", "KvdSendLatencyHigh", "KvdProxyDown", "KvdProxyHandoffsFailing",
+                                            "KvdProxyDecodeErrors"}
     for a in alerts:
         assert a["labels"]["severity"] in ("warning", "critical"), a["alert"]
         assert a["annotations"]["summary"] and a["annotations"]["description"], a["alert"]
@@ -131,6 +159,9 @@ def test_dashboard_panels_filter_by_role_and_instance():
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
             for metric, matchers in K.selectors(target["expr"]):
                 got = {(label, value) for label, _, value in matchers}
+                if metric.startswith("kvd_proxy_"):  # every proxy pod: $role and $instance list the daemons
+                    assert ("role", "proxy") in got, f"{panel['title']}: {metric} does not select role=\"proxy\""
+                    continue
                 assert {("role", "$role"), ("instance", "$instance")} <= got, f"{panel['title']}: {metric} ignores $role/$instance"
 
 

@@ -228,6 +228,33 @@ def test_instances_that_refuse_connections_are_passed_over(stack: Stack) -> None
         pk.stop_all([proc])
 
 
+def test_a_decode_server_gone_answers_502_and_gives_its_ticket_back(stack: Stack) -> None:
+    """A decode instance whose vLLM server is gone but whose connector's ticket server answers: the
+    handoff is made, the decode call fails, the caller gets a 502 (counted), and the ticket whose
+    KV landed is given back at once -- not after the connector's 30 s admission window."""
+    s = stack
+    dead = f"http://127.0.0.1:{pk.free_port()}"
+    url, proc = pk.start_proxy(s.tmp, "proxy-dead-decode", [s.prefill], [(dead, s.tickets)])
+    try:
+        released = _vllm(s.decode, "vllm:kvd_tickets_released_total")
+        body = {"model": s.model, "prompt": pk.prompts([90], salt=5)[0], "max_tokens": 4, "temperature": 0}
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _post(url, "/v1/completions", body)
+        assert e.value.code == 502 and e.value.headers["x-kvd-path"] == "pd"
+        assert dead.encode() in e.value.read()
+        assert _wait_live_zero(s.decode_d.address, 5) == 0 and time.monotonic() - t0 < 20
+        # vLLM publishes the connector's counts with a step's stats: one request makes a step
+        _post(s.decode, "/v1/completions", dict(body, max_tokens=1))
+        _wait_vllm(s.decode, "vllm:kvd_tickets_released_total", released + 1)
+        m = samples(_scrape_proxy(url))
+        assert m[("kvd_proxy_decode_errors_total", (("route", "completions"),))] == 1
+        assert m[("kvd_proxy_decode_errors_total", (("route", "chat"),))] == 0
+        assert m[("kvd_proxy_requests_total", (("path", "pd"), ("route", "completions")))] == 1
+    finally:
+        pk.stop_all([proc])
+
+
 def _scrape_proxy(url: str) -> str:
     """A server's /metrics (the proxy's, or a vLLM server's) as text."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
