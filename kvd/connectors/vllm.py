@@ -276,6 +276,7 @@ class _TicketBook:
         self.stats = TicketStats()  # counted under the lock
         self.pending: dict[str, _Pending] = {}
         self.by_req: dict[str, str] = {}
+        self.recomputing: dict[str, int] = {}  # vLLM request -> its preemptions counted (until it ends)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="kvd-ticket-reaper", daemon=True)
         self._reaper.start()
@@ -464,6 +465,15 @@ class _TicketBook:
             return 0, False
         with self.lock:
             p = self.pending.get(rid)
+            preempted = getattr(request, "num_preemptions", 0)
+            if (p is None or p.dispatched) and preempted > 0:
+                # Preempted after its load: vLLM freed the blocks the KV was loaded into and computes
+                # prompt and output again. Its kvd request is freed once loaded (or being freed):
+                # never a second load. Counted once a preemption, however often vLLM asks.
+                if self.recomputing.get(request.request_id, 0) < preempted:
+                    self.recomputing[request.request_id] = preempted
+                    self.stats.recomputed += 1
+                return 0, False
             if p is None:
                 log.warning("request %s names kvd request %r, which this connector does not hold (expired?): computing locally",
                             request.request_id, rid)
@@ -479,8 +489,9 @@ class _TicketBook:
                             request.request_id, rid)
                 self.stats.not_matched += 1
                 return 0, False
+            # vLLM asks again each step a request waits for blocks: admitted once.
+            self.stats.admitted += p.req_id is None
             p.req_id = request.request_id
-            self.stats.admitted += 1
             p.deadline = float("inf")
             self.by_req[request.request_id] = rid
             if p.tokens <= num_computed:  # vLLM's own prefix cache holds every ticketed token
@@ -519,6 +530,7 @@ class _TicketBook:
             for p in todo:
                 p.dispatched = True
                 self.stats.transfers_failed += p.state == "FAILED"
+                self.stats.admitted_landed += p.sync and p.state == "READY"
         vecs = self._vectors([p.rid for p in todo if p.state == "READY"])
         for p in todo:
             if p.req_id is None or p.block_ids is None:  # allocated() sets block_ids only on an admitted request
@@ -811,6 +823,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         s = self._saving.pop(request.request_id, None)
+        if self._book is not None and request.request_id in self._book.recomputing:
+            with self._book.lock:
+                self._book.recomputing.pop(request.request_id, None)
         if self._book is not None and request.request_id in self._book.by_req:
             with self._book.lock:
                 rid = self._book.by_req.get(request.request_id)

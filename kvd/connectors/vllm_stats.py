@@ -59,6 +59,7 @@ class TicketStats:
     admitted_landed: int = 0  # ... whose KV had landed already (a sync load, where the model allows)
     not_matched: int = 0  # a request named a ticket this book does not hold, or its prompt differs: computed locally
     transfers_failed: int = 0  # a ticket's transfer FAILED (a dead prefill, an abort, no KV in time)
+    recomputed: int = 0  # admitted requests vLLM preempted after their load: computed again, not loaded again
 
 
 #: Prometheus counters (name under ``vllm:kvd_``, ``_total`` added) -> (the stats' field, help).
@@ -81,6 +82,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "admitted_landed": ("admitted_landed", "... whose KV had landed before admission"),
     "not_matched": ("not_matched", "Decode requests whose ticket was unknown or whose prompt differed: computed locally"),
     "transfers_failed": ("transfers_failed", "Tickets whose transfer failed (dead prefill, abort, no KV in time)"),
+    "recomputed": ("recomputed", "Admitted decode requests vLLM preempted after their load: computed again, not loaded again"),
 }
 
 

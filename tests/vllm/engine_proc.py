@@ -7,7 +7,8 @@ this engine's own KV cache config there). Then each stdin line is a job
 ``{"prompts": [[ids]], "params": [kv_transfer_params | null], "max_tokens": N}`` (or ``{"stats": true}``:
 the connector's CopyStats), answered by one
 line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}`` (with
---kv also ``copy_stats``: the connector's CopyStats so far). A job with ``"busy": M`` adds its prompts
+--kv also ``copy_stats``: the connector's CopyStats so far). ``{"scheduler": true}``: the
+preemptions so far and the decode connector's TicketStats. A job with ``"busy": M`` adds its prompts
 while M other requests decode and answers each prompt's steps and seconds to its first token
 (:func:`busy`).
 """
@@ -20,6 +21,8 @@ import json
 import signal
 import sys
 import time
+
+PREEMPTIONS = [0]  # requests the scheduler preempted so far
 
 
 def busy(llm, job: dict, sps: list) -> dict:
@@ -70,6 +73,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens per step (default: the longest prompt in one step); below a prompt: chunked prefill")
     ap.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix caching on (its default; the tier's engines run without it)")
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks (num_gpu_blocks_override): few, and vLLM preempts")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -78,9 +82,19 @@ def main() -> None:
     kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, enforce_eager=True, max_num_seqs=8,
               seed=0, enable_prefix_caching=a.prefix_caching, block_size=a.block_size,
               max_num_batched_tokens=a.max_num_batched_tokens or max(2048, a.max_model_len))
+    if a.num_blocks:
+        kw["num_gpu_blocks_override"] = a.num_blocks
     if a.kv:
         kw["kv_transfer_config"] = KVTransferConfig(**json.loads(a.kv))
     llm = LLM(**kw)
+    sched = llm.llm_engine.engine_core.engine_core.scheduler  # VLLM_ENABLE_V1_MULTIPROCESSING=0: in this process
+    preempt = sched._preempt_request
+
+    def counted(*args, **kwargs):  # the preemptions, counted for {"scheduler": true}
+        PREEMPTIONS[0] += 1
+        return preempt(*args, **kwargs)
+
+    sched._preempt_request = counted
     if a.layout_out:
         from kvd.connectors.vllm import layout_from_vllm
 
@@ -97,6 +111,13 @@ def main() -> None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
             print("RESULT " + json.dumps({"copy_stats": asdict(get_kv_transfer_group().copy_stats)}), flush=True)
+            continue
+        if job.get("scheduler"):  # what the scheduler saw: preemptions, the ticket book's stats (decode side)
+            from dataclasses import asdict
+
+            book = getattr(sched.connector, "_book", None)
+            print("RESULT " + json.dumps({"ticket_stats": asdict(book.stats) if book is not None else None,
+                                          "preemptions": PREEMPTIONS[0]}), flush=True)
             continue
         params = job.get("params") or [None] * len(job["prompts"])
         sps = [SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True,

@@ -190,6 +190,13 @@ class Engine:
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self.result()["copy_stats"]
 
+    def scheduler(self) -> dict:
+        """``{"preemptions": n, "ticket_stats": {...} | None}``: requests the scheduler preempted so
+        far, and the decode connector's TicketStats (None without a ticket book)."""
+        self.proc.stdin.write(json.dumps({"scheduler": True}) + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self.result()
+
     def tail(self, n: int = 4000) -> str:
         return self.log.read_text()[-n:] if self.log.exists() else ""
 

@@ -78,6 +78,39 @@ def test_a_sync_loads_kvd_request_is_freed_once_every_worker_reported_it(tmp_pat
         stop_inproc(t)
 
 
+def test_a_request_asked_again_is_admitted_once_and_one_preempted_after_its_load_is_computed_again(tmp_path):
+    """vLLM asks the connector again each step a request waits for blocks: one admission, the same
+    answer. A request preempted after its load (its kvd request freed, its vLLM blocks gone) is
+    computed again, counted ``recomputed`` once a preemption, never loaded a second time nor
+    reported unknown."""
+    t = start_inproc(tmp_path)
+    try:
+        kv = t.connect(name="scheduler")
+        layout = kv.info().layout
+        book = _TicketBook(kv, 30.0, layout.page_size, layout, workers=1)
+        try:
+            prompt = list(range(1, 2 * layout.page_size + 2))
+            tk = book.mint(prompt)
+            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt,
+                                  num_preemptions=0)
+            for _ in range(3):  # no blocks for it yet: asked again
+                assert book.matched(req, 0) == (tk["kvd_tokens"], True)
+            assert book.stats.admitted == 1 and book.stats.not_matched == 0
+            book.finished({"req-0"})  # loaded (or failed): the kvd request is freed
+            assert kv.stats().pool.requests_live == 0
+            req.num_preemptions = 1  # vLLM preempted it while it decoded
+            for _ in range(3):  # asked again while it waits for blocks: one recomputation
+                assert book.matched(req, 0) == (0, False)
+            assert book.stats.recomputed == 1 and book.stats.not_matched == 0 and book.stats.admitted == 1
+            req.num_preemptions = 2  # and preempted once more
+            assert book.matched(req, 0) == (0, False) and book.stats.recomputed == 2
+            t.check()
+        finally:
+            book.close()
+    finally:
+        stop_inproc(t)
+
+
 # ---- the producer's open: a lost reply adopted, a duplicate ticket refused without harm ------------
 
 def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_without_freeing(tmp_path):

@@ -42,6 +42,10 @@ MODELS = ["llama", "gemma3", "granitemoehybrid"]
 LENGTHS = [70, 100, 77, 200]
 ADMIT_TTL = 12.0
 CHUNK = 64  # the prefill engine's tokens per step (chunked prefill); one Granite block
+# KV cache blocks (32 tokens) of a decode vLLM small enough that LENGTHS' prompts, decoding 96 tokens,
+# preempt each other; the longest (296 tokens) fits alone. Gemma3's four groups (one full, three
+# sliding) share the pool, and vLLM sizes it as if each held the whole max_model_len
+PREEMPT_BLOCKS = {"llama": 12, "gemma3": 44, "granitemoehybrid": 12}
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -244,6 +248,39 @@ def test_a_decode_prefix_cache_hit_loads_only_past_it(pd: PD) -> None:
         assert 0 < runs[2][2] < runs[2][0] * per_token, runs
         if pd.model == "llama":  # ... exactly (its KV is per token; a window's or a state's is not)
             assert runs[2][2] == (runs[2][0] - runs[0][0]) * per_token, runs
+    finally:
+        dec.stop()
+
+
+def test_a_decode_vllm_that_preempts_handed_over_requests_computes_them_again(pd: PD) -> None:
+    """A second decode vLLM on the same daemon, with room for a few blocks only: requests whose KV
+    was handed over are preempted while they decode (vLLM frees their blocks, and computes prompt
+    and output again once room comes back). Each decodes as vLLM alone; the connector counts the
+    recomputed ones (never a load again: their kvd requests were freed once loaded, and nothing
+    waits for one), and no kvd page is left."""
+    port = free_port()
+    blocks = PREEMPT_BLOCKS[pd.model]
+    dec = Engine(pd.tmp, "decode-small", pd.model_dir, kv_config("kv_consumer", pd.decode_d.address, kvd_ticket_listen=f"127.0.0.1:{port}",
+                                                                kvd_admit_ttl_s=ADMIT_TTL), extra=["--num-blocks", str(blocks), "--max-model-len", "320"])
+    try:
+        dec.ready()
+        ps = prompts(LENGTHS, salt=6)
+        want = pd.decode.run(ps, max_tokens=96)["tokens"]  # the big decode engine computing the prompts alone
+        tickets = [ticket(port, p) for p in ps]
+        pd.prefill.run([p[: t["kvd_tokens"]] for p, t in zip(ps, tickets)], tickets, max_tokens=1)
+        st = wait_state(port, [t["kvd_rid"] for t in tickets], {"READY"})
+        assert all(s and s["state"] == "READY" for s in st), st
+        out = dec.run(ps, [{"kvd_rid": t["kvd_rid"]} for t in tickets], max_tokens=96)
+        sched = dec.scheduler()
+        print(f"\n{pd.model}, decode vLLM of {blocks} blocks: {sched}")
+        assert sched["preemptions"] > 0, f"{pd.model}: {blocks} blocks were enough for every request: nothing was preempted"
+        assert out["tokens"] == want, f"{pd.model}: a preempted PD request decoded otherwise than vLLM alone"
+        ts = sched["ticket_stats"]
+        assert ts["admitted"] == len(ps) and ts["not_matched"] == 0 and 0 < ts["recomputed"] <= sched["preemptions"], ts
+        deadline = time.monotonic() + 5
+        while live_requests(pd.decode_d.address) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live_requests(pd.decode_d.address) == 0, "pages leaked"
     finally:
         dec.stop()
 
