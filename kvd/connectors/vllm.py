@@ -217,6 +217,7 @@ class _Load:
     boot: str = ""  # the daemon boot whose arena the page ids index (IndexVectors.boot_id)
     error: str = ""  # the transfer failed: report, never copy
     sync: bool = False  # copied before this step's forward, which computes the request's tail
+    aborted: bool = False  # vLLM ended the request first: reported (for vLLM to free its blocks), never copied
 
 
 @dataclass
@@ -251,7 +252,7 @@ class _Pending:
     digest: str  # of prompt[:tokens]
     deadline: float  # freed if not admitted by then
     xfer_deadline: float  # FAILED if the KV has not arrived by then (admitted or not)
-    state: str = "WAITING"  # WAITING | READY | FAILED | LOADING
+    state: str = "WAITING"  # WAITING | READY | FAILED | ABORTED (vLLM ended its request before the load)
     reason: str = ""
     req_id: str | None = None
     block_ids: tuple[list[int], ...] | None = None
@@ -526,7 +527,7 @@ class _TicketBook:
     def ready_loads(self) -> list[_Load]:
         out = []
         with self.lock:
-            todo = [p for p in self.pending.values() if p.block_ids is not None and not p.dispatched and p.state in ("READY", "FAILED")]
+            todo = [p for p in self.pending.values() if p.block_ids is not None and not p.dispatched and p.state in ("READY", "FAILED", "ABORTED")]
             for p in todo:
                 p.dispatched = True
                 self.stats.transfers_failed += p.state == "FAILED"
@@ -535,7 +536,8 @@ class _TicketBook:
         for p in todo:
             if p.req_id is None or p.block_ids is None:  # allocated() sets block_ids only on an admitted request
                 raise RuntimeError(f"kvd request {p.rid}: dispatched with no admitted vLLM request or no blocks")
-            load = _Load(p.req_id, p.block_ids, p.start, p.tokens, error=p.reason if p.state == "FAILED" else "", sync=p.sync)
+            load = _Load(p.req_id, p.block_ids, p.start, p.tokens, error=p.reason if p.state != "READY" else "", sync=p.sync,
+                         aborted=p.state == "ABORTED")
             if not load.error:
                 v = vecs[p.rid]
                 if isinstance(v, KvdError):
@@ -598,6 +600,27 @@ class _TicketBook:
                 log.debug("free %s together: %s; one by one", rids, exc)
         for rid in rids:
             self._free(rid)
+
+    def ended(self, req_id: str) -> None:
+        """vLLM finished (or aborted) ``req_id``. Its load dispatched: the worker's report frees the
+        kvd request. Admitted to wait for its KV and not dispatched yet: vLLM keeps the request's
+        blocks until the worker reports its load finished (it frees them on nothing else), so the
+        load goes out at the next step as aborted -- reported, never copied -- and the kvd request
+        is freed with that report. Otherwise freed now."""
+        with self.lock:
+            self.recomputing.pop(req_id, None)
+            rid = self.by_req.get(req_id)
+            if rid is None:
+                return
+            p = self.pending.get(rid)
+            if p is not None and p.dispatched:
+                return
+            if p is not None and p.block_ids is not None:
+                p.state, p.reason = "ABORTED", "the decode vLLM ended the request before its KV was loaded"
+                self._rung.discard(rid)
+                self.stats.aborted += 1
+                return
+        self.finished({req_id})
 
     def close(self) -> None:
         self._stop.set()
@@ -823,17 +846,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         s = self._saving.pop(request.request_id, None)
-        if self._book is not None and request.request_id in self._book.recomputing:
-            with self._book.lock:
-                self._book.recomputing.pop(request.request_id, None)
-        if self._book is not None and request.request_id in self._book.by_req:
-            with self._book.lock:
-                rid = self._book.by_req.get(request.request_id)
-                # None: finished() dropped it between the unlocked check above and the lock (as before: gone)
-                p = self._book.pending.get(rid) if rid is not None else None
-                gone = p is None or not p.dispatched  # finished (aborted) before its load: nothing will copy
-            if gone:
-                self._book.finished({request.request_id})
+        if self._book is not None:
+            self._book.ended(request.request_id)
         if s is None:
             return False, None
         # The KV is in kvd already (copied in save_kv_layer / wait_for_save): vLLM may free its blocks now.
@@ -936,7 +950,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 load.error = (f"its page ids are of daemon boot {load.boot!r}, this worker attached boot {self._kv.boot_id!r} "
                               "(the daemon restarted, and attaching its new arena failed)")
             if load.error:
-                log.error("kvd transfer for request %s failed: %s", load.req_id, load.error)
+                if load.aborted:
+                    log.info("kvd: request %s ended before its KV was loaded: reported, not copied", load.req_id)
+                else:
+                    log.error("kvd transfer for request %s failed: %s", load.req_id, load.error)
                 self._load_failed(load)
                 continue
             t0 = time.perf_counter()

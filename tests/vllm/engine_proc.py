@@ -8,7 +8,7 @@ this engine's own KV cache config there). Then each stdin line is a job
 the connector's CopyStats), answered by one
 line ``RESULT {"tokens": [[ids]], "finish": [reason], "kv_params": [...], "seconds": s}`` (with
 --kv also ``copy_stats``: the connector's CopyStats so far). ``{"scheduler": true}``: the
-preemptions so far and the decode connector's TicketStats. A job with ``"busy": M`` adds its prompts
+preemptions so far, the decode connector's TicketStats, the requests vLLM holds and its free blocks. A job with ``"busy": M`` adds its prompts
 while M other requests decode and answers each prompt's steps and seconds to its first token
 (:func:`busy`).
 """
@@ -116,8 +116,10 @@ def main() -> None:
             from dataclasses import asdict
 
             book = getattr(sched.connector, "_book", None)
+            pool = sched.kv_cache_manager.block_pool
             print("RESULT " + json.dumps({"ticket_stats": asdict(book.stats) if book is not None else None,
-                                          "preemptions": PREEMPTIONS[0]}), flush=True)
+                                          "preemptions": PREEMPTIONS[0], "requests": len(sched.requests),
+                                          "free_blocks": pool.get_num_free_blocks(), "blocks": pool.num_gpu_blocks}), flush=True)
             continue
         params = job.get("params") or [None] * len(job["prompts"])
         sps = [SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 32), ignore_eos=True,

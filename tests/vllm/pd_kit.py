@@ -191,8 +191,9 @@ class Engine:
         return self.result()["copy_stats"]
 
     def scheduler(self) -> dict:
-        """``{"preemptions": n, "ticket_stats": {...} | None}``: requests the scheduler preempted so
-        far, and the decode connector's TicketStats (None without a ticket book)."""
+        """``{"preemptions": n, "ticket_stats": {...} | None, "requests": n, "free_blocks": n,
+        "blocks": n}``: requests the scheduler preempted so far, the decode connector's TicketStats
+        (None without a ticket book), the requests vLLM holds now, its free and all KV blocks."""
         self.proc.stdin.write(json.dumps({"scheduler": True}) + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self.result()

@@ -111,6 +111,42 @@ def test_a_request_asked_again_is_admitted_once_and_one_preempted_after_its_load
         stop_inproc(t)
 
 
+def test_a_request_ended_while_it_waits_for_its_kv_is_reported_aborted_then_freed(tmp_path):
+    """vLLM frees the blocks of a request ended in WAITING_FOR_REMOTE_KVS only once the worker
+    reports its load finished: the book hands the worker that load as aborted (never copied), and
+    frees the kvd request with the report; a request ended before it had blocks is freed at once."""
+    t = start_inproc(tmp_path)
+    try:
+        kv = t.connect(name="scheduler")
+        layout = kv.info().layout
+        book = _TicketBook(kv, 30.0, layout.page_size, layout)
+        try:
+            prompt = list(range(1, 2 * layout.page_size + 2))
+            tk, tk2 = book.mint(prompt), book.mint(prompt)
+            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt)
+            req2 = SimpleNamespace(request_id="req-1", kv_transfer_params={"kvd_rid": tk2["kvd_rid"]}, prompt_token_ids=prompt)
+            assert book.matched(req, 0) == (tk["kvd_tokens"], True) and book.matched(req2, 0) == (tk2["kvd_tokens"], True)
+            book.allocated(req, SimpleNamespace(get_block_ids=lambda: ([4, 5],)), tk["kvd_tokens"])  # req-1: no blocks yet
+            book.ended("req-1")  # vLLM holds no blocks for it: freed now
+            book.ended("req-0")  # vLLM holds its blocks until told: not freed yet
+            assert kv.stats().pool.requests_live == 1 and book.status(tk2["kvd_rid"]) is None
+            assert book.status(tk["kvd_rid"])["state"] == "ABORTED"
+            (load,) = book.ready_loads()
+            assert load.req_id == "req-0" and load.aborted and load.error and load.block_ids == ([4, 5],)
+            assert book.ready_loads() == []  # dispatched once
+            c = _worker()
+            c._load_failed(load)
+            assert c._failed == {"req-0"}  # reported in finished_recving (and failed_recving)
+            book.finished({"req-0"})  # the scheduler hears it: the kvd request goes
+            assert kv.stats().pool.requests_live == 0
+            assert book.stats.aborted == 1 and book.stats.transfers_failed == 0
+            t.check()
+        finally:
+            book.close()
+    finally:
+        stop_inproc(t)
+
+
 # ---- the producer's open: a lost reply adopted, a duplicate ticket refused without harm ------------
 
 def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_without_freeing(tmp_path):

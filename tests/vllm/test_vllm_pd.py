@@ -285,6 +285,32 @@ def test_a_decode_vllm_that_preempts_handed_over_requests_computes_them_again(pd
         dec.stop()
 
 
+def test_a_decode_request_aborted_while_its_kv_is_on_the_way_gives_back_blocks_and_pages(pd: PD) -> None:
+    """A decode request admitted with a ticket whose KV has not come (vLLM holds its blocks and waits
+    for the load: WAITING_FOR_REMOTE_KVS), then aborted (its client gone). vLLM frees such a
+    request's blocks only once the connector reports its load finished: the connector must, though
+    nothing will be copied, or vLLM holds the request and its blocks for good. Its kvd request is
+    freed, its RECV lease aborted; the engine serves the next handoff as before."""
+    if pd.model != "llama":
+        pytest.skip("one model is enough: the abort does not depend on the layout")
+    ps = prompts([100], salt=7)
+    tickets = [ticket(pd.port, p) for p in ps]  # minted; no prefill will send them
+    before = pd.decode.scheduler()
+    res = pd.decode.abort_after(ps, [{"kvd_rid": t["kvd_rid"]} for t in tickets], steps=2)
+    assert res["finished_before_abort"] == [], res
+    deadline = time.monotonic() + 5
+    while (live_requests(pd.decode_d.address) or pd.decode.scheduler()["requests"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = pd.decode.scheduler()
+    assert after["requests"] == 0, f"vLLM still holds the aborted request: {after}"
+    assert after["free_blocks"] == before["free_blocks"], f"the aborted request's vLLM blocks were kept: {before} -> {after}"
+    assert live_requests(pd.decode_d.address) == 0, "the aborted request's kvd pages were kept"
+    assert transfer(pd.port, tickets[0]["kvd_rid"]) is None
+    again = prompts(LENGTHS[:1])
+    t2, _ = handoff(pd, again)
+    assert decode(pd, again, t2)["tokens"] == pd.baseline["tokens"][:1]
+
+
 def test_kv_landed_at_admission_is_loaded_in_the_step_that_computes_the_tail(pd: PD) -> None:
     """Prompts whose KV has landed when the decode vLLM admits them. Llama (one KV cache group):
     each is copied before the forward of the step that computes its tail (vLLM's sync load), so
