@@ -7,7 +7,10 @@ carried on, a second vLLM request with the same ticket refused without touching 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,28 @@ def _worker(block: int = 32) -> KvdConnector:
     c = KvdConnector.__new__(KvdConnector)
     c._bs, c._failed, c._invalid, c._sync_loads, c.copy_stats = block, set(), set(), {}, CopyStats()
     return c
+
+
+@contextmanager
+def _ticket_book(tmp_path: Any, **kw: Any) -> Iterator[tuple[Any, Any, _TicketBook, list[int]]]:
+    """A daemon in this process, a scheduler's client of it and a ticket book on that client (``kw``:
+    the book's options), closed and stopped after; and a prompt two pages and a token long."""
+    t = start_inproc(tmp_path)
+    try:
+        kv = t.connect(name="scheduler")
+        layout = kv.info().layout
+        book = _TicketBook(kv, 30.0, layout.page_size, layout, **kw)
+        try:
+            yield t, kv, book, list(range(1, 2 * layout.page_size + 2))
+        finally:
+            book.close()
+    finally:
+        stop_inproc(t)
+
+
+def _req(req_id: str, tk: dict, prompt: list[int], **more: Any) -> SimpleNamespace:
+    """What the ticket book reads of a vLLM request that names ticket ``tk``."""
+    return SimpleNamespace(request_id=req_id, kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt, **more)
 
 
 def test_a_failed_sync_load_reports_its_blocks_and_is_reported_done():
@@ -56,26 +81,16 @@ def test_workers_reports_add_up():
 def test_a_sync_loads_kvd_request_is_freed_once_every_worker_reported_it(tmp_path):
     """Two workers (tensor parallel): the first one's report keeps the kvd request, the second one
     frees it (its RECV lease aborted first: no KV came in this test)."""
-    t = start_inproc(tmp_path)
-    try:
-        kv = t.connect(name="scheduler")
-        layout = kv.info().layout
-        book = _TicketBook(kv, 30.0, layout.page_size, layout, sync_tokens=8192, workers=2)
-        try:
-            prompt = list(range(1, 2 * layout.page_size + 2))
-            tk = book.mint(prompt)
-            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt)
-            assert book.matched(req, 0) == (tk["kvd_tokens"], True)  # not landed: a load of its own
-            assert kv.stats().pool.requests_live == 1
-            book.loaded({"req-0": 1})
-            assert kv.stats().pool.requests_live == 1 and book.status(tk["kvd_rid"]) is not None
-            book.loaded({"req-0": 1, "someone-else": 1})
-            assert kv.stats().pool.requests_live == 0 and book.status(tk["kvd_rid"]) is None
-            t.check()
-        finally:
-            book.close()
-    finally:
-        stop_inproc(t)
+    with _ticket_book(tmp_path, sync_tokens=8192, workers=2) as (t, kv, book, prompt):
+        tk = book.mint(prompt)
+        req = _req("req-0", tk, prompt)
+        assert book.matched(req, 0) == (tk["kvd_tokens"], True)  # not landed: a load of its own
+        assert kv.stats().pool.requests_live == 1
+        book.loaded({"req-0": 1})
+        assert kv.stats().pool.requests_live == 1 and book.status(tk["kvd_rid"]) is not None
+        book.loaded({"req-0": 1, "someone-else": 1})
+        assert kv.stats().pool.requests_live == 0 and book.status(tk["kvd_rid"]) is None
+        t.check()
 
 
 def test_a_request_asked_again_is_admitted_once_and_one_preempted_after_its_load_is_computed_again(tmp_path):
@@ -83,68 +98,47 @@ def test_a_request_asked_again_is_admitted_once_and_one_preempted_after_its_load
     answer. A request preempted after its load (its kvd request freed, its vLLM blocks gone) is
     computed again, counted ``recomputed`` once a preemption, never loaded a second time nor
     reported unknown."""
-    t = start_inproc(tmp_path)
-    try:
-        kv = t.connect(name="scheduler")
-        layout = kv.info().layout
-        book = _TicketBook(kv, 30.0, layout.page_size, layout, workers=1)
-        try:
-            prompt = list(range(1, 2 * layout.page_size + 2))
-            tk = book.mint(prompt)
-            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt,
-                                  num_preemptions=0)
-            for _ in range(3):  # no blocks for it yet: asked again
-                assert book.matched(req, 0) == (tk["kvd_tokens"], True)
-            assert book.stats.admitted == 1 and book.stats.not_matched == 0
-            book.finished({"req-0"})  # loaded (or failed): the kvd request is freed
-            assert kv.stats().pool.requests_live == 0
-            req.num_preemptions = 1  # vLLM preempted it while it decoded
-            for _ in range(3):  # asked again while it waits for blocks: one recomputation
-                assert book.matched(req, 0) == (0, False)
-            assert book.stats.recomputed == 1 and book.stats.not_matched == 0 and book.stats.admitted == 1
-            req.num_preemptions = 2  # and preempted once more
-            assert book.matched(req, 0) == (0, False) and book.stats.recomputed == 2
-            t.check()
-        finally:
-            book.close()
-    finally:
-        stop_inproc(t)
+    with _ticket_book(tmp_path, workers=1) as (t, kv, book, prompt):
+        tk = book.mint(prompt)
+        req = _req("req-0", tk, prompt, num_preemptions=0)
+        for _ in range(3):  # no blocks for it yet: asked again
+            assert book.matched(req, 0) == (tk["kvd_tokens"], True)
+        assert book.stats.admitted == 1 and book.stats.not_matched == 0
+        book.finished({"req-0"})  # loaded (or failed): the kvd request is freed
+        assert kv.stats().pool.requests_live == 0
+        req.num_preemptions = 1  # vLLM preempted it while it decoded
+        for _ in range(3):  # asked again while it waits for blocks: one recomputation
+            assert book.matched(req, 0) == (0, False)
+        assert book.stats.recomputed == 1 and book.stats.not_matched == 0 and book.stats.admitted == 1
+        req.num_preemptions = 2  # and preempted once more
+        assert book.matched(req, 0) == (0, False) and book.stats.recomputed == 2
+        t.check()
 
 
 def test_a_request_ended_while_it_waits_for_its_kv_is_reported_aborted_then_freed(tmp_path):
     """vLLM frees the blocks of a request ended in WAITING_FOR_REMOTE_KVS only once the worker
     reports its load finished: the book hands the worker that load as aborted (never copied), and
     frees the kvd request with the report; a request ended before it had blocks is freed at once."""
-    t = start_inproc(tmp_path)
-    try:
-        kv = t.connect(name="scheduler")
-        layout = kv.info().layout
-        book = _TicketBook(kv, 30.0, layout.page_size, layout)
-        try:
-            prompt = list(range(1, 2 * layout.page_size + 2))
-            tk, tk2 = book.mint(prompt), book.mint(prompt)
-            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt)
-            req2 = SimpleNamespace(request_id="req-1", kv_transfer_params={"kvd_rid": tk2["kvd_rid"]}, prompt_token_ids=prompt)
-            assert book.matched(req, 0) == (tk["kvd_tokens"], True) and book.matched(req2, 0) == (tk2["kvd_tokens"], True)
-            book.allocated(req, SimpleNamespace(get_block_ids=lambda: ([4, 5],)), tk["kvd_tokens"])  # req-1: no blocks yet
-            book.ended("req-1")  # vLLM holds no blocks for it: freed now
-            book.ended("req-0")  # vLLM holds its blocks until told: not freed yet
-            assert kv.stats().pool.requests_live == 1 and book.status(tk2["kvd_rid"]) is None
-            assert book.status(tk["kvd_rid"])["state"] == "ABORTED"
-            (load,) = book.ready_loads()
-            assert load.req_id == "req-0" and load.aborted and load.error and load.block_ids == ([4, 5],)
-            assert book.ready_loads() == []  # dispatched once
-            c = _worker()
-            c._load_failed(load)
-            assert c._failed == {"req-0"}  # reported in finished_recving (and failed_recving)
-            book.finished({"req-0"})  # the scheduler hears it: the kvd request goes
-            assert kv.stats().pool.requests_live == 0
-            assert book.stats.aborted == 1 and book.stats.transfers_failed == 0
-            t.check()
-        finally:
-            book.close()
-    finally:
-        stop_inproc(t)
+    with _ticket_book(tmp_path) as (t, kv, book, prompt):
+        tk, tk2 = book.mint(prompt), book.mint(prompt)
+        req = _req("req-0", tk, prompt)
+        req2 = _req("req-1", tk2, prompt)
+        assert book.matched(req, 0) == (tk["kvd_tokens"], True) and book.matched(req2, 0) == (tk2["kvd_tokens"], True)
+        book.allocated(req, SimpleNamespace(get_block_ids=lambda: ([4, 5],)), tk["kvd_tokens"])  # req-1: no blocks yet
+        book.ended("req-1")  # vLLM holds no blocks for it: freed now
+        book.ended("req-0")  # vLLM holds its blocks until told: not freed yet
+        assert kv.stats().pool.requests_live == 1 and book.status(tk2["kvd_rid"]) is None
+        assert book.status(tk["kvd_rid"])["state"] == "ABORTED"
+        (load,) = book.ready_loads()
+        assert load.req_id == "req-0" and load.aborted and load.error and load.block_ids == ([4, 5],)
+        assert book.ready_loads() == []  # dispatched once
+        c = _worker()
+        c._load_failed(load)
+        assert c._failed == {"req-0"}  # reported in finished_recving (and failed_recving)
+        book.finished({"req-0"})  # the scheduler hears it: the kvd request goes
+        assert kv.stats().pool.requests_live == 0
+        assert book.stats.aborted == 1 and book.stats.transfers_failed == 0
+        t.check()
 
 
 # ---- the producer's open: a lost reply adopted, a duplicate ticket refused without harm ------------
@@ -209,32 +203,22 @@ def test_a_ticket_whose_request_will_not_come_is_given_back_at_once(tmp_path):
     """``DELETE /v1/kvd/tickets/{rid}`` (the proxy, when its prefill instance failed): a ticket not
     admitted is freed now (its RECV lease aborted first), an unknown one is 404, one the decode
     vLLM admitted is 409 and stays (the request frees it when it ends)."""
-    t = start_inproc(tmp_path)
-    try:
-        kv = t.connect(name="scheduler")
-        layout = kv.info().layout
-        book = _TicketBook(kv, 30.0, layout.page_size, layout)
-        try:
-            prompt = list(range(1, 2 * layout.page_size + 2))
-            tk = book.mint(prompt)
-            assert kv.stats().pool.requests_live == 1
-            assert book.cancel(tk["kvd_rid"]) == (200, "freed")
-            assert kv.stats().pool.requests_live == 0 and book.status(tk["kvd_rid"]) is None
-            code, why = book.cancel(tk["kvd_rid"])
-            assert code == 404 and "no such ticket" in why
-            # the decode vLLM may still come with it: it computes the prompt itself
-            req = SimpleNamespace(request_id="req-0", kv_transfer_params={"kvd_rid": tk["kvd_rid"]}, prompt_token_ids=prompt)
-            assert book.matched(req, 0) == (0, False)
-            tk2 = book.mint(prompt)
-            req2 = SimpleNamespace(request_id="req-1", kv_transfer_params={"kvd_rid": tk2["kvd_rid"]}, prompt_token_ids=prompt)
-            assert book.matched(req2, 0) == (tk2["kvd_tokens"], True)
-            code, why = book.cancel(tk2["kvd_rid"])
-            assert code == 409 and "req-1" in why and kv.stats().pool.requests_live == 1
-            t.check()
-        finally:
-            book.close()
-    finally:
-        stop_inproc(t)
+    with _ticket_book(tmp_path) as (t, kv, book, prompt):
+        tk = book.mint(prompt)
+        assert kv.stats().pool.requests_live == 1
+        assert book.cancel(tk["kvd_rid"]) == (200, "freed")
+        assert kv.stats().pool.requests_live == 0 and book.status(tk["kvd_rid"]) is None
+        code, why = book.cancel(tk["kvd_rid"])
+        assert code == 404 and "no such ticket" in why
+        # the decode vLLM may still come with it: it computes the prompt itself
+        req = _req("req-0", tk, prompt)
+        assert book.matched(req, 0) == (0, False)
+        tk2 = book.mint(prompt)
+        req2 = _req("req-1", tk2, prompt)
+        assert book.matched(req2, 0) == (tk2["kvd_tokens"], True)
+        code, why = book.cancel(tk2["kvd_rid"])
+        assert code == 409 and "req-1" in why and kv.stats().pool.requests_live == 1
+        t.check()
 
 
 def test_the_ticket_server_keeps_a_proxys_connection_and_drops_one_it_cannot_reuse(tmp_path):
