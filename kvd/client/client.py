@@ -363,6 +363,20 @@ class _Surface:
             "Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), self._note(_lease(r.leases[0])))
         )
 
+    def allocate_recv_many(self, items: Sequence[tuple[str, int]], *, ttl: float | None = None) -> list[tuple[IndexVectors, LeaseInfo]]:
+        """:meth:`allocate_recv` of each ``(rid, tokens)``, in one call, in order: all or nothing
+        (a refusal of any leaves none of them allocated or leased; CapacityError carries
+        ``shortfall_bytes``). A decode side admitting several requests at once."""
+        wire = _specs([AllocSpec(r, n, True) for r, n in items])
+        for spec in wire:
+            spec.lease = True
+            if ttl is not None:
+                spec.lease_ttl_seconds = ttl
+        return self._call(
+            "Allocate", pb.AllocateRequest(requests=wire),
+            lambda r: [(vectors_from_pb(v), self._note(_lease(le))) for v, le in zip(r.vectors, r.leases)],
+        )
+
     def allocate_many(
         self, specs: Sequence[AllocSpec | tuple], *, tickets: Sequence[bytes | None] | None = None, chunk_tokens: int = 0
     ) -> list[IndexVectors]:

@@ -53,6 +53,7 @@ class TicketStats:
     """What the decode scheduler's ticket book saw so far."""
 
     tickets_minted: int = 0
+    mint_calls: int = 0  # Allocate calls that minted them (tickets asked for together share one)
     tickets_released: int = 0  # given back before admission (the proxy's prefill failed)
     tickets_expired: int = 0  # never admitted within kvd_admit_ttl_s: freed
     admitted: int = 0  # a vLLM request matched its ticket: its KV loaded, not computed
@@ -77,6 +78,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "reconnects": ("reconnects", "Times a worker found its kvd daemon had forgotten it (restart, reap) and connected again"),
     "requests_abandoned": ("abandoned", "Prefill requests vLLM ended before their KV was sent (aborted and freed in kvd)"),
     "tickets_minted": ("tickets_minted", "Tickets minted by the decode connector (pages allocated and leased)"),
+    "ticket_allocates": ("mint_calls", "Allocate calls the decode connector made to mint tickets (tickets asked for together share one)"),
     "tickets_released": ("tickets_released", "Tickets given back before admission (the proxy's prefill failed)"),
     "tickets_expired": ("tickets_expired", "Tickets never admitted within kvd_admit_ttl_s (their pages freed)"),
     "admitted": ("admitted", "Decode requests admitted with their ticket's KV"),

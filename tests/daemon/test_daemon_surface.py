@@ -210,6 +210,36 @@ def test_leases_and_ticket(target):
     assert c.free(r) == 1
 
 
+def test_allocate_recv_many_leases_each_in_one_call_all_or_nothing(target):
+    """The decode side admitting several requests in one Allocate: each allocated (receive) and
+    RECV-leased, its ticket for its own request; a refusal of one (a duplicate id, a bad TTL)
+    leaves none of them allocated or leased."""
+    c = target.connect(name="decode-many")
+    info = c.info()
+    base = target.snapshot(c)
+    rids = [rid("many-a"), rid("many-b"), rid("many-c")]
+    got = c.allocate_recv_many([(rids[0], 8), (rids[1], 24), (rids[2], 40)], ttl=30)
+    assert [(v.rid, le.rid, v.tokens) for v, le in got] == [(rids[0], rids[0], 8), (rids[1], rids[1], 24), (rids[2], rids[2], 40)]
+    for v, le in got:
+        assert le.kind is LeaseKind.RECV and 28.0 < le.expires_in <= 30.0 and (le.boot_id, le.epoch) == (info.boot_id, v.epoch)
+        t = pb.Ticket.FromString(pb.SealedTicket.FromString(le.ticket).body)
+        assert (t.rid, t.lease_id) == (v.rid, le.lease_id) and same_vectors(vectors_from_pb(t.vectors), v)
+    assert len({le.lease_id for _, le in got}) == 3
+    snap = target.snapshot(c)
+    assert (snap.pool.requests_live, snap.leases_live) == (base.pool.requests_live + 3, base.leases_live + 3)
+    target.check()
+    before = occupancy(target.snapshot(c))
+    with expect(E.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS, rids[1]):
+        c.allocate_recv_many([(rid("many-d"), 8), (rids[1], 8)])
+    with expect(E.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "lease ttl"):
+        c.allocate_recv_many([(rid("many-e"), 8), (rid("many-f"), 8)], ttl=-1)
+    assert occupancy(target.snapshot(c)) == before
+    target.check()
+    for _, le in got:
+        c.release_lease(le.lease_id)
+    assert c.free(*rids) == 3
+
+
 def test_compact_moves_pages_and_bumps_epoch(target):
     c = target.connect(name="compact")
     rs = [rid(f"c{i}") for i in range(4)]

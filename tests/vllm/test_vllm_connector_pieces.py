@@ -7,6 +7,7 @@ carried on, a second vLLM request with the same ticket refused without touching 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -138,6 +139,74 @@ def test_a_request_ended_while_it_waits_for_its_kv_is_reported_aborted_then_free
         book.finished({"req-0"})  # the scheduler hears it: the kvd request goes
         assert kv.stats().pool.requests_live == 0
         assert book.stats.aborted == 1 and book.stats.transfers_failed == 0
+        t.check()
+
+
+def test_tickets_asked_for_together_are_minted_in_one_call_and_a_refusal_is_only_its_own(tmp_path):
+    """Tickets asked for while a mint's call is out wait and go together, in one Allocate; where the
+    daemon refuses that call (one request too large), each is minted alone: the others get their
+    tickets, the refused one its error, and nothing else is held."""
+    import threading
+
+    from kvd.errors import KvdError
+    from kvd.records import LeaseKind
+
+    with _ticket_book(tmp_path) as (t, kv, book, _):
+        def together(items: list[tuple[str, int]]) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+
+            def one(rid: str, n: int) -> None:
+                try:
+                    out[rid] = book._allocate_recv(rid, n)
+                except KvdError as exc:
+                    out[rid] = exc
+
+            threads = [threading.Thread(target=one, args=it) for it in items]
+            with book._minting:  # another mint's call is out: these queue behind it
+                for th in threads:
+                    th.start()
+                while len(book._mints) < len(items):
+                    time.sleep(0.001)
+            for th in threads:
+                th.join(10)
+            return out
+
+        calls = book.stats.mint_calls
+        got = together([(f"co-{i}", 8 * (i + 1)) for i in range(5)])
+        assert book.stats.mint_calls == calls + 1, "five tickets asked for together took more than one call"
+        assert all(le.rid == r and le.kind is LeaseKind.RECV for r, le in got.items()) and len(got) == 5
+        assert kv.stats().pool.requests_live == 5 and kv.stats().leases_live == 5
+        got2 = together([("co-a", 8), ("co-huge", 1 << 30), ("co-b", 8)])
+        assert book.stats.mint_calls == calls + 1 + 1 + 3  # the refused call, then each alone
+        assert isinstance(got2["co-huge"], KvdError) and got2["co-a"].rid == "co-a" and got2["co-b"].rid == "co-b"
+        assert kv.stats().pool.requests_live == 7 and kv.stats().leases_live == 7
+        t.check()
+        for le in [*got.values(), got2["co-a"], got2["co-b"]]:
+            kv.release_lease(le.lease_id)
+            kv.free(le.rid)
+        t.check()
+
+
+def test_ticket_prompts_are_checked_before_anything_is_allocated_and_matched_by_their_tokens(tmp_path):
+    """A ticket request's prompt must be ints (no bools, no floats) that fit 64 bits, more than a
+    block long: otherwise InvalidArgument and nothing allocated. A vLLM request matches its ticket
+    only if its prompt is longer than the ticket's tokens and begins with them."""
+    from kvd.errors import InvalidArgument
+
+    with _ticket_book(tmp_path) as (t, kv, book, prompt):
+        bs = kv.info().layout.page_size
+        for bad in (None, "1 2 3", [1], [1, True, *prompt], [1.0, *prompt], [*prompt, 1 << 64], [*prompt, -(1 << 63) - 1], list(range(bs))):
+            with pytest.raises(InvalidArgument):
+                book.mint(bad)
+        assert kv.stats().pool.requests_live == 0 and book.stats.tickets_minted == 0
+        tk = book.mint(prompt)
+        n = tk["kvd_tokens"]
+        other = list(prompt)
+        other[n - 1] += 1  # the last ticketed token differs
+        for ids in (other, prompt[:n], None):
+            assert book.matched(_req("req-x", tk, ids), 0) == (0, False)
+        assert book.stats.not_matched == 3 and book.stats.admitted == 0
+        assert book.matched(_req("req-0", tk, [*prompt[:n], 99, 98]), 0) == (n, True)  # its own tail past the ticket
         t.check()
 
 
