@@ -541,6 +541,8 @@ class _TicketBook:
             return 0, False
         with self.lock:
             p = self.pending.get(rid)
+            if p is None and self.by_req.get(request.request_id) == rid:
+                return 0, False  # its ticket given back already: vLLM's own prefix cache held it all
             preempted = getattr(request, "num_preemptions", 0)
             if (p is None or p.dispatched) and preempted > 0:
                 # Preempted after its load: vLLM freed the blocks the KV was loaded into and computes
@@ -569,13 +571,23 @@ class _TicketBook:
             p.req_id = request.request_id
             p.deadline = float("inf")
             self.by_req[request.request_id] = rid
-            if p.tokens <= num_computed:  # vLLM's own prefix cache holds every ticketed token
-                return 0, False
-            # READY already: loaded before the forward of the step that computes the tail (vLLM's
-            # sync load), not in a step of its own first. Only where vLLM can fail such a load's
-            # request (one KV cache group: it names failed blocks by id), and only a short one
-            # (the whole batch's forward waits for the copy).
-            p.sync = 0 < p.tokens - num_computed <= self.sync_tokens and self._ready(p)
+            if p.tokens <= num_computed:
+                # vLLM's own prefix cache holds every ticketed token: nothing to load, and the pages
+                # go back now rather than when the request ends (its transfer aborted if under way).
+                del self.pending[rid]
+                self._rung.discard(rid)
+                self.stats.cached += 1
+                cached = True
+            else:
+                cached = False
+                # READY already: loaded before the forward of the step that computes the tail (vLLM's
+                # sync load), not in a step of its own first. Only where vLLM can fail such a load's
+                # request (one KV cache group: it names failed blocks by id), and only a short one
+                # (the whole batch's forward waits for the copy).
+                p.sync = 0 < p.tokens - num_computed <= self.sync_tokens and self._ready(p)
+        if cached:
+            self._free(rid)
+            return 0, False
         return p.tokens - num_computed, not p.sync
 
     @staticmethod
@@ -672,8 +684,7 @@ class _TicketBook:
         with self.lock:
             for req_id in req_ids:
                 rid = self.by_req.pop(req_id, None)
-                if rid is not None:
-                    self.pending.pop(rid, None)
+                if rid is not None and self.pending.pop(rid, None) is not None:  # not given back already
                     rids.append(rid)
         if len(rids) > 1:
             try:

@@ -61,6 +61,7 @@ class TicketStats:
     not_matched: int = 0  # a request named a ticket this book does not hold, or its prompt differs: computed locally
     transfers_failed: int = 0  # a ticket's transfer FAILED (a dead prefill, an abort, no KV in time)
     recomputed: int = 0  # admitted requests vLLM preempted after their load: computed again, not loaded again
+    cached: int = 0  # admitted requests whose ticketed tokens vLLM's own prefix cache held: given back at once
     aborted: int = 0  # admitted requests vLLM ended while they waited for their KV: blocks and pages given back
 
 
@@ -86,6 +87,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "not_matched": ("not_matched", "Decode requests whose ticket was unknown or whose prompt differed: computed locally"),
     "transfers_failed": ("transfers_failed", "Tickets whose transfer failed (dead prefill, abort, no KV in time)"),
     "recomputed": ("recomputed", "Admitted decode requests vLLM preempted after their load: computed again, not loaded again"),
+    "tickets_cached": ("cached", "Admitted decode requests whose ticketed tokens vLLM's prefix cache held (pages given back at once)"),
     "requests_aborted": ("aborted", "Admitted decode requests vLLM ended while they waited for their KV (blocks and pages given back)"),
 }
 

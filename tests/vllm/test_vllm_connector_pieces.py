@@ -210,6 +210,24 @@ def test_ticket_prompts_are_checked_before_anything_is_allocated_and_matched_by_
         t.check()
 
 
+def test_a_ticket_vllms_own_prefix_cache_holds_is_given_back_at_admission(tmp_path):
+    """Every ticketed token already in vLLM's own prefix cache: nothing to load, and the kvd request
+    goes back at admission (not when the request ends); asked again (waiting for blocks), the same
+    answer without a warning; the request's end frees nothing twice."""
+    with _ticket_book(tmp_path) as (t, kv, book, prompt):
+        tk = book.mint(prompt)
+        req = _req("req-0", tk, prompt, num_preemptions=0)
+        assert book.matched(req, tk["kvd_tokens"] + 4) == (0, False)
+        assert kv.stats().pool.requests_live == 0 and book.status(tk["kvd_rid"]) is None
+        assert book.matched(req, tk["kvd_tokens"] + 4) == (0, False)
+        req.num_preemptions = 1
+        assert book.matched(req, 0) == (0, False)
+        assert (book.stats.admitted, book.stats.cached, book.stats.not_matched) == (1, 1, 0)
+        book.ended("req-0")
+        assert book.by_req == {} and book.pending == {}
+        t.check()
+
+
 # ---- the producer's open: a lost reply adopted, a duplicate ticket refused without harm ------------
 
 def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_without_freeing(tmp_path):

@@ -213,7 +213,7 @@ def test_a_prefill_prefix_cache_hit_still_sends_every_token(pd: PD) -> None:
 def test_a_decode_prefix_cache_hit_loads_only_past_it(pd: PD) -> None:
     """A second decode vLLM on the same daemon, with prefix caching (vLLM's default). Fresh
     prompts load every ticketed token; the same prompts again find every ticketed token in its
-    own cache and load nothing (their kvd requests freed all the same); longer prompts that start
+    own cache and load nothing (their kvd requests freed at admission); longer prompts that start
     with them load only past the hit. Each run decodes as the engine without a cache computing
     the prompts alone."""
     port = free_port()
@@ -242,6 +242,9 @@ def test_a_decode_prefix_cache_hit_loads_only_past_it(pd: PD) -> None:
         per_token = runs[0][2] / runs[0][0]
         assert runs[0][1] == 3 and per_token > 0, runs
         assert runs[1][1:] == (0, 0), runs  # every ticketed token in the decode's own cache
+        # ... whose tickets were given back at admission, not when the requests ended
+        full_hits = 3 + sum(a <= b for a, b in zip(ticketed[2], ticketed[0]))
+        assert dec.scheduler()["ticket_stats"]["cached"] == full_hits, (ticketed, dec.scheduler())
         # only past ps's blocks (a longer prompt ticketed no further than its prefix -- granite's
         # 64-token blocks: 120 tokens -- loads nothing) ...
         assert runs[2][1] == sum(a > b for a, b in zip(ticketed[2], ticketed[0])), (runs, ticketed)
