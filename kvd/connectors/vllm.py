@@ -542,7 +542,9 @@ class _TicketBook:
         with self.lock:
             p = self.pending.get(rid)
             if p is None and self.by_req.get(request.request_id) == rid:
-                return 0, False  # its ticket given back already: vLLM's own prefix cache held it all
+                # its ticket given back already: vLLM's own prefix cache held it all, or its load
+                # failed and vLLM computes the request itself
+                return 0, False
             preempted = getattr(request, "num_preemptions", 0)
             if (p is None or p.dispatched) and preempted > 0:
                 # Preempted after its load: vLLM freed the blocks the KV was loaded into and computes
@@ -676,14 +678,15 @@ class _TicketBook:
                     done.add(req_id)
         self.finished(done)
 
-    def finished(self, req_ids: set[str]) -> None:
+    def finished(self, req_ids: set[str], failed: set[str] | frozenset[str] = frozenset()) -> None:
         """The worker copied (or failed) these requests: their kvd pages go back, in one call (on
         the scheduler's thread); where the daemon refuses the batch (one still pinned by its
-        lease, one gone), each alone."""
+        lease, one gone), each alone. A request in ``failed`` stays known by its ticket until it
+        ends: vLLM may compute it again (kv_load_failure_policy "recompute") and asks once more."""
         rids = []
         with self.lock:
             for req_id in req_ids:
-                rid = self.by_req.pop(req_id, None)
+                rid = self.by_req.get(req_id) if req_id in failed else self.by_req.pop(req_id, None)
                 if rid is not None and self.pending.pop(rid, None) is not None:  # not given back already
                     rids.append(rid)
         if len(rids) > 1:
@@ -930,7 +933,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         if self._book is None:
             return
         if connector_output.finished_recving:
-            self._book.finished(set(connector_output.finished_recving))
+            self._book.finished(set(connector_output.finished_recving), set(getattr(connector_output, "failed_recving", None) or ()))
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, _KvdWorkerMetadata) and meta.loaded:
             self._book.loaded(meta.loaded)

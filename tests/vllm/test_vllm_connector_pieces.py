@@ -228,6 +228,23 @@ def test_a_ticket_vllms_own_prefix_cache_holds_is_given_back_at_admission(tmp_pa
         t.check()
 
 
+def test_a_request_whose_load_failed_is_asked_again_without_a_warning(tmp_path):
+    """vLLM with kv_load_failure_policy "recompute": a failed async load sends the request back to
+    waiting with nothing computed, and vLLM asks the connector again. Its kvd request is freed with
+    the report; the second ask answers "nothing to load" as for a ticket given back, not "unknown
+    ticket"; the request's end forgets it."""
+    with _ticket_book(tmp_path) as (t, kv, book, prompt):
+        tk = book.mint(prompt)
+        req = _req("req-0", tk, prompt, num_preemptions=0)
+        assert book.matched(req, 0) == (tk["kvd_tokens"], True)
+        book.finished({"req-0"}, failed={"req-0"})
+        assert kv.stats().pool.requests_live == 0
+        assert book.matched(req, 0) == (0, False) and book.stats.not_matched == 0
+        book.ended("req-0")
+        assert book.by_req == {} and book.pending == {}
+        t.check()
+
+
 # ---- the producer's open: a lost reply adopted, a duplicate ticket refused without harm ------------
 
 def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_without_freeing(tmp_path):
