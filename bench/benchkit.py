@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -297,6 +298,12 @@ def own_cpu() -> float:
 def med(xs: list[float]) -> float:
     """The median, NaN for nothing measured."""
     return statistics.median(xs) if xs else float("nan")
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (the sample at rank ``q * n``), NaN for nothing measured."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def log_uniform(n: int, lo: int, hi: int, seed: int) -> list[int]:

@@ -33,15 +33,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu  # noqa: E402  (bench/ is sys.path[0])
+from benchkit import BenchDaemon, cpu_model, cpu_snap, others_line, own_cpu, pct  # noqa: E402  (bench/ is sys.path[0])
 
 PATHS = ("grpc", "socket")
 ROWS = ("check", "commit", "pair", "send")
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def peer_calls(port: int) -> dict[tuple[str, str], float]:

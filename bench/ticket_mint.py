@@ -35,12 +35,7 @@ for p in (ROOT, os.path.join(ROOT, "bench")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from benchkit import BenchDaemon, cpu_model, cpu_snap, med, others_line, own_cpu  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+from benchkit import BenchDaemon, cpu_model, cpu_snap, med, others_line, own_cpu, pct  # noqa: E402
 
 
 def main() -> None:
