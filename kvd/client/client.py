@@ -188,6 +188,17 @@ def _specs(specs: Sequence[AllocSpec | tuple]) -> list[pb.AllocSpec]:
     return out
 
 
+def _recv_specs(items: Sequence[tuple[str, int]], ttl: float | None) -> list[pb.AllocSpec]:
+    """Decode-side specs: each request allocated to receive, with a RECV lease (``ttl``: None, the
+    daemon's)."""
+    wire = _specs([AllocSpec(r, n, True) for r, n in items])
+    for spec in wire:
+        spec.lease = True
+        if ttl is not None:
+            spec.lease_ttl_seconds = ttl
+    return wire
+
+
 def _kind(kind: LeaseKind | str) -> pb.LeaseKind.ValueType:
     try:
         return lease_kind_to_pb(kind if isinstance(kind, LeaseKind) else LeaseKind(str(kind).lower()))
@@ -355,25 +366,17 @@ class _Surface:
         side), of ``ttl`` seconds (None: the daemon's lease TTL; as ``acquire_lease``'s, so
         InvalidArgument outside ``(0, the daemon's maximum]``). All or nothing: a refusal of
         either leaves nothing allocated or leased."""
-        spec = _specs([AllocSpec(rid, tokens, True)])[0]
-        spec.lease = True
-        if ttl is not None:
-            spec.lease_ttl_seconds = ttl
         return self._call(
-            "Allocate", pb.AllocateRequest(requests=[spec]), lambda r: (vectors_from_pb(r.vectors[0]), self._note(_lease(r.leases[0])))
+            "Allocate", pb.AllocateRequest(requests=_recv_specs([(rid, tokens)], ttl)),
+            lambda r: (vectors_from_pb(r.vectors[0]), self._note(_lease(r.leases[0]))),
         )
 
     def allocate_recv_many(self, items: Sequence[tuple[str, int]], *, ttl: float | None = None) -> list[tuple[IndexVectors, LeaseInfo]]:
         """:meth:`allocate_recv` of each ``(rid, tokens)``, in one call, in order: all or nothing
         (a refusal of any leaves none of them allocated or leased; CapacityError carries
         ``shortfall_bytes``). A decode side admitting several requests at once."""
-        wire = _specs([AllocSpec(r, n, True) for r, n in items])
-        for spec in wire:
-            spec.lease = True
-            if ttl is not None:
-                spec.lease_ttl_seconds = ttl
         return self._call(
-            "Allocate", pb.AllocateRequest(requests=wire),
+            "Allocate", pb.AllocateRequest(requests=_recv_specs(items, ttl)),
             lambda r: [(vectors_from_pb(v), self._note(_lease(le))) for v, le in zip(r.vectors, r.leases)],
         )
 

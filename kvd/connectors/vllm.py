@@ -362,9 +362,13 @@ class _TicketBook:
     def _mint(self, batch: list[_Mint]) -> None:
         """Each of ``batch`` minted (``lease``) or refused (``error``), then ``done``."""
         calls = 1
+
+        def alone(m: _Mint) -> Any:
+            return self._retrying(partial(self.kv.allocate_recv, m.rid, m.tokens, ttl=self.admit_ttl))[1]
+
         try:
             if len(batch) == 1:
-                batch[0].lease = self._retrying(partial(self.kv.allocate_recv, batch[0].rid, batch[0].tokens, ttl=self.admit_ttl))[1]
+                batch[0].lease = alone(batch[0])
             else:
                 got = self._retrying(lambda: self.kv.allocate_recv_many([(m.rid, m.tokens) for m in batch], ttl=self.admit_ttl))
                 for m, (_, lease) in zip(batch, got):
@@ -377,7 +381,7 @@ class _TicketBook:
                 for m in batch:
                     calls += 1
                     try:
-                        m.lease = self._retrying(partial(self.kv.allocate_recv, m.rid, m.tokens, ttl=self.admit_ttl))[1]
+                        m.lease = alone(m)
                     except KvdError as one:
                         m.error = one
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter, each raises it
@@ -683,12 +687,17 @@ class _TicketBook:
         the scheduler's thread); where the daemon refuses the batch (one still pinned by its
         lease, one gone), each alone. A request in ``failed`` stays known by its ticket until it
         ends: vLLM may compute it again (kv_load_failure_policy "recompute") and asks once more."""
-        rids = []
+        rids: list[str] = []
         with self.lock:
             for req_id in req_ids:
-                rid = self.by_req.get(req_id) if req_id in failed else self.by_req.pop(req_id, None)
-                if rid is not None and self.pending.pop(rid, None) is not None:  # not given back already
-                    rids.append(rid)
+                rid = self.by_req.get(req_id)
+                p = self.pending.pop(rid, None) if rid is not None else None
+                # A failed load's request may be computed again and asks once more: known by its
+                # ticket until it ends -- unless it ended already (aborted while it waited).
+                if req_id not in failed or p is None or p.state == "ABORTED":
+                    self.by_req.pop(req_id, None)
+                if p is not None:  # not given back already
+                    rids.append(p.rid)
         if len(rids) > 1:
             try:
                 self.kv.free(*rids)
@@ -704,6 +713,8 @@ class _TicketBook:
         blocks until the worker reports its load finished (it frees them on nothing else), so the
         load goes out at the next step as aborted -- reported, never copied -- and the kvd request
         is freed with that report. Otherwise freed now."""
+        if req_id not in self.by_req and req_id not in self.recomputing:
+            return  # no ticket (most requests): no lock. Both are written on this, the scheduler's, thread
         with self.lock:
             self.recomputing.pop(req_id, None)
             rid = self.by_req.get(req_id)

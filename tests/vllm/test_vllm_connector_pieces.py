@@ -136,8 +136,9 @@ def test_a_request_ended_while_it_waits_for_its_kv_is_reported_aborted_then_free
         c = _worker()
         c._load_failed(load)
         assert c._failed == {"req-0"}  # reported in finished_recving (and failed_recving)
-        book.finished({"req-0"})  # the scheduler hears it: the kvd request goes
+        book.finished({"req-0"}, failed={"req-0"})  # the scheduler hears it (in both sets): the kvd request goes
         assert kv.stats().pool.requests_live == 0
+        assert book.by_req == {} and book.pending == {}, "an ended request is still known by its ticket"
         assert book.stats.aborted == 1 and book.stats.transfers_failed == 0
         t.check()
 
