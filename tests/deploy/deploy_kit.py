@@ -84,7 +84,9 @@ def tcp_port(listen_tcp: str) -> int:
 
 #: Labels Prometheus adds at scrape time (targets, relabelling), not kvd.
 TARGET_LABELS = {"job", "instance", "role", "pod", "namespace"}
-_SELECTOR = re.compile(r"\b(kvd_[a-z0-9_]+)\b(\s*\{[^}]*\})?")
+_SELECTOR = re.compile(r"(?<![\w:])(kvd_[a-z0-9_]+)\b(\s*\{[^}]*\})?")  # a daemon's or the proxy's
+#: KvdConnector's counters in a vLLM engine's /metrics (kvd/connectors/vllm_stats.py)
+_VLLM_SELECTOR = re.compile(r"(?<![\w:])(vllm:kvd_[a-z0-9_]+)\b(\s*\{[^}]*\})?")
 _MATCHER = re.compile(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
 _RECORDED = re.compile(r"\bkvd:[a-z0-9_:]+")
@@ -111,6 +113,13 @@ def dashboard_exprs() -> Iterator[tuple[str, str]]:
 def selectors(expr: str) -> Iterator[tuple[str, list[tuple[str, str, str]]]]:
     """``(metric name, [(label, op, value), ...])`` of each kvd_* selector in ``expr``."""
     for m in _SELECTOR.finditer(expr):
+        yield m.group(1), _MATCHER.findall(m.group(2) or "")
+
+
+def vllm_selectors(expr: str) -> Iterator[tuple[str, list[tuple[str, str, str]]]]:
+    """As :func:`selectors`, for each vllm:kvd_* selector (a vLLM engine's series, checked
+    against real vLLM servers in tests/vllm/test_vllm_proxy.py)."""
+    for m in _VLLM_SELECTOR.finditer(expr):
         yield m.group(1), _MATCHER.findall(m.group(2) or "")
 
 

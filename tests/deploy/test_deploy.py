@@ -113,7 +113,7 @@ def _exprs() -> list[tuple[str, str, str]]:
 @pytest.mark.parametrize("source,name,expr", _exprs(), ids=lambda v: v if isinstance(v, str) and len(v) < 40 else None)
 def test_every_selected_series_exists(scrape, source, name, expr):
     used = list(K.selectors(expr))
-    assert used or "up{" in expr or K.recorded_names(expr), f"{source} {name}: no kvd series in {expr!r}"
+    assert used or "up{" in expr or K.recorded_names(expr) or any(K.vllm_selectors(expr)), f"{source} {name}: no kvd series in {expr!r}"
     labels_here = set(K.TARGET_LABELS) | {"le"}
     for metric, matchers in used:
         assert metric in scrape.labels, f"{source} {name}: {metric} is not exported (kvd/server/metrics.py)"
@@ -143,7 +143,7 @@ def test_alerts_say_what_and_how_bad():
     alerts = [r for g in K.read_yaml(K.RULES)["groups"] for r in g["rules"] if "alert" in r]
     assert {a["alert"] for a in alerts} >= {"KvdDown", "KvdPoolNearlyFull", "KvdTransferFailures", "KvdLeasesExpiring",
                                             "KvdLeasesStuck", "KvdSendLatencyHigh", "KvdProxyDown", "KvdProxyHandoffsFailing",
-                                            "KvdProxyDecodeErrors"}
+                                            "KvdProxyDecodeErrors", "KvdVllmHandoffsMissed", "KvdVllmReconnects", "KvdVllmLoadFailures"}
     for a in alerts:
         assert a["labels"]["severity"] in ("warning", "critical"), a["alert"]
         assert a["annotations"]["summary"] and a["annotations"]["description"], a["alert"]
@@ -163,6 +163,8 @@ def test_dashboard_panels_filter_by_role_and_instance():
                     assert ("role", "proxy") in got, f"{panel['title']}: {metric} does not select role=\"proxy\""
                     continue
                 assert {("role", "$role"), ("instance", "$instance")} <= got, f"{panel['title']}: {metric} ignores $role/$instance"
+            for metric, matchers in K.vllm_selectors(target["expr"]):  # engines: $instance lists the daemons
+                assert ("role", "$role") in {(label, value) for label, _, value in matchers}, f"{panel['title']}: {metric} ignores $role"
 
 
 # ---- the image --------------------------------------------------------------------------------

@@ -99,7 +99,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                              "engine": {"image": {"tag": "1.1"}}}},  # a part of the image only: the rest from engine
         "kvd": {"peerToken": {"secretName": "kvd-token"}},
         "proxy": {"enabled": True},
-        "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}, "grafanaDashboard": {"enabled": True}},
+        "metrics": {"serviceMonitor": {"enabled": True, "enginePort": "http"}, "prometheusRule": {"enabled": True},
+                    "grafanaDashboard": {"enabled": True}},
         "networkPolicy": {"enabled": True, "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
                           "extraIngress": [{"ports": [{"port": 9999}]}]},
     },
@@ -233,7 +234,15 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
 
         svc = services[role]
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
-        assert {p["port"] for p in svc["spec"]["ports"]} == set(ports.values())
+        engine_port = _engine_metrics_port(values, role)
+        svc_ports = {p["name"]: p for p in svc["spec"]["ports"]}
+        assert {p["port"] for n, p in svc_ports.items() if n != "engine-metrics"} == set(ports.values())
+        if engine_port is None:
+            assert "engine-metrics" not in svc_ports
+        else:  # the engine's own /metrics, for the ServiceMonitor's second endpoint
+            assert svc_ports["engine-metrics"] == {"name": "engine-metrics", "port": engine_port,
+                                                   "targetPort": values["metrics"]["serviceMonitor"]["enginePort"]}
+            assert engine_port in {p["containerPort"] for c in engines for p in c.get("ports", [])}
 
     _check_network_policies(values, objs, loaded)
 
@@ -242,8 +251,12 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
     for sm in objs.get("ServiceMonitor", []):
         label = sm["spec"]["jobLabel"]
         assert all(svc["metadata"]["labels"][label] == "kvd" for svc in services.values()), "rules select job=\"kvd\""
-        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+        sm_cfg = monitoring["serviceMonitor"]
+        assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"] + (["engine-metrics"] if sm_cfg.get("enginePort") else [])
         assert {r["targetLabel"] for r in sm["spec"]["endpoints"][0]["relabelings"]} >= {"role"}
+        for e in sm["spec"]["endpoints"][1:]:  # the engines: job "kvd-engine" (job="kvd" is the daemons', KvdDown's)
+            assert e["path"] == sm_cfg["enginePath"] and {"targetLabel": "job", "replacement": "kvd-engine"} in e["relabelings"]
+            assert {r["targetLabel"] for r in e["relabelings"]} >= {"job", "role", "pod"}
     assert len(objs.get("PrometheusRule", [])) == monitoring["prometheusRule"]["enabled"]
     for rule in objs.get("PrometheusRule", []):
         assert rule["spec"] == K.read_yaml(K.RULES)
@@ -252,6 +265,16 @@ def test_rendered_pods_agree_with_the_settings_kvd_loads(tmp_path, name):
     for cm in dashboards:
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
         assert json.loads(cm["data"]["kvd-dashboard.json"]) == K.read_json(K.DASHBOARD)
+
+
+def _engine_metrics_port(values: dict, role: str) -> int | None:
+    """The containerPort of the engine port metrics.serviceMonitor.enginePort names in ``role``'s
+    pods: None where the engines are not scraped."""
+    sm = values["metrics"]["serviceMonitor"]
+    engine = role_engine(values, role)
+    if not (sm["enabled"] and sm.get("enginePort") and engine["image"]["repository"]):
+        return None
+    return next(p["containerPort"] for p in engine["ports"] if p["name"] == sm["enginePort"])
 
 
 def _check_network_policies(values: dict, objs: dict[str, list[dict]], loaded: dict) -> None:
@@ -277,7 +300,8 @@ def _check_network_policies(values: dict, objs: dict[str, list[dict]], loaded: d
             want.append({"protocol": "TCP", "port": mc["min"], "endPort": mc["max"]})
         assert peers["ports"] == want
         metrics, *rest = rest
-        assert metrics["ports"] == [{"protocol": "TCP", "port": s.metrics_port}] and metrics.get("from", []) == np["metricsFrom"]
+        scraped = [s.metrics_port] + ([] if _engine_metrics_port(values, role) is None else [_engine_metrics_port(values, role)])
+        assert metrics["ports"] == [{"protocol": "TCP", "port": p} for p in scraped] and metrics.get("from", []) == np["metricsFrom"]
         engine = role_engine(values, role)
         if engine["image"]["repository"] and engine["ports"]:
             rule, *rest = rest
@@ -293,6 +317,8 @@ def _check_network_policies(values: dict, objs: dict[str, list[dict]], loaded: d
     ({"kvd": {"config": {"listen_tcp": "127.0.0.1:50051"}}}, "is loopback"),
     ({"kvd": {"config": {"listen_tcp": "0.0.0.0:0"}}}, "with a fixed port"),
     ({"kvd": {"mooncakePorts": {"min": 17000, "max": 17000}}}, "give 2 to 16 ports"),
+    ({"engine": {"image": {"repository": "e", "tag": "1"}, "ports": [{"name": "api", "containerPort": 8000}]},
+      "metrics": {"serviceMonitor": {"enabled": True, "enginePort": "http"}}}, 'enginePort "http" names none of the prefill engine\'s ports'),
 ])
 def test_helm_refuses_what_kvd_would_not_run(tmp_path, overrides, phrase):
     r = helm("template", "t1", values=overrides, tmp=tmp_path)

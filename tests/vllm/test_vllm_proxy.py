@@ -148,6 +148,47 @@ def test_completions_whole_and_streamed_match_the_decode_server_alone(stack: Sta
     assert pre["vllm:kvd_send_bytes_total"] > 0 and pre["vllm:kvd_save_bytes_total"] > 0 and pre.get("vllm:kvd_loads_total", 0) == 0
 
 
+def _deploy_kit():
+    """tests/deploy/deploy_kit.py (the deployment files' PromQL helpers), by its path."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "deploy" / "deploy_kit.py"
+    spec = importlib.util.spec_from_file_location("deploy_kit_for_vllm", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_dashboard_and_rules_select_what_the_vllm_servers_export(stack: Stack) -> None:
+    """Every vllm:kvd_* series the Grafana dashboard and the Prometheus rules select (KvdConnector's
+    counters, scraped from the engines) is in a real vLLM server's /metrics, with every label they
+    match or group by (beyond the labels Prometheus adds at scrape time)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    K = _deploy_kit()
+    labels: dict[str, set[str]] = {}
+    for url in (stack.prefill, stack.decode):
+        for fam in text_string_to_metric_families(_scrape_proxy(url)):
+            for smp in fam.samples:
+                labels.setdefault(smp.name, set()).update(smp.labels)
+    exprs = [("rules", n, e) for n, e in K.rule_exprs()] + [("dashboard", n, e) for n, e in K.dashboard_exprs()]
+    checked = 0
+    for source, name, expr in exprs:
+        used = list(K.vllm_selectors(expr))
+        here = set(K.TARGET_LABELS)
+        for metric, matchers in used:
+            assert metric in labels, f"{source} {name}: {metric} is not in vLLM's /metrics (kvd/connectors/vllm_stats.py COUNTERS)"
+            here |= labels[metric]
+            for label, _, _ in matchers:
+                assert label in here, f"{source} {name}: {metric} has no label {label!r}"
+            checked += 1
+        if used:
+            unknown = K.grouping_labels(expr) - here
+            assert not unknown, f"{source} {name}: groups by labels vLLM's series lack: {sorted(unknown)}"
+    assert checked >= 20, "the dashboard's vLLM connector row and the KvdVllm* rules select vllm:kvd_* series"
+
+
 def test_several_samples_of_one_prompt(stack: Stack) -> None:
     """``n=2``: vLLM runs two requests of one prompt on the decode server; one loads the KV sent,
     the other finds the ticket taken and computes the prompt itself (the connector's rule): both

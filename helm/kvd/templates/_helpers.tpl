@@ -222,3 +222,24 @@ data:
   kvd.yaml: |
     {{- include "kvd.config" . | nindent 4 }}
 {{- end }}
+
+{{- /* The containerPort of the role's engine port that metrics.serviceMonitor.enginePort names ("" when
+none is scraped: the ServiceMonitor off, no enginePort, or no engine in this role's pods); fails
+when the name is none of the engine's ports. Dict: Values, role. */}}
+{{- define "kvd.engineMetricsPort" -}}
+{{- $sm := .Values.metrics.serviceMonitor }}
+{{- $rv := get .Values.roles .role }}
+{{- $engine := mergeOverwrite (deepCopy .Values.engine) (deepCopy ($rv.engine | default dict)) }}
+{{- if and $sm.enabled $sm.enginePort (ne ($engine.image.repository | default "") "") }}
+{{- $found := "" }}
+{{- $names := list }}
+{{- range $engine.ports }}
+{{- $names = append $names (.name | default "") }}
+{{- if eq (.name | default "") $sm.enginePort }}{{ $found = toString .containerPort }}{{ end }}
+{{- end }}
+{{- if not $found }}
+{{- fail (printf "metrics.serviceMonitor.enginePort %q names none of the %s engine's ports (its engine.ports names: %v); name the port its /metrics is served on" $sm.enginePort .role $names) }}
+{{- end }}
+{{- $found }}
+{{- end }}
+{{- end }}
