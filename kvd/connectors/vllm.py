@@ -72,6 +72,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -861,6 +862,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._renew_at = 0.0  # no reconnect before (monotonic): the last one failed
         self._probe_at = 0.0  # no KeepAlive probe before (monotonic): the last one failed (_gone)
         self._sender: threading.Thread | None = None
+        self._opener: ThreadPoolExecutor | None = None  # producer: opens a step's new requests (handle_preemptions)
+        self._opening: Future | None = None  # ... this step's, until the forward thread joins it (_opened)
         if role is KVConnectorRole.SCHEDULER and self._consumer:
             listen = extra.get("kvd_ticket_listen")
             if not isinstance(listen, str) or ":" not in listen:
@@ -1044,7 +1047,41 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._views = att.views
         self._copy = vb.CopyStream(arena_dev)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """The first call of each step, with its metadata, before vLLM prepares the step's
+        inputs: a producer opens the step's new requests here, on its opener thread (each
+        allocated and its transfer begun, as :meth:`_open_step` and :meth:`_open` do), so that
+        the Allocate's round trip overlaps that preparation and the first layers' compute rather
+        than holding the forward at its first save. Every other entry point of the worker joins
+        that work first (:meth:`_opened`); a vLLM that never calls this leaves the opening to
+        the first save, as before."""
+        saves = getattr(kv_connector_metadata, "saves", ())
+        if not self._producer or not saves or self._opening is not None:
+            return
+        if all(sv.req_id in self._vecs or sv.req_id in self._bad_saves for sv in saves):
+            return
+        if self._opener is None:
+            self._opener = ThreadPoolExecutor(1, thread_name_prefix="kvd-opener")
+        self._opening = self._opener.submit(self._open_all, saves)
+
+    def _open_all(self, saves: Sequence[_Save]) -> None:
+        """The opener thread: ``saves``' requests opened, new ones together where there are several."""
+        if self._gone():  # its pages are not ours to write: a new session first, as save_kv_layer does
+            self._renew("this worker's session is gone")
+        self._open_step(saves)
+        for sv in saves:
+            self._open(sv)
+
+    def _opened(self) -> None:
+        """Wait for the opener's work of this step, if any (:meth:`handle_preemptions`): the
+        forward thread reads ``_vecs`` and the client only after it. What it raised is raised here,
+        where the forward would have met it."""
+        f, self._opening = self._opening, None
+        if f is not None:
+            f.result()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._opened()
         meta = self._get_connector_metadata()
         loads = getattr(meta, "loads", ())
         self.copy_stats.steps += 1
@@ -1154,6 +1191,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return  # loads are whole-request: an async one finishes before its request is scheduled, vLLM's stream waits for a sync one
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        if self._opening is not None:
+            self._opened()
         slot = self._slots.get(layer_name)
         if slot is None or slot.group == "state":
             return  # state slots are copied once the step's forward is done (wait_for_save)
@@ -1275,6 +1314,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return v
 
     def wait_for_save(self) -> None:
+        self._opened()
         meta = self._get_connector_metadata()
         saves = getattr(meta, "saves", ())
         if saves and self._gone():
@@ -1374,6 +1414,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self.copy_stats.abandoned += 1
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._opened()
         if finished_req_ids and self._vecs:
             self._abandon(finished_req_ids)
         # A failed receive is reported in both sets: vLLM then fails the request (kv_load_failure_policy
@@ -1390,6 +1431,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return r.finished_sending or None, r.finished_recving or None
 
     def shutdown(self) -> None:
+        if self._opener is not None:
+            self._opener.shutdown(wait=True)
         if self._sender is not None:
             self._sends.put(None)
             self._sender.join(timeout=30)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
@@ -276,6 +277,62 @@ def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_with
         for side in pair.sides:
             side.t.check()
     finally:
+        for side in pair.sides:
+            side.stop()
+
+
+def test_a_steps_new_requests_are_opened_ahead_of_its_forward_on_the_opener_thread(tmp_path):
+    """vLLM's first call of a step (handle_preemptions, with the step's metadata) opens the step's
+    new requests on the opener thread, the new ones together in one Allocate; the forward thread
+    joins that work (_opened) and finds them open, with no call of its own. A step with nothing
+    new starts no work; a request whose open is refused is only its own failure (a bad save), as
+    at the first save. Nothing is left open on either daemon once each is freed."""
+    import threading
+
+    import handoff_kit as hk
+
+    from kvd.connectors.vllm import _Save
+
+    pair = hk.make_pair(tmp_path)
+    try:
+        dec, pre = pair.decode.t.connect(name="decode"), pair.prefill.t.connect(name="prefill-worker")
+        (_, la), (_, lb) = dec.allocate_recv("kvd-a", 40), dec.allocate_recv("kvd-b", 40)
+        c = KvdConnector.__new__(KvdConnector)
+        c._kv, c._vecs, c._bad_saves, c.copy_stats = pre, {}, set(), CopyStats()
+        c._producer, c._opener, c._opening, c._probe_at, c._renew_at = True, None, None, 0.0, 0.0
+        calls: list[tuple[str, str]] = []
+        for name in ("allocate", "allocate_many"):
+            real = getattr(pre, name)
+
+            def spy(*a: Any, _real: Any = real, _name: str = name, **k: Any) -> Any:
+                calls.append((_name, threading.current_thread().name))
+                return _real(*a, **k)
+
+            setattr(pre, name, spy)
+        step = [_Save("req-a", "kvd-a", la.ticket, 40, ([1, 2],), 0, 32, False), _Save("req-b", "kvd-b", lb.ticket, 40, ([3, 4],), 0, 32, False)]
+        c.handle_preemptions(SimpleNamespace(saves=step))
+        c._opened()
+        assert [n for n, _ in calls] == ["allocate_many"] and calls[0][1].startswith("kvd-opener"), calls
+        assert {r: v["full"] for r, v in c._vecs.items()} == {"req-a": pre.vectors("kvd-a").full.tolist(),
+                                                               "req-b": pre.vectors("kvd-b").full.tolist()}
+        assert c.copy_stats.opens == 1 and c.copy_stats.opened == 2
+        c.handle_preemptions(SimpleNamespace(saves=[replace(sv, start=32, end=40, last=True) for sv in step]))
+        assert c._opening is None and len(calls) == 1  # their next chunks: nothing new to open
+        bad = _Save("req-c", "kvd-c", b"not a ticket", 40, ([5, 6],), 0, 40, True)
+        c.handle_preemptions(SimpleNamespace(saves=[bad]))
+        c._opened()
+        assert "req-c" in c._bad_saves and "req-c" not in c._vecs and calls[-1][0] == "allocate"
+        for rid in ("kvd-a", "kvd-b"):  # as the worker does with a request vLLM ended before its last chunk
+            pre.abort(rid, "the test is done")
+            pre.free(rid)
+            assert dec.wait_ready(rid, 5).state.value == "failed"
+            dec.free(rid)
+        assert pre.stats().pool.requests_live == 0 == dec.stats().pool.requests_live
+        for side in pair.sides:
+            side.t.check()
+    finally:
+        if getattr(c, "_opener", None) is not None:
+            c._opener.shutdown()
         for side in pair.sides:
             side.stop()
 
