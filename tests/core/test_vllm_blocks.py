@@ -194,9 +194,33 @@ def test_the_torch_path_is_the_cpu_path_and_counts_its_ops():
     lbs = [vb.detect_layout(src[ln], num_kv_heads=H, block_size=BS, head_size=D) for ln in FULL.layers]
     assert "no Triton kernel on cpu" in (vb.kernel_refusal(lbs[0], views[0]) or "")
     at = vb.CopyStream("cpu").slots(_slots("full"), lbs[0])
+    # pages as long as blocks: the 4 whole blocks block for page, a slice copy a tensor each (no
+    # two of them consecutive on both sides), the partial last block's 2 tokens token by token
+    assert at.whole is not None and at.whole.blocks.tolist() == FULL_IDS[:4] and at.whole.pages.tolist() == FULL_PAGES[:4]
+    assert at.whole.spans == tuple(zip(FULL_IDS[:4], FULL_PAGES[:4], [1] * 4))
+    assert list(zip(at.whole.rest.block.tolist(), at.whole.rest.boff.tolist())) == [(FULL_IDS[4], 0), (FULL_IDS[4], 1)]
     before = vb.LAUNCHES.copy()
     vb.save_layers(lbs, at, views)
-    assert vb.LAUNCHES - before == {"torch": 12, "layers": 3}
+    assert vb.LAUNCHES - before == {"torch": (2 * 4 + 2 * 2) * 3, "layers": 3}
+    # consecutive blocks on consecutive pages: one slice a tensor for all of them
+    run = vb.CopyStream("cpu").slots(vb.token_slots([2, 3, 4, 5], 0, 16, BS, [6, 7, 8, 9]), lbs[0])
+    assert run.whole is not None and run.whole.spans == ((2, 6, 4),) and len(run.whole.rest) == 0
+    before = vb.LAUNCHES.copy()
+    vb.save_layers(lbs, run, views)
+    assert vb.LAUNCHES - before == {"torch": 2 * 3, "layers": 3}
+    # scattered past _SPANS spans: a gather and a scatter a tensor, however many blocks
+    ids, pages = [1, 3, 5, 7, 9, 11, 13, 15, 2, 4], [10, 8, 6, 4, 2, 0, 9, 7, 5, 3]
+    assert len(ids) > vb._SPANS
+    scattered = vb.CopyStream("cpu").slots(vb.token_slots(ids, 0, len(ids) * BS, BS, pages), lbs[0])
+    assert scattered.whole is not None and scattered.whole.spans is None and scattered.whole.blocks.tolist() == ids
+    before = vb.LAUNCHES.copy()
+    vb.save_layers(lbs, scattered, views)
+    assert vb.LAUNCHES - before == {"torch": 4 * 3, "layers": 3}
+    mid = vb.CopyStream("cpu").slots(vb.token_slots(FULL_IDS, 1, 3, BS, FULL_PAGES), lbs[0])
+    assert mid.whole is None  # no whole run: token by token only
+    before = vb.LAUNCHES.copy()
+    vb.save_layers(lbs, mid, views)
+    assert vb.LAUNCHES - before == {"torch": 4 * 3, "layers": 3}
     with pytest.raises(InvalidArgument, match="Triton copy does not apply here: no Triton kernel on cpu"):
         vb.save_layer(lbs[0], at, views[0], path="triton")
     with pytest.raises(InvalidArgument, match="one view per layer"):
@@ -252,3 +276,32 @@ def test_a_copy_plan_is_made_once_per_layer_set_and_holds_no_tensor(monkeypatch)
     del lb, src, at
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("ids,pages,start,end", [
+    ([2, 3, 4, 5, 9], [6, 7, 8, 9, 1], 0, 18),  # one span of 4 blocks, a partial last block
+    ([1, 3, 5, 7, 9, 11, 13, 15, 2, 4], [10, 8, 6, 4, 2, 0, 9, 7, 5, 3], 2, 40),  # scattered: index ops; a partial first block
+    ([0, 0, 6, 7, 12], [5, 6, 7], 0, 20),  # SWA null blocks skipped, then a span of 2 and one more block
+], ids=["span", "scattered", "null-blocks"])
+def test_whole_runs_copy_the_bytes_token_by_token_copies(ids, pages, start, end):
+    """The torch path's block-for-page shortcut (slices, or a gather and a scatter) writes what the
+    token-by-token copy writes, both ways: kvd pages after a save, vLLM blocks after a load."""
+    _, src = _alloc("LBNHC", fill=3)
+    lb = vb.detect_layout(src["l0"], num_kv_heads=H, block_size=BS, head_size=D)
+    first = sum(1 for b in ids if b == 0)
+    at = vb.CopyStream("cpu").slots(vb.token_slots(ids, start, end, BS, pages, first), lb)
+    assert at.whole is not None
+    plain = vb.DeviceSlots(at.block, at.boff, at.page, at.poff, at.rows, None)
+    arenas = []
+    for slots in (at, plain):
+        arena = torch.zeros(LAYOUT.page_bytes(LAYOUT.group("swa")) * 24, dtype=torch.uint8)
+        vb.save_layer(lb, slots, all_views(LAYOUT, arena)["full"][0])
+        arenas.append(arena)
+    assert torch.equal(arenas[0], arenas[1]) and arenas[0].any()
+    loaded = []
+    for slots in (at, plain):
+        _, dst = _alloc("LBNHC")
+        back = vb.detect_layout(dst["l0"], num_kv_heads=H, block_size=BS, head_size=D)
+        vb.load_layer(back, slots, all_views(LAYOUT, arenas[0])["full"][0])
+        loaded.append(dst["l0"])
+    assert torch.equal(loaded[0].view(torch.int16), loaded[1].view(torch.int16)) and loaded[0].view(torch.int16).any()
