@@ -7,7 +7,10 @@ tests/kits/vllm_alloc_kit.py), in one run, timed with CUDA events (wall clock on
 
 save = vLLM blocks -> kvd pages of every layer, layer by layer as save_kv_layer does (one request,
 tokens [0, T)); load = kvd pages -> vLLM blocks of every layer in one call, as start_load_kv does.
-The request's vLLM blocks and kvd pages are shuffled (what a busy engine holds). plain =
+The request's vLLM blocks and kvd pages are shuffled (what a busy engine holds; ``--consecutive``:
+each in order, a fresh engine's). On the CPU the torch path copies runs that fill a block and a page
+block for page (slices of consecutive ones, else a gather and a scatter); ``--per-token`` turns that
+off (every token indexed, as before it), the baseline to run beside it. plain =
 ``dst.copy_(src)`` of the same byte count, contiguous, same device. save/load ms: the copies' time
 on the device (CUDA events, the host's issue hidden behind a queued sleep); ratio = plain / that;
 issue = the host's time to queue one request's copies (slot tables and launches: in vLLM this runs
@@ -70,7 +73,7 @@ def timed(fn, device: torch.device, reps: int) -> tuple[float, float]:
 
 
 def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens: int, layout: str, reps: int,
-        path: str | None = None) -> dict:
+        path: str | None = None, consecutive: bool = False, per_token: bool = False) -> dict:
     rnd = random.Random(tokens)
     nblocks = tokens // bs + 1
     pool = 2 * nblocks + 8
@@ -82,15 +85,20 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
                 groups=(GroupSpec(kind=GroupKind.FULL, num_layers=layers, num_kv_heads=heads, head_dim=dim),))
     arena = torch.zeros(kl.page_bytes(kl.group("full")) * pool, dtype=torch.uint8, device=device)
     views = all_views(kl, arena)["full"]
-    ids = rnd.sample(range(1, pool), nblocks)
-    pages = rnd.sample(range(pool), nblocks)
+    ids = list(range(1, nblocks + 1)) if consecutive else rnd.sample(range(1, pool), nblocks)
+    pages = list(range(3, nblocks + 3)) if consecutive else rnd.sample(range(pool), nblocks)
     cs = vb.CopyStream(device)
+
+    def slots(lb: vb.LayerBlocks) -> vb.DeviceSlots:
+        at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), lb)
+        # --per-token: the CPU torch path's block-for-page runs off (every token indexed), as before them
+        return vb.DeviceSlots(at.block, at.boff, at.page, at.poff, at.rows) if per_token else at
     srcb = [vb.detect_layout(src[n], num_kv_heads=heads, block_size=bs, head_size=dim) for n in grp.layers]
     dstb = [vb.detect_layout(dst[n], num_kv_heads=heads, block_size=bs, head_size=dim) for n in grp.layers]
 
     def save() -> None:  # what save_kv_layer does for every layer of one request
         with cs.after_current():
-            at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), srcb[0])
+            at = slots(srcb[0])
             for lb, v in zip(srcb, views):
                 vb.save_layer(lb, at, v, path=path)
         ev = cs.record()
@@ -99,7 +107,7 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
 
     def load() -> None:  # start_load_kv for one request
         with cs.after_current():
-            at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), dstb[0])
+            at = slots(dstb[0])
             vb.load_layers(dstb, at, views, path=path)
         ev = cs.record()
         if ev is not None:
@@ -155,6 +163,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--path", choices=["auto", "triton", "torch"], default="auto",
                     help="the copy path (auto: the Triton kernel where it applies)")
+    ap.add_argument("--consecutive", action="store_true",
+                    help="the request's vLLM blocks and kvd pages each consecutive (a fresh engine's), not shuffled")
+    ap.add_argument("--per-token", action="store_true",
+                    help="the CPU torch path token by token (its block-for-page runs off): the baseline of the shortcut")
     a = ap.parse_args()
     dev = torch.device(a.device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -166,7 +178,8 @@ def main() -> int:
     pieces = []
     for lay in a.layouts:
         for t in a.tokens:
-            r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps, None if a.path == "auto" else a.path)
+            r = run(dev, a.layers, a.heads, a.dim, a.block_size, t, lay, a.reps, None if a.path == "auto" else a.path,
+                    a.consecutive, a.per_token)
             gb = r["bytes"] / 1e9
             print(f"{lay:<22} {t:>6} {r['bytes'] / 2**20:>7.1f} {r['save_s'] * 1e3:>8.3f} {r['load_s'] * 1e3:>8.3f} "
                   f"{r['plain_s'] * 1e3:>8.3f} {gb / r['save_s']:>9.1f} {gb / r['load_s']:>9.1f} "
