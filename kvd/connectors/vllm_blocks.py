@@ -61,6 +61,7 @@ __all__ = [
     "LayerBlocks",
     "Slots",
     "DeviceSlots",
+    "Whole",
     "CopyStream",
     "detect_layout",
     "layout_named",
