@@ -1056,9 +1056,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         that work first (:meth:`_opened`); a vLLM that never calls this leaves the opening to
         the first save, as before."""
         saves = getattr(kv_connector_metadata, "saves", ())
-        if not self._producer or not saves or self._opening is not None:
-            return
-        if all(sv.req_id in self._vecs or sv.req_id in self._bad_saves for sv in saves):
+        if not self._producer or self._opening is not None or not self._new(saves):
             return
         if self._opener is None:
             self._opener = ThreadPoolExecutor(1, thread_name_prefix="kvd-opener")
@@ -1259,7 +1257,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         not one call each on the forward thread. All or nothing: where the daemon refuses the
         batch (one bad ticket, no room for all), :meth:`_open` opens each alone, so that only
         the request at fault fails."""
-        new = [sv for sv in saves if sv.req_id not in self._vecs and sv.req_id not in self._bad_saves]
+        new = self._new(saves)
         if len(new) < 2:
             return
         specs, tickets = [(sv.rid, sv.tokens) for sv in new], [sv.ticket for sv in new]
@@ -1278,6 +1276,10 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self.copy_stats.opened += len(new)
         for sv, vec in zip(new, vecs):
             self._vecs[sv.req_id] = {"rid": sv.rid, "full": vec.full.tolist(), "swa": vec.swa.tolist(), "state": vec.state}
+
+    def _new(self, saves: Sequence[_Save]) -> list[_Save]:
+        """The saves whose requests are not open yet and have not failed to open."""
+        return [sv for sv in saves if sv.req_id not in self._vecs and sv.req_id not in self._bad_saves]
 
     def _open(self, sv: _Save) -> dict | None:
         """The producer's kvd request for ``sv`` (allocated, transfer opened), or None if that failed.

@@ -505,23 +505,16 @@ def _torch_copy(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV, to_kvd: boo
     if w is not None and view.k.shape[1] == blocks.k.shape[1] and view.k.dtype == blocks.k.dtype == view.v.dtype == blocks.v.dtype:
         # pages as long as kernel blocks: whole runs block for page, not token by token (~7x a
         # plain copy's time per token that way on the CPU)
-        if w.spans is not None:
-            for b, p, n in w.spans:
-                if to_kvd:
-                    view.k[p:p + n].copy_(blocks.k[b:b + n])
-                    view.v[p:p + n].copy_(blocks.v[b:b + n])
-                else:
-                    blocks.k[b:b + n].copy_(view.k[p:p + n])
-                    blocks.v[b:b + n].copy_(view.v[p:p + n])
-            LAUNCHES["torch"] += 2 * len(w.spans)
-        elif to_kvd:
-            view.k.index_copy_(0, w.pages, blocks.k.index_select(0, w.blocks))
-            view.v.index_copy_(0, w.pages, blocks.v.index_select(0, w.blocks))
-            LAUNCHES["torch"] += 4
-        else:
-            blocks.k.index_copy_(0, w.blocks, view.k.index_select(0, w.pages))
-            blocks.v.index_copy_(0, w.blocks, view.v.index_select(0, w.pages))
-            LAUNCHES["torch"] += 4
+        pairs = ((view.k, blocks.k), (view.v, blocks.v)) if to_kvd else ((blocks.k, view.k), (blocks.v, view.v))
+        for dst, src in pairs:  # index 0: page (kvd) or kernel block (vLLM)
+            if w.spans is not None:
+                for b, p, n in w.spans:
+                    d, s = (p, b) if to_kvd else (b, p)
+                    dst[d:d + n].copy_(src[s:s + n])
+            else:
+                d_ids, s_ids = (w.pages, w.blocks) if to_kvd else (w.blocks, w.pages)
+                dst.index_copy_(0, d_ids, src.index_select(0, s_ids))
+        LAUNCHES["torch"] += 2 * (len(w.spans) if w.spans is not None else 2)
         at = w.rest
         if not len(at):
             return

@@ -11,6 +11,7 @@ import os
 import re
 import tempfile
 import typing
+from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -110,17 +111,66 @@ def dashboard_exprs() -> Iterator[tuple[str, str]]:
             yield panel["title"], target["expr"]
 
 
-def selectors(expr: str) -> Iterator[tuple[str, list[tuple[str, str, str]]]]:
-    """``(metric name, [(label, op, value), ...])`` of each kvd_* selector in ``expr``."""
-    for m in _SELECTOR.finditer(expr):
+def exprs() -> list[tuple[str, str, str]]:
+    """``(source, name, expr)`` of every rule and every dashboard query."""
+    return [("rules", n, e) for n, e in rule_exprs()] + [("dashboard", n, e) for n, e in dashboard_exprs()]
+
+
+Selector = tuple[str, list[tuple[str, str, str]]]
+
+
+def _read(pattern: re.Pattern[str], expr: str) -> Iterator[Selector]:
+    for m in pattern.finditer(expr):
         yield m.group(1), _MATCHER.findall(m.group(2) or "")
 
 
-def vllm_selectors(expr: str) -> Iterator[tuple[str, list[tuple[str, str, str]]]]:
+def selectors(expr: str) -> Iterator[Selector]:
+    """``(metric name, [(label, op, value), ...])`` of each kvd_* selector in ``expr``."""
+    return _read(_SELECTOR, expr)
+
+
+def vllm_selectors(expr: str) -> Iterator[Selector]:
     """As :func:`selectors`, for each vllm:kvd_* selector (a vLLM engine's series, checked
     against real vLLM servers in tests/vllm/test_vllm_proxy.py)."""
-    for m in _VLLM_SELECTOR.finditer(expr):
-        yield m.group(1), _MATCHER.findall(m.group(2) or "")
+    return _read(_VLLM_SELECTOR, expr)
+
+
+class Scrape:
+    """What some servers' /metrics showed: sample names, their label names and label values."""
+
+    def __init__(self, texts: list[str]) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        self.labels: dict[str, set[str]] = defaultdict(set)
+        self.values: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for text in texts:
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    self.labels[s.name].update(s.labels)
+                    for k, v in s.labels.items():
+                        self.values[(s.name, k)].add(v)
+
+
+def check_selected(scrape: Scrape, where: str, expr: str, used: list[Selector], exporter: str) -> None:
+    """AssertionError (naming ``where``) unless every series ``used`` selects in ``expr`` is in
+    ``scrape`` with every label it matches (and every literal value it matches on), and every
+    label ``expr`` groups by is one of theirs or a target's. ``exporter``: where the series come
+    from, for the message."""
+    labels_here = set(TARGET_LABELS) | {"le"}
+    for metric, matchers in used:
+        assert metric in scrape.labels, f"{where}: {metric} is not exported ({exporter})"
+        labels_here |= scrape.labels[metric]
+        for label, op, value in matchers:
+            if label in TARGET_LABELS:
+                continue
+            assert label in scrape.labels[metric], f"{where}: {metric} has no label {label!r}"
+            if "$" in value:
+                continue
+            wanted = value.split("|") if op in ("=~", "!~") else [value]
+            missing = set(wanted) - scrape.values[(metric, label)]
+            assert not missing, f"{where}: {metric}{{{label}}} never takes {sorted(missing)}"
+    unknown = grouping_labels(expr) - labels_here
+    assert not unknown, f"{where}: groups by labels no selected series has: {sorted(unknown)}"
 
 
 def grouping_labels(expr: str) -> set[str]:

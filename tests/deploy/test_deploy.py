@@ -36,22 +36,6 @@ from kvd.client import Client
 # ---- the series the dashboard and the rules select ------------------------------------------
 
 
-class Scrape:
-    """What two daemons' /metrics showed: sample names, their label names and label values."""
-
-    def __init__(self, texts: list[str]) -> None:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        self.labels: dict[str, set[str]] = defaultdict(set)
-        self.values: dict[tuple[str, str], set[str]] = defaultdict(set)
-        for text in texts:
-            for fam in text_string_to_metric_families(text):
-                for s in fam.samples:
-                    self.labels[s.name].update(s.labels)
-                    for k, v in s.labels.items():
-                        self.values[(s.name, k)].add(v)
-
-
 def _proxy_metrics(tmp: Path) -> str:
     """The /metrics of a ``kvd proxy`` just started (its instances' URLs lead nowhere: it exports
     every label value of its series from the start, and no request is needed for that)."""
@@ -76,7 +60,7 @@ def _proxy_metrics(tmp: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def scrape(tmp_path_factory) -> Scrape:
+def scrape(tmp_path_factory) -> K.Scrape:
     """A prefill and a decode daemon (in this process, backend local, metrics on) after one Send
     and one SendMany between them, both scraped over HTTP; and a ``kvd proxy``."""
     root = tmp_path_factory.mktemp("deploy-metrics")
@@ -103,32 +87,14 @@ def scrape(tmp_path_factory) -> Scrape:
     finally:
         for t in sides:
             dk.stop_inproc(t)
-    return Scrape(texts)
+    return K.Scrape(texts)
 
 
-def _exprs() -> list[tuple[str, str, str]]:
-    return [("rules", n, e) for n, e in K.rule_exprs()] + [("dashboard", n, e) for n, e in K.dashboard_exprs()]
-
-
-@pytest.mark.parametrize("source,name,expr", _exprs(), ids=lambda v: v if isinstance(v, str) and len(v) < 40 else None)
+@pytest.mark.parametrize("source,name,expr", K.exprs(), ids=lambda v: v if isinstance(v, str) and len(v) < 40 else None)
 def test_every_selected_series_exists(scrape, source, name, expr):
     used = list(K.selectors(expr))
     assert used or "up{" in expr or K.recorded_names(expr) or any(K.vllm_selectors(expr)), f"{source} {name}: no kvd series in {expr!r}"
-    labels_here = set(K.TARGET_LABELS) | {"le"}
-    for metric, matchers in used:
-        assert metric in scrape.labels, f"{source} {name}: {metric} is not exported (kvd/server/metrics.py)"
-        labels_here |= scrape.labels[metric]
-        for label, op, value in matchers:
-            if label in K.TARGET_LABELS:
-                continue
-            assert label in scrape.labels[metric], f"{source} {name}: {metric} has no label {label!r}"
-            if "$" in value:
-                continue
-            wanted = value.split("|") if op in ("=~", "!~") else [value]
-            missing = set(wanted) - scrape.values[(metric, label)]
-            assert not missing, f"{source} {name}: {metric}{{{label}}} never takes {sorted(missing)}"
-    unknown = K.grouping_labels(expr) - labels_here
-    assert not unknown, f"{source} {name}: groups by labels no selected series has: {sorted(unknown)}"
+    K.check_selected(scrape, f"{source} {name}", expr, used, "kvd/server/metrics.py")
 
 
 def test_recorded_series_are_recorded_before_use():
