@@ -3,6 +3,7 @@ in Python, against a bare Echo through the same path.
 
     .venv/bin/python bench/handlers.py                 # 2,000 handoffs, tiny-hybrid, 16 tokens
     .venv/bin/python bench/handlers.py --quick         # 300
+    .venv/bin/python bench/handlers.py --quick --count # and what each call runs: Python, C, numpy/torch calls
     .venv/bin/python bench/handlers.py --layout gemma-4-31b-it-tp2 --tokens 4096 --arena-gib 64
 
 Two daemons (``Daemon.start``, ``backend: local``) in this process. Every engine call goes through
@@ -12,6 +13,11 @@ no wake-up and no other process in the way. The prefill daemon's peer calls (Che
 reach the decode daemon's :class:`~kvd.server.peer_calls.PeerCalls` directly, as serialised
 messages (each side parses what it gets), in the calling thread: their cost is inside the
 Send's and is also shown on its own.
+
+``--count`` also counts, per call, what the calling thread runs (``sys.setprofile`` over 100 more
+handoffs): Python function calls, calls into C, and of those the numpy and torch ones. Counts do
+not drift with the machine's noise or speed, so they compare rounds and machines where timings
+cannot: a hot path made lighter shows as fewer calls.
 
 Per handoff, the short flow: decode ``Allocate`` (receive, lease: the ticket), prefill
 ``Allocate`` with the ticket (the receiver's check and the Send's plan, deferred past its reply,
@@ -45,6 +51,7 @@ from kvd.server.engine_socket import session_md  # noqa: E402
 from kvd.server.peer_calls import PeerCalls  # noqa: E402
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
 
+COUNTED = 100  # handoffs counted by --count
 CALLS = ("decode Allocate+lease", "prefill Allocate(ticket)", "prefill Send(free)", "decode WaitReady", "decode Free")
 
 
@@ -90,6 +97,28 @@ class DirectLink:
         return list(self.calls.heartbeat(pb.HeartbeatRequest.FromString(data)).dead_lease_ids)
 
 
+class Counter:
+    """Python calls, C calls, and numpy / torch C calls per engine call (``--count``), in the
+    calling thread: the profile hook files each event under the call in progress."""
+
+    current = "-"
+
+    def __init__(self) -> None:
+        self.py: dict[str, int] = {}
+        self.c: dict[str, int] = {}
+        self.arrays: dict[str, int] = {}
+
+    def hook(self, frame, event: str, arg) -> None:
+        k = Counter.current
+        if event == "call":
+            self.py[k] = self.py.get(k, 0) + 1
+        elif event == "c_call":
+            self.c[k] = self.c.get(k, 0) + 1
+            owner = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__module__
+            if owner and owner.split(".")[0] in ("torch", "numpy"):
+                self.arrays[k] = self.arrays.get(k, 0) + 1
+
+
 class Engine:
     """One engine's calls into one daemon's engine socket handlers, over a socketpair that holds
     each request's bytes (read by ``_answer`` as from a connection)."""
@@ -102,9 +131,10 @@ class Engine:
         reply = self.call("OpenSession", pb.OpenSessionRequest(name=name, ttl_seconds=3600))
         self.md = session_md(reply.session_id)  # as the engine socket keeps it: the session, packed ids
 
-    def call(self, method: str, request):
+    def call(self, method: str, request, label: str = ""):
         from kvd.rpc.engine_wire import METHODS
 
+        Counter.current = label or method
         body = request.SerializeToString()
         self.a.sendall(body)
         kind = METHOD_IDS[method]
@@ -123,6 +153,7 @@ def main() -> None:
     ap.add_argument("--layout", default="tiny-hybrid", help="layout preset (default: %(default)s)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per request (default: %(default)s)")
     ap.add_argument("--arena-gib", type=float, default=0.25, help="arena of each daemon in GiB (default: %(default)s)")
+    ap.add_argument("--count", action="store_true", help="also count Python, C and numpy/torch calls per call (100 more handoffs)")
     ap.add_argument("--repeats", type=int, default=None, help="handoffs (default 2000; --quick 300)")
     args = ap.parse_args()
     n = args.repeats or (300 if args.quick else 2000)
@@ -147,17 +178,17 @@ def main() -> None:
     def handoff(i: int, keep: bool) -> None:
         rid = f"h{i}"
         t = [pc()]
-        de.call("Echo", pb.EchoRequest())
+        de.call("Echo", pb.EchoRequest(), "Echo")
         t.append(pc())
-        r = de.call("Allocate", pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid, tokens=tok, receive=True, lease=True)]))
+        r = de.call("Allocate", pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid, tokens=tok, receive=True, lease=True)]), CALLS[0])
         t.append(pc())
-        pe.call("Allocate", pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid, tokens=tok, ticket=r.leases[0].ticket)]))
+        pe.call("Allocate", pb.AllocateRequest(requests=[pb.AllocSpec(rid=rid, tokens=tok, ticket=r.leases[0].ticket)]), CALLS[1])
         t.append(pc())
-        s = pe.call("Send", pb.SendRequest(rid=rid, ticket=r.leases[0].ticket, last=True, free=True))
+        s = pe.call("Send", pb.SendRequest(rid=rid, ticket=r.leases[0].ticket, last=True, free=True), CALLS[2])
         t.append(pc())
-        w = de.call("WaitReady", pb.WaitRequest(rid=rid, timeout_seconds=5))
+        w = de.call("WaitReady", pb.WaitRequest(rid=rid, timeout_seconds=5), CALLS[3])
         t.append(pc())
-        de.call("Free", pb.FreeRequest(rids=[rid]))
+        de.call("Free", pb.FreeRequest(rids=[rid]), CALLS[4])
         t.append(pc())
         if w.state != pb.READY or "free" not in s.phase_seconds:
             raise RuntimeError(f"handoff {rid} did not complete: {w}, {dict(s.phase_seconds)}")
@@ -177,6 +208,14 @@ def main() -> None:
         for i in range(n):
             handoff(1000 + i, True)
         gc.enable()
+        counter = Counter()
+        if args.count:
+            sys.setprofile(counter.hook)
+            try:
+                for i in range(COUNTED):
+                    handoff(100_000 + i, False)
+            finally:
+                sys.setprofile(None)
         dp.node.pool.check()
         dd.node.pool.check()
     finally:
@@ -196,6 +235,14 @@ def main() -> None:
         print(f"| of the Send: decode {k} (parse, handler, reply) | {statistics.median(v) * 1e6:,.1f} | "
               f"{statistics.median(v) * 1e6 / med['Echo']:.1f}x |")
     print("\nSend phases, median us: " + ", ".join(f"{k} {statistics.median(v) * 1e6:.1f}" for k, v in phases.items()))
+    if args.count:
+        print(f"\nWhat each call runs in the calling thread, per call ({COUNTED} handoffs under sys.setprofile)")
+        print("| call | Python calls | C calls | of which numpy / torch |")
+        print("|---|---:|---:|---:|")
+        for k in ("Echo", *CALLS):
+            print(f"| {k} | {counter.py.get(k, 0) / COUNTED:,.0f} | {counter.c.get(k, 0) / COUNTED:,.0f} | {counter.arrays.get(k, 0) / COUNTED:,.0f} |")
+        one = [sum(d.get(k, 0) for k in CALLS) / COUNTED for d in (counter.py, counter.c, counter.arrays)]
+        print(f"| the five calls of a handoff | {one[0]:,.0f} | {one[1]:,.0f} | {one[2]:,.0f} |")
 
 
 if __name__ == "__main__":

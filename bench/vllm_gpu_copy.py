@@ -92,7 +92,7 @@ def run(device: torch.device, layers: int, heads: int, dim: int, bs: int, tokens
     def slots(lb: vb.LayerBlocks) -> vb.DeviceSlots:
         at = cs.slots(vb.token_slots(ids, 0, tokens, bs, pages), lb)
         # --per-token: the CPU torch path's block-for-page runs off (every token indexed), as before them
-        return vb.DeviceSlots(at.block, at.boff, at.page, at.poff, at.rows) if per_token else at
+        return at._replace(whole=None) if per_token else at
     srcb = [vb.detect_layout(src[n], num_kv_heads=heads, block_size=bs, head_size=dim) for n in grp.layers]
     dstb = [vb.detect_layout(dst[n], num_kv_heads=heads, block_size=bs, head_size=dim) for n in grp.layers]
 

@@ -1218,7 +1218,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                 self.copy_stats.save_bytes += vb.save_layer(lb, at, view)
             self.copy_stats.save_s += time.perf_counter() - t0  # on CUDA: the time to issue the copies
             if log.isEnabledFor(logging.DEBUG):  # a checksum: it waits for the device
-                log.debug("save %s %s [%d, %d): %d tokens", sv.req_id, layer_name, sv.start, sv.end, len(at))
+                log.debug("save %s %s [%d, %d): %d tokens", sv.req_id, layer_name, sv.start, sv.end, at.tokens)
 
     def _gone(self) -> bool:
         """Whether this worker's session is gone (the daemon reaped or forgot it, and its pages may

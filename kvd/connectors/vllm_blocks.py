@@ -345,7 +345,10 @@ class DeviceSlots(NamedTuple):
     rows: torch.Tensor | None = None
     whole: Whole | None = None
 
-    def __len__(self) -> int:  # type: ignore[override]
+    @property
+    def tokens(self) -> int:
+        """Tokens copied (not ``len``: a NamedTuple's own ``_make`` and ``_replace`` need that to
+        count its fields)."""
         return int(self.page.shape[0])
 
 
@@ -516,7 +519,7 @@ def _torch_copy(blocks: LayerBlocks, at: DeviceSlots, view: LayerKV, to_kvd: boo
                 dst.index_copy_(0, d_ids, src.index_select(0, s_ids))
         LAUNCHES["torch"] += 2 * (len(w.spans) if w.spans is not None else 2)
         at = w.rest
-        if not len(at):
+        if not at.tokens:
             return
     if to_kvd:
         view.k[at.page, at.poff] = blocks.k[at.block, at.boff]
@@ -537,7 +540,7 @@ def _copy(blocks: Sequence[LayerBlocks], at: DeviceSlots, views: Sequence[LayerK
         raise InvalidArgument(f"copy path {path!r}: use 'triton', 'torch' or None (the kernel where it applies)")
     t0 = time.perf_counter()
     plan = _plan(blocks, views)
-    nbytes = len(at) * plan.row_bytes
+    nbytes = at.tokens * plan.row_bytes
     LAUNCHES["layers"] += len(blocks)
     kernel = path != "torch" and at.rows is not None
     if kernel:

@@ -204,7 +204,7 @@ def test_the_torch_path_is_the_cpu_path_and_counts_its_ops():
     assert vb.LAUNCHES - before == {"torch": (2 * 4 + 2 * 2) * 3, "layers": 3}
     # consecutive blocks on consecutive pages: one slice a tensor for all of them
     run = vb.CopyStream("cpu").slots(vb.token_slots([2, 3, 4, 5], 0, 16, BS, [6, 7, 8, 9]), lbs[0])
-    assert run.whole is not None and run.whole.spans == ((2, 6, 4),) and len(run.whole.rest) == 0
+    assert run.whole is not None and run.whole.spans == ((2, 6, 4),) and run.whole.rest.tokens == 0
     before = vb.LAUNCHES.copy()
     vb.save_layers(lbs, run, views)
     assert vb.LAUNCHES - before == {"torch": 2 * 3, "layers": 3}
@@ -291,7 +291,8 @@ def test_whole_runs_copy_the_bytes_token_by_token_copies(ids, pages, start, end)
     first = sum(1 for b in ids if b == 0)
     at = vb.CopyStream("cpu").slots(vb.token_slots(ids, start, end, BS, pages, first), lb)
     assert at.whole is not None
-    plain = vb.DeviceSlots(at.block, at.boff, at.page, at.poff, at.rows, None)
+    plain = at._replace(whole=None)  # a NamedTuple's own copy-with: DeviceSlots keeps len() its fields' count
+    assert plain.tokens == at.tokens == end - start - BS * first and plain.whole is None
     arenas = []
     for slots in (at, plain):
         arena = torch.zeros(LAYOUT.page_bytes(LAYOUT.group("swa")) * 24, dtype=torch.uint8)
