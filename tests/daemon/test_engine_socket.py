@@ -312,6 +312,12 @@ def _session_conn(t, name: str) -> socket.socket:
     return s
 
 
+def _idle_order(es) -> list[socket.socket]:
+    """The server's ends waiting for their next frame, idle longest first (the order it evicts)."""
+    with es._lock:
+        return list(es._waiting)
+
+
 def _server_side(es, before: set) -> socket.socket:
     """The server's end of the one connection opened since ``before`` (a set of its ends)."""
     end = time.monotonic() + 2.0
@@ -339,9 +345,16 @@ def test_a_new_connection_evicts_the_one_idle_longest(tmp_path):
     held = []
     try:
         es.max_connections = es.connections + 3
-        held = [_session_conn(t, f"hoarder-{i}") for i in range(3)]
+        ends = []
+        for i in range(3):  # idle in this order: each reader back in its read before the next opens
+            with es._lock:
+                before = set(es._conns)
+            held.append(_session_conn(t, f"hoarder-{i}"))
+            ends.append(_server_side(es, before))
+            assert _until(lambda: ends[-1] in es._waiting, 2.0)
         held[0].sendall(frame(METHOD_IDS["Echo"], pb.EchoRequest()))  # in use since: no longer the longest idle
         assert read_frame(held[0])[0] == OK
+        assert _until(lambda: _idle_order(es)[-1:] == [ends[0]], 2.0)  # its reader waiting again, last
         c = Client.connect(t.unix, name="newcomer", transport="fast")
         try:
             assert c.echo(b"in") == b"in"  # served: its connection evicted one
