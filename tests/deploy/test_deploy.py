@@ -199,7 +199,9 @@ def test_image_context_holds_what_the_dockerfile_copies():
 
 
 def test_image_healthcheck_answers_for_a_serving_daemon(tmp_path):
-    """The HEALTHCHECK's own command, run against a real daemon: 0 while it serves, 1 once stopped."""
+    """The HEALTHCHECK's own command, run against a real daemon: 0 while it serves, 1 once stopped.
+    It runs every 10 s in the container, so it must stay cheap: it never imports torch (seconds
+    of CPU each time; a sidecar held to one CPU spent a quarter of it on its health checks)."""
     hc = _instructions()["HEALTHCHECK"][-1]
     argv = json.loads(hc[hc.index("CMD ") + 4:])
     assert argv[:2] == ["python", "-c"]
@@ -210,11 +212,14 @@ def test_image_healthcheck_answers_for_a_serving_daemon(tmp_path):
     env["KVD_CONFIG_FILE"] = str(config)
 
     def check() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", argv[2]], env=env, capture_output=True, text=True, timeout=60, cwd=K.REPO)
+        return subprocess.run([sys.executable, "-X", "importtime", "-c", argv[2]], env=env, capture_output=True, text=True,
+                              timeout=60, cwd=K.REPO)
 
     try:
         ok = check()
-        assert ok.returncode == 0, ok.stderr
+        assert ok.returncode == 0, ok.stderr[-2000:]
+        imported = {line.rsplit("|", 1)[1].strip() for line in ok.stderr.splitlines() if line.startswith("import time:")}
+        assert "kvd.config" in imported and "torch" not in imported, "the health check imports torch"
     finally:
         dk.stop_inproc(t)
     down = check()
