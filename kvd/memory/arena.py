@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -123,7 +124,12 @@ class ShmArena(Arena):
         self._reserved = reserved
         self.region_id = name or f"kvd-{uuid.uuid4().hex[:12]}"
         self.path = os.path.join(directory, self.region_id)
-        self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        # Liveness: an open-file-description read lock held for the arena's lifetime. The kernel
+        # drops it when this process dies (even by SIGKILL), so reap_stale() can tell a dead
+        # daemon's leftover file from a live arena without trusting pids. The file is locked
+        # before it has its name: a daemon starting beside this one (the same arena_dir) reaps
+        # every unlocked kvd-* file, and once took a file still being set up for a dead one's.
+        self._fd, named = _create_locked(directory, self.path)
         try:
             if mode != 0o600:
                 os.fchmod(self._fd, mode)  # not through open's mode: the umask would take the group's write bit
@@ -132,14 +138,13 @@ class ShmArena(Arena):
             os.ftruncate(self._fd, reserved)
             self._mm = mmap.mmap(self._fd, reserved, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             os.ftruncate(self._fd, 0)
+            if not named:  # set up and locked: give it its name now (EEXIST: like O_EXCL)
+                _link(self._fd, directory, self.region_id)
         except BaseException:
             os.close(self._fd)
-            os.unlink(self.path)
+            if named:
+                os.unlink(self.path)
             raise
-        # Liveness: an open-file-description read lock held for the arena's lifetime. The kernel
-        # drops it when this process dies (even by SIGKILL), so reap_stale() can tell a dead
-        # daemon's leftover file from a live arena without trusting pids.
-        _ofd_lock(self._fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._full = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._backed = 0
@@ -183,6 +188,42 @@ class ShmArena(Arena):
             self.close()
         except Exception:
             pass
+
+
+def _create_locked(directory: str, path: str) -> tuple[int, bool]:
+    """A new file for ``path`` holding its liveness lock, and whether it has its name yet: an
+    unnamed file in ``directory`` (``O_TMPFILE``; linked to ``path`` once set up, and gone with
+    its last descriptor if this process dies first) where the filesystem and ``/proc`` allow it,
+    else ``path`` itself, created and locked at once (a window of two system calls)."""
+    if os.path.isdir("/proc/self/fd"):
+        try:
+            fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError:  # a filesystem without O_TMPFILE
+            pass
+        else:
+            _ofd_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
+            return fd, False
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        _ofd_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd, True
+
+
+def _link(fd: int, directory: str, name: str) -> None:
+    """Give the unnamed file ``fd`` the name ``name`` in ``directory``: linkat() following the
+    /proc/self/fd link (os.link calls plain link() unless a directory fd is passed, and link()
+    does not follow it)."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=True)
+    except FileExistsError:
+        raise FileExistsError(errno.EEXIST, "an arena file of that name exists", os.path.join(directory, name)) from None
+    finally:
+        os.close(dfd)
 
 
 # struct flock on 64-bit Linux: l_type, l_whence, l_start, l_len, l_pid.

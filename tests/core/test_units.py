@@ -277,3 +277,42 @@ def test_a_few_blocks_are_checked_as_the_vectorised_check_does(case: tuple[int, 
             except InvalidArgument as exc:
                 outcomes.append(str(exc))
     assert outcomes[0] == outcomes[1]
+
+
+def test_an_arena_being_made_is_never_reaped_by_a_daemon_starting_beside_it() -> None:
+    """Two daemons sharing an arena directory (the demo's pair; pods on one node's /dev/shm/kvd)
+    start together: each reaps the directory's unlocked kvd-* files as it starts. An arena file
+    must hold its liveness lock from the moment it has its name, or the other daemon takes it
+    for a dead daemon's and unlinks it, and no engine can map that arena (seen under a loaded
+    test run: 'decode engine did not start: ... No such file or directory'). A reaper process
+    loops over the directory while this one makes arenas there: every file stays."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from kvd.memory.arena import ShmArena, is_live
+
+    d = tempfile.mkdtemp(prefix="kvd-reap-race-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    code = ("import sys; from kvd.memory.arena import reap_stale; print('up', flush=True)\n"
+            "while True: reap_stale(sys.argv[1])")
+    p = subprocess.Popen([sys.executable, "-c", code, d], stdout=subprocess.PIPE, text=True)
+    made: list[ShmArena] = []
+    try:
+        assert p.stdout.readline().strip() == "up"  # type: ignore[union-attr]
+        end = time.monotonic() + 3.0
+        while time.monotonic() < end and len(made) < 400:
+            a = ShmArena(1 << 30, 1 << 12, directory=d)  # a reservation to size and map: a window to hit
+            made.append(a)
+            assert os.path.exists(a.path) and is_live(a.path)
+        assert p.poll() is None, "the reaper died"
+        gone = [a.path for a in made if not os.path.exists(a.path)]
+        assert not gone, f"{len(gone)} of {len(made)} live arenas reaped as a dead daemon's: {gone[:3]}"
+    finally:
+        p.kill()
+        p.wait(10)
+        for a in made:
+            a.close()
+        shutil.rmtree(d, ignore_errors=True)
