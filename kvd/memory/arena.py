@@ -128,7 +128,7 @@ class ShmArena(Arena):
         # drops it when this process dies (even by SIGKILL), so reap_stale() can tell a dead
         # daemon's leftover file from a live arena without trusting pids. The file is locked
         # before it has its name: a daemon starting beside this one (the same arena_dir) reaps
-        # every unlocked kvd-* file, and once took a file still being set up for a dead one's.
+        # every unlocked kvd-* file, so one still being set up must already look live.
         self._fd, named = _create_locked(directory, self.path)
         try:
             if mode != 0o600:
