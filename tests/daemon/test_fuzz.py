@@ -1,8 +1,16 @@
-"""Fuzz every method of both kvd services through raw gRPC (issue 13, "keep them fixed").
+"""Fuzz every method of both kvd services, over raw gRPC and over kvd's own sockets (issue 13,
+"keep them fixed"; the sockets since issue 16 made them the engines' path).
 
-Not through the client library: the bodies are bytes on a channel with identity serializers, so
-whatever the client would refuse reaches the server. Generators, one seeded ``random.Random``
-(``FUZZ_SEED``, default fixed; ``FUZZ_CASES`` cases, default 10,000):
+Not through the client library: the bodies are bytes, so whatever the client would refuse reaches
+the server. Two wires, one test each: ``grpc`` (a channel with identity serializers) and
+``sockets`` (frames on the engine socket for Kvd methods, on the peer socket for the Peer methods
+it serves; a call's session or peer token is its connection's hello). On the sockets a tenth of
+the cases send bytes no client sends instead, each on a connection of its own that the caller then
+half-closes: unknown method ids, heads over the frame limit, truncated or pipelined frames, a
+second hello, a doorbells request with or without a body, a call before the hello.
+
+Generators, one seeded ``random.Random`` (``FUZZ_SEED``, default fixed; ``FUZZ_CASES`` cases,
+default 10,000):
 
 * ``random``    -- random bytes of random length;
 * ``plausible`` -- the method's own message, fields filled by name with ids the daemons know
@@ -23,9 +31,11 @@ the fuzzer's own transfer refs: a peer holding the token may legitimately abort 
 The daemons: an in-process prefill + decode pair (backend local, a peer token). A victim session
 on each holds requests with known bytes and leases (the prefill victim has opened the transfer of
 one to the decode victim: BeginSend); the fuzzer's session on each holds requests and a RECV
-lease of its own. The test asserts: no INTERNAL or UNKNOWN status ever (of a call, or of a
-SendMany item within an OK call); gRPC health SERVING on
-both daemons throughout; after the fuzzer's sessions are closed, both pools exactly as before:
+lease of its own. The test asserts: no INTERNAL or UNKNOWN status ever (of a call, of a
+SendMany item within an OK call, or of any frame a daemon answers garbage with); on the sockets,
+a reply to every whole frame within the limit (a WaitReady left waiting is abandoned, as gRPC's
+deadline would) and every garbage connection closed soon after the caller's EOF; gRPC health
+SERVING on both daemons throughout; after the fuzzer's sessions are closed, both pools exactly as before:
 the victim's vectors, the pages used per group, live leases and requests, the victim's bytes,
 its transfer still RECEIVING, and ``Node.check()`` clean. The victim's vectors are compared
 without their epoch: the fuzzer's own Compact(around_pinned) legitimately bumps it.
@@ -39,11 +49,14 @@ and ``FUZZ_SEED``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import random
+import socket
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -57,7 +70,12 @@ import handoff_kit as hk  # noqa: E402
 
 from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
+from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
 from kvd.rpc.convert import SESSION_KEY, TOKEN_KEY
+from kvd.rpc.engine_wire import METHOD_IDS as ENGINE_IDS
+from kvd.rpc.engine_wire import fast_path
+from kvd.rpc.status import code_from_int
+from kvd.server.peer_socket import METHOD_IDS as PEER_IDS
 
 #: not KVD_*: the daemon refuses unknown KVD_* variables
 SEED = int(os.environ.get("FUZZ_SEED", "20240613"))
@@ -66,6 +84,9 @@ TOKEN = "fuzz-peer-token"
 #: every call's deadline; WaitReady's is short (a valid wait would block until its timeout)
 CALL_TIMEOUT_S = 3.0
 WAIT_TIMEOUT_S = 0.1
+#: the share of cases (sockets only) that send bytes no client sends: unknown kinds, heads over the
+#: limit, truncated or pipelined frames, a second hello, a doorbells request, a call before the hello
+GARBAGE = 0.1
 #: health and Node.check() every this many cases
 CHECK_EVERY = 250
 BAD = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -471,26 +492,214 @@ def _setup_victim(w: World) -> None:
     w.lease_ids = sorted(leases)
 
 
-def test_fuzz_raw_grpc(world):
+class Refused(grpc.RpcError):
+    """A refusal read off one of kvd's sockets, raised as a gRPC error so that one loop judges
+    both wires."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class Dropped(Exception):
+    """A call whose connection closed, or stayed silent, with no reply: never right for a whole
+    frame within the size limit."""
+
+
+def _refused(body: bytes) -> Refused:
+    st = pb.PeerStatus.FromString(body)
+    return Refused(code_from_int(st.code), st.message)
+
+
+class GrpcWire:
+    """Raw gRPC: the bodies as bytes on each daemon's channels (identity serialisers); Kvd on
+    its Unix listener, Peer on its TCP port."""
+
+    name = "grpc"
+
+    def __init__(self, w: World) -> None:
+        self.chans = [grpc.insecure_channel(s.t.unix) for s in w.pair.sides] + [grpc.insecure_channel(s.t.tcp) for s in w.pair.sides]
+        kvd_ch = dict(zip(("prefill", "decode"), self.chans[:2]))
+        peer_ch = dict(zip(("prefill", "decode"), self.chans[2:]))
+        self.methods = [(svc, m) for svc in SERVICES.values() for m in svc.methods]
+        self.stubs = {
+            (side, m.full_name): (peer_ch if svc.name == "Peer" else kvd_ch)[side].unary_unary(f"/{svc.full_name}/{m.name}")
+            for side in ("prefill", "decode") for svc, m in self.methods
+        }
+
+    def call(self, side: str, svc: D.ServiceDescriptor, m: D.MethodDescriptor, body: bytes, md: tuple, timeout: float) -> bytes:
+        return self.stubs[side, m.full_name](body, metadata=md, timeout=timeout)
+
+    def garbage(self, side: str, gen: Gen) -> tuple[str, list[str]]:
+        raise AssertionError("gRPC frames its own bytes")
+
+    def close(self) -> None:
+        for ch in self.chans:
+            ch.close()
+
+
+#: methods a pipelined garbage frame may name: none changes the fuzzer's state
+READ_ONLY = ("Echo", "GetInfo", "GetStats", "GetActivity", "KeepAlive", "GetVectors", "CanAllocate")
+
+
+class SocketWire:
+    """kvd's own framed sockets: Kvd methods on each daemon's engine socket, Peer methods on its
+    peer socket (those it serves). A call's session -- or peer token -- is its connection's hello,
+    so each (side, service, session or token) has a connection of its own, opened on first use;
+    a refused hello is the call's answer. A whole frame within the size limit must get a reply on
+    its connection: a close or silence instead is :class:`Dropped` (a WaitReady left waiting is
+    abandoned -- its connection closed -- and counts as DEADLINE_EXCEEDED, as gRPC's deadline)."""
+
+    name = "sockets"
+    KEEP = 16
+
+    def __init__(self, w: World) -> None:
+        self.w = w
+        self.paths = {}
+        for s in w.pair.sides:
+            self.paths[s.role, "Kvd"] = fast_path(s.t.unix.removeprefix("unix:"))
+            self.paths[s.role, "Peer"] = s.peer_socket
+        self.ids = {"Kvd": ENGINE_IDS, "Peer": PEER_IDS}
+        self.methods = [(svc, m) for svc in SERVICES.values() for m in svc.methods if m.name in self.ids[svc.name]]
+        self.conns: dict[tuple[str, str, str | None], socket.socket] = {}
+
+    def _boot(self, side: str) -> str:
+        return self.w.pair.sides[0 if side == "prefill" else 1].node.pool.boot_id
+
+    def _open(self, side: str, svc: str, key: str | None, timeout: float) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(self.paths[side, svc])
+            if svc == "Peer":
+                hello: Message | None = pb.PeerHello(token=key or "", boot_id=self._boot(side))
+            else:
+                hello = None if key is None else pb.Session(session_id=key)
+            if hello is not None:
+                s.sendall(frame(HELLO, hello))
+                kind, body = read_frame(s)
+                if kind != OK:
+                    raise _refused(body)  # the daemon closes a connection whose hello it refused
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    def call(self, side: str, svc: D.ServiceDescriptor, m: D.MethodDescriptor, body: bytes, md: tuple, timeout: float) -> bytes:
+        key = dict(md).get(TOKEN_KEY if svc.name == "Peer" else SESSION_KEY)
+        k = (side, svc.name, key)
+        conn = self.conns.pop(k, None) or self._open(side, svc.name, key, timeout)
+        try:
+            conn.settimeout(timeout)
+            conn.sendall(HEAD.pack(len(body), self.ids[svc.name][m.name]) + body)
+            kind, reply = read_frame(conn)
+        except TimeoutError:
+            conn.close()
+            if m.name == "WaitReady":
+                raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "waited past the caller's patience: abandoned") from None
+            raise Dropped(f"{svc.name}.{m.name}: no reply within {timeout}s") from None
+        except OSError as exc:
+            conn.close()
+            raise Dropped(f"{svc.name}.{m.name}: the connection closed with no reply ({exc})") from None
+        self.conns[k] = conn
+        while len(self.conns) > self.KEEP:
+            self.conns.pop(next(iter(self.conns))).close()
+        if kind == OK:
+            return reply
+        raise _refused(reply)
+
+    def garbage(self, side: str, gen: Gen) -> tuple[str, list[str]]:
+        """Bytes no client sends, on a connection of their own: then the caller's end of the
+        stream. Returns what was sent and the problems: a reply INTERNAL or UNKNOWN, or no close
+        within a few seconds of the caller's EOF."""
+        r = gen.r
+        svc = r.choice(["Kvd", "Kvd", "Peer"])
+        ids = self.ids[svc]
+        good = HEAD.pack  # a head that tells the truth
+        what = r.choice(["unknown-kind", "over-limit", "truncated", "pipelined", "hello-again", "doorbells", "no-hello"])
+        hello: Message | None = None
+        if svc == "Peer":
+            hello = pb.PeerHello(token=TOKEN, boot_id=self._boot(side)) if what != "no-hello" else None
+        elif what != "no-hello" and r.random() < 0.7:
+            hello = pb.Session(session_id=(self.w.sessions(side) or [""])[0])
+        data = frame(HELLO, hello) if hello is not None else b""
+
+        def a_frame(names: Sequence[str]) -> bytes:
+            name = r.choice([n for n in names if n in ids])
+            body = gen.fill(pb.DESCRIPTOR.services_by_name[svc].methods_by_name[name].input_type, extreme=False).SerializeToString()
+            return good(len(body), ids[name]) + body
+
+        if what == "unknown-kind":
+            kind = r.choice([k for k in range(1, 255) if k not in ids.values()])
+            body = r.randbytes(r.choice([0, 3, 64]))
+            data += good(len(body), kind) + body
+        elif what == "over-limit":
+            data += HEAD.pack(r.choice([MAX_FRAME + 1, 2**32 - 1]), r.choice(list(ids.values()))) + r.randbytes(16)
+        elif what == "truncated":
+            f = a_frame(READ_ONLY if svc == "Kvd" else list(ids))
+            data += f[: r.randrange(1, len(f))]
+        elif what == "pipelined":
+            data += b"".join(a_frame(READ_ONLY if svc == "Kvd" else ["Heartbeat"]) for _ in range(r.randint(2, 4)))
+        elif what == "hello-again":
+            data += frame(HELLO, hello) if hello is not None and r.random() < 0.5 else good(7, HELLO) + r.randbytes(7)
+        elif what == "doorbells":
+            n = r.choice([0, 0, 5])
+            data += good(n, 255) + r.randbytes(n)
+        else:  # a call with no hello first: the peer socket refuses it, the engine socket takes only OpenSession
+            data += a_frame(READ_ONLY if svc == "Kvd" else list(ids))
+        problems: list[str] = []
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(CALL_TIMEOUT_S)
+        got = b""
+        try:
+            s.connect(self.paths[side, svc])
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before all of it was read
+                s.sendall(data)
+                s.shutdown(socket.SHUT_WR)
+            while True:  # every reply, until the daemon closes (a descriptor handed out is dropped by recv)
+                chunk = s.recv(1 << 16)
+                if not chunk:
+                    break
+                got += chunk
+        except TimeoutError:
+            problems.append(f"{svc} socket, {what}: not closed within {CALL_TIMEOUT_S}s of the caller's EOF")
+        except ConnectionResetError:
+            pass
+        finally:
+            s.close()
+        i = 0
+        while i + HEAD.size <= len(got):
+            n, kind = HEAD.unpack_from(got, i)
+            body = got[i + HEAD.size : i + HEAD.size + n]
+            i += HEAD.size + n
+            if kind != OK:
+                st = pb.PeerStatus.FromString(body)
+                if code_from_int(st.code) in BAD:
+                    problems.append(f"{svc} socket, {what}: {code_from_int(st.code).name} {st.message[:160]!r}")
+        return f"{svc}-{what}", problems
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.close()
+        self.conns.clear()
+
+
+@pytest.mark.parametrize("wire", [GrpcWire, SocketWire], ids=["grpc", "sockets"])
+def test_fuzz(world, wire):
     w = world
     _setup_victim(w)
     before = snapshot(w)  # the fuzzer holds nothing yet; its sessions are closed before "after"
     w.open_fuzzer()
-    chans = {
-        "prefill": grpc.insecure_channel(w.pair.prefill.t.unix),
-        "decode": grpc.insecure_channel(w.pair.decode.t.unix),
-    }
-    peer_chans = {
-        "prefill": grpc.insecure_channel(w.pair.prefill.t.tcp),
-        "decode": grpc.insecure_channel(w.pair.decode.t.tcp),
-    }
-    health = {k: health_pb2_grpc.HealthStub(c) for k, c in chans.items()}
-    methods = [(svc, m) for svc in SERVICES.values() for m in svc.methods]
-    stubs = {}
-    for side in ("prefill", "decode"):
-        for svc, m in methods:
-            ch = (peer_chans if svc.name == "Peer" else chans)[side]
-            stubs[side, m.full_name] = ch.unary_unary(f"/{svc.full_name}/{m.name}")
+    wire = wire(w)
+    health_chans = {s.role: grpc.insecure_channel(s.t.unix) for s in w.pair.sides}
+    health = {role: health_pb2_grpc.HealthStub(ch) for role, ch in health_chans.items()}
+    methods = wire.methods
     rnd = random.Random(SEED)
     gen = Gen(rnd, w)
     tally: collections.Counter = collections.Counter()
@@ -498,6 +707,7 @@ def test_fuzz_raw_grpc(world):
     by_method: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     bad: list[str] = []
     bad_kinds: collections.Counter = collections.Counter()
+    dropped: list[str] = []
     not_serving: list[str] = []
     check_errors: list[str] = []
     harm: list[str] = []
@@ -519,9 +729,23 @@ def test_fuzz_raw_grpc(world):
             except Exception as exc:  # noqa: BLE001 -- reported at the end
                 check_errors.append(f"case {i}: {s.role}: {exc}")
 
+    def victim_intact(i: int, what: str) -> None:
+        if not harm:  # name the first case that ended the victim's transfer (reproducible by seed)
+            st = victim_inbox.status(f"{VICTIM}-a")
+            if st.state.name != "RECEIVING":
+                harm.append(f"case {i} {what}: the victim's transfer is {st.state.name} ({st.reason})")
+
     for i in range(CASES):
         if i % CHECK_EVERY == 0:
             probe(i)
+        if wire.name == "sockets" and rnd.random() < GARBAGE:
+            label, problems = wire.garbage(rnd.choice(["prefill", "decode"]), gen)
+            bad += [f"case {i} {p}" for p in problems]
+            bad_kinds.update(p.split(":")[0] for p in problems)
+            tally["garbage"] += 1
+            by_method["frames"][label] += 1
+            victim_intact(i, label)
+            continue
         svc, m = rnd.choice(methods)
         peer = svc.name == "Peer"
         side = rnd.choice(["prefill", "decode"])
@@ -571,7 +795,7 @@ def test_fuzz_raw_grpc(world):
                 body = gen.mutate(body)
         timeout = WAIT_TIMEOUT_S if m.name == "WaitReady" else CALL_TIMEOUT_S
         try:
-            reply = stubs[side, m.full_name](body, metadata=md, timeout=timeout)
+            reply = wire.call(side, svc, m, body, md, timeout)
             code = grpc.StatusCode.OK
             if m.name == "SendMany":  # each item's own status: none may be INTERNAL or UNKNOWN either
                 for j, o in enumerate(pb.SendManyResponse.FromString(reply).outcomes):
@@ -584,14 +808,11 @@ def test_fuzz_raw_grpc(world):
             if code in BAD:
                 bad_kinds[f"{code.name} {(exc.details() or '')[:70]!r}"] += 1
                 bad.append(f"case {i} {svc.name}.{m.name} on {side} [{kind}, {sess}]: {code.name} {(exc.details() or '')[:160]!r}")
+        except Dropped as exc:
+            code = grpc.StatusCode.UNAVAILABLE
+            dropped.append(f"case {i} on {side} [{kind}, {sess}]: {exc}")
         tally[code.name] += 1
-        if not harm:  # name the first case that ended the victim's transfer (reproducible by seed)
-            st = victim_inbox.status(f"{VICTIM}-a")
-            if st.state.name != "RECEIVING":
-                harm.append(
-                    f"case {i} {svc.name}.{m.name} on {side} [{kind}, {sess}] -> {code.name}: the victim's transfer is "
-                    f"{st.state.name} ({st.reason})"
-                )
+        victim_intact(i, f"{svc.name}.{m.name} on {side} [{kind}, {sess}] -> {code.name}")
         by_method[f"{svc.name}.{m.name}"][code.name] += 1
         # The fuzzer's own state, kept usable: a session it closed, a transfer it ended.
         if code == grpc.StatusCode.OK and m.name == "CloseSession" and sess in ("own", "other-daemon"):
@@ -603,6 +824,9 @@ def test_fuzz_raw_grpc(world):
                 w.open_fuzzer()
     elapsed = time.monotonic() - t0
     probe(CASES)
+    wire.close()
+    for ch in health_chans.values():
+        ch.close()
 
     for c in (w.fuzz_p, w.fuzz_d):
         w.closed_sessions.append(c.session_id)
@@ -618,17 +842,18 @@ def test_fuzz_raw_grpc(world):
         time.sleep(0.1)
 
     report = (
-        f"seed {SEED}, {CASES} cases in {elapsed:.1f}s ({CASES / elapsed:.0f}/s), fuzzer sessions opened {w.fuzz_refreshes}, own tickets {w.tickets_renewed}\n"
+        f"{wire.name}: seed {SEED}, {CASES} cases in {elapsed:.1f}s ({CASES / elapsed:.0f}/s), fuzzer sessions opened {w.fuzz_refreshes}, "
+        f"own tickets {w.tickets_renewed}\n"
         f"status codes: {dict(tally.most_common())}; SendMany items in OK calls: {dict(item_tally)}\n"
         f"INTERNAL/UNKNOWN by message: {dict(bad_kinds.most_common())}\n"
         + "\n".join(f"  {k}: {dict(v.most_common())}" for k, v in sorted(by_method.items()))
     )
     print("\n" + report)
-    for ch in (*chans.values(), *peer_chans.values()):
-        ch.close()
     failures = []
     if bad:
-        failures.append(f"{len(bad)} calls answered INTERNAL or UNKNOWN, first ones:\n  " + "\n  ".join(bad[:25]))
+        failures.append(f"{len(bad)} calls answered INTERNAL or UNKNOWN (or left hanging), first ones:\n  " + "\n  ".join(bad[:25]))
+    if dropped:
+        failures.append(f"{len(dropped)} calls got no reply, first ones:\n  " + "\n  ".join(dropped[:25]))
     if not_serving:
         failures.append("health not SERVING: " + "; ".join(not_serving[:10]))
     if check_errors:
