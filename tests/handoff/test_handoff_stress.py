@@ -2,8 +2,8 @@
 pair of daemons, and nothing lost, leaked or written where it does not belong.
 
 Each of ``WORKERS`` threads is a prefill engine and a decode engine (a client of each daemon,
-its own sessions, the engine socket) and runs ``ROUNDS`` handoffs, each of a random length and a
-random flow (seeded by ``STRESS_SEED``); the daemons run in this process (their nodes checked
+its own sessions; one pair in three over gRPC, the others over the engine socket) and runs ``ROUNDS`` handoffs, each of a random length and a
+random flow (seeded by ``STRESS_SEED``; ``STRESS_ROUNDS`` for a longer soak); the daemons run in this process (their nodes checked
 at the end) and as processes of their own (truly in parallel with the engines):
 
 * ``short``   -- ``allocate_recv``; ``allocate(ticket=)`` (the transfer begun there); ``send(free=True)``;
@@ -49,7 +49,7 @@ from kvd.records import IndexVectors
 
 SEED = int(os.environ.get("STRESS_SEED", "20261207"))
 WORKERS = 6
-ROUNDS = 24
+ROUNDS = int(os.environ.get("STRESS_ROUNDS", "24"))
 LENGTHS = (1, 4, 7, 16, 33, 64, 103)
 FLOWS = ("short", "short", "old", "chunked", "many", "abort", "race", "gone", "closed")
 READY, FAILED = TransferState.READY, TransferState.FAILED
@@ -84,7 +84,8 @@ class Worker:
 
     def _connect(self, role: str) -> Client:
         side = self.pair.prefill if role == "prefill" else self.pair.decode
-        return side.connect(f"{role}-engine-{self.k}")
+        # Every third engine pair calls over gRPC, the others over the engine socket: both at once.
+        return side.connect(f"{role}-engine-{self.k}", transport="grpc" if self.k % 3 == 2 else "fast")
 
     def _rid(self) -> str:
         self.seq += 1
