@@ -2,12 +2,13 @@
 pair of daemons, and nothing lost, leaked or written where it does not belong.
 
 Each of ``WORKERS`` threads is a prefill engine and a decode engine (a client of each daemon,
-its own sessions; one pair in three over gRPC, the others over the engine socket) and runs ``ROUNDS`` handoffs, each of a random length and a
-random flow (seeded by ``STRESS_SEED``; ``STRESS_ROUNDS`` for a longer soak); the daemons run in this process (their nodes checked
-at the end) and as processes of their own (truly in parallel with the engines):
+its own sessions; one pair in three over gRPC, the others over the engine socket) and runs
+``ROUNDS`` handoffs, each of a random length and a random flow (seeded by ``STRESS_SEED``;
+``STRESS_ROUNDS`` for a longer soak). The daemons run in this process (their nodes checked at the
+end) and as processes of their own (truly in parallel with the engines):
 
-* ``short``   -- ``allocate_recv``; ``allocate(ticket=)`` (the transfer begun there); ``send(free=True)``;
-  the doorbell; ``free``;
+* ``short``   -- ``allocate_recv``; ``allocate(ticket=)`` (the transfer begun there);
+  ``send(free=True)``; the doorbell; ``free``;
 * ``old``     -- ``allocate(receive)``, ``acquire_lease``; ``allocate``, ``begin_send``, ``send``;
   ``wait_ready``; both frees;
 * ``chunked`` -- ``begin_send(chunk_tokens=)`` and one Send per chunk, the last one freeing;
@@ -27,8 +28,7 @@ The prefill engine writes random bytes into its request's pages before the Send;
 decode engine's pages must hold exactly those bytes (what :func:`handoff_kit.moved` says the
 Send moves). A refused flow must fail with the error its engine expects (never InternalError),
 and leave its decode request FAILED or gone. At the end, with every session closed: no request,
-lease, page or open transfer on either daemon, and ``Node.check()`` clean on both. The figures
-are asserted, never timed.
+lease, page or open transfer on either daemon, and ``Node.check()`` clean on both.
 """
 
 from __future__ import annotations
