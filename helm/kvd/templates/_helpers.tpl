@@ -223,13 +223,19 @@ data:
     {{- include "kvd.config" . | nindent 4 }}
 {{- end }}
 
+{{- /* The role's engine as YAML: values engine with roles.<role>.engine over it (the one place they
+merge; read it back with fromYaml). Dict: Values, role. */}}
+{{- define "kvd.engine" -}}
+{{- $rv := get .Values.roles .role }}
+{{- mergeOverwrite (deepCopy .Values.engine) (deepCopy ($rv.engine | default dict)) | toYaml }}
+{{- end }}
+
 {{- /* The containerPort of the role's engine port that metrics.serviceMonitor.enginePort names ("" when
 none is scraped: the ServiceMonitor off, no enginePort, or no engine in this role's pods); fails
 when the name is none of the engine's ports. Dict: Values, role. */}}
 {{- define "kvd.engineMetricsPort" -}}
 {{- $sm := .Values.metrics.serviceMonitor }}
-{{- $rv := get .Values.roles .role }}
-{{- $engine := mergeOverwrite (deepCopy .Values.engine) (deepCopy ($rv.engine | default dict)) }}
+{{- $engine := include "kvd.engine" . | fromYaml }}
 {{- if and $sm.enabled $sm.enginePort (ne ($engine.image.repository | default "") "") }}
 {{- $found := "" }}
 {{- $names := list }}
