@@ -11,14 +11,15 @@ come back as kvd exceptions, the same classes and messages whichever way a call 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import grpc
 from google.protobuf.message import Message
 
 from kvd.records import PeerLinkStats, SocketRoute, TransferRef
-from kvd.errors import InvalidArgument
+from kvd.errors import ERROR_KEY, DeadlineExceeded, InvalidArgument, KvdError, Unavailable
 from kvd.limits import MAX_REASON_BYTES, clip, quote
 from kvd.server.peer_conns import PeerConnections
 from kvd.rpc.status import from_rpc_error
@@ -80,13 +81,17 @@ class DaemonPeerLink:
         returned function waits for the reply (kvd exceptions either way). ``wait_for_ready``: a
         channel still backing off from an earlier refusal waits (within ``timeout``) for the peer
         instead of failing at once -- for idempotent reads only."""
+        t0 = time.monotonic()
         conn = self.sockets.checkout(via) if via is not None else None
         if conn is not None:
             self._count(method, "socket")
             return self.sockets.start(conn, method, request)
         self._count(method, "grpc")
+        # One deadline for the call, whichever way it goes: a socket whose daemon accepted the
+        # connection but never answered the hello (hung) has used it up already.
+        left = max(0.001, self.timeout - (time.monotonic() - t0))
         future = getattr(self._stub(address), method).future(
-            request, metadata=self._md, timeout=self.timeout, wait_for_ready=wait_for_ready
+            request, metadata=self._md, timeout=left, wait_for_ready=wait_for_ready
         )
 
         def wait() -> Message:
@@ -100,9 +105,29 @@ class DaemonPeerLink:
                         f"{method}: peer address {quote(address)} is not a valid gRPC target "
                         "(host:port, [v6]:port, unix:/path or /path); check the ticket's peer_address"
                     ) from exc
-                raise from_rpc_error(exc) from exc
+                raise self._transport_error(method, address, exc) from exc
 
         return wait
+
+    def _transport_error(self, method: str, address: str, exc: grpc.RpcError) -> KvdError:
+        """The kvd error of a failed gRPC call to a peer: the peer's own refusal as it is; gRPC's
+        own deadline or unavailability (no kvd error metadata) saying which call to which daemon,
+        and what to look at."""
+        err = from_rpc_error(exc)
+        try:
+            md = dict(cast("Iterable[tuple[str, str]]", exc.trailing_metadata() or ()))
+        except Exception:  # noqa: BLE001 -- some transport errors carry no metadata
+            md = {}
+        if ERROR_KEY in md:
+            return err
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return DeadlineExceeded(
+                f"{method} to the daemon at {quote(address)}: no reply within {self.timeout:g} s (peer_timeout_s): "
+                "it is hung, overloaded or unreachable"
+            )
+        if isinstance(err, Unavailable):
+            return Unavailable(f"{method} to the daemon at {quote(address)}: {err}")
+        return err
 
     def _call(self, address: str, method: str, request: Message, via: SocketRoute | None = None) -> Message:
         return self._start(address, method, request, via)()
