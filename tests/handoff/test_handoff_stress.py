@@ -94,13 +94,15 @@ class Worker:
     # -- what an engine does around each call ---------------------------------------------------
     def _retry(self, fn):
         """A call that may meet a full pool while the others hold their requests: again, later."""
-        for _ in range(200):
+        deadline = time.monotonic() + 30  # the others finish and free theirs: on a loaded machine, slowly
+        while True:
             try:
                 return fn()
             except CapacityError:
+                if time.monotonic() > deadline:
+                    raise
                 self.full += 1
                 time.sleep(0.005)
-        return fn()
 
     def _fill(self, src: IndexVectors, dst: IndexVectors, n: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Random bytes in every page of ``src`` the Send to ``dst`` moves; returns those pages'
