@@ -319,7 +319,8 @@ def main() -> None:
     t_all = time.perf_counter()
     cpu0, own0 = cpu_snap(), own_cpu()
     extra = ["--listen-tcp", "127.0.0.1:0"] if "tcp" in transports else []
-    d = BenchDaemon.spawn("--arena-bytes", str(arena), "--layout", args.layout, *extra).wait_ready()
+    # --no-arena-fallocate: the arena stays sparse (never touched; taking its pages would take the machine's memory)
+    d = BenchDaemon.spawn("--arena-bytes", str(arena), "--no-arena-fallocate", "--layout", args.layout, *extra).wait_ready()
     print(f"kvd control-plane benchmark -- {machine()}")
     print(f"daemon: {args.layout}, {args.tokens}-token {'received' if args.receive else 'computed'} requests "
           f"({per_req / 2**20:,.0f} MiB each), sparse {arena / 2**40:.2f} TiB shm arena; "

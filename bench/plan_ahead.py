@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--requests", type=int, default=40, help="requests per way (the first 3 of each are warm-up)")
     args = ap.parse_args(argv)
-    daemon_args = ["--backend", "local", "--layout", "gemma-4-31b-it-tp2", "--arena-bytes", str(3 << 30)]
+    # sparse, as before: 3 GiB per daemon taken up front would cost 3 s of start-up each, and this times calls
+    daemon_args = ["--backend", "local", "--layout", "gemma-4-31b-it-tp2", "--arena-bytes", str(3 << 30), "--no-arena-fallocate"]
     p, d = BenchDaemon.spawn(*daemon_args), BenchDaemon.spawn(*daemon_args)
     try:
         p.wait_ready()

@@ -80,6 +80,13 @@ class Settings(BaseSettings):
         "cuda_device, shared with engines as fds over handle_socket; needs a GPU and cuda-python)",
     )
     arena_dir: str = Field("/dev/shm", description="tmpfs directory holding the shared arena file (engines map it from here; arena=shm only)")
+    arena_fallocate: bool = Field(
+        True,
+        description="arena=shm: take the backed pages from the tmpfs when backing them (at start, at Finalize), so a tmpfs "
+        "without room for arena_bytes fails that with a clear error instead of a later write with SIGBUS -- in this "
+        "daemon, its engine, or a sender daemon writing into it (about a second per GiB on a small VM); false: a "
+        "sparse file, pages taken as they are first written",
+    )
     group_access: bool = Field(
         False,
         description="let an engine running as another user of this daemon's group in: the arena file mode 0660 and "

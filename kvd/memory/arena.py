@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvd.errors import InvalidArgument
+from kvd.errors import FailedPrecondition, InvalidArgument
 
 __all__ = ["Arena", "ArenaHandle", "ShmArena", "map_shared", "reap_stale", "is_live", "fd_is_live"]
 
@@ -114,14 +114,25 @@ class ShmArena(Arena):
     ``backed`` raises SIGBUS, like unmapped device memory would fault. The file's mode is
     ``mode`` whatever the umask: 0600 (this user only) by default, 0660 to let an engine of
     another user in this process's group map it.
+
+    ``allocate``: take the backed pages from the tmpfs when backing them (``posix_fallocate``),
+    not when each is first written. A tmpfs without room then fails :meth:`set_backed` with
+    FailedPrecondition, nothing changed, instead of killing with SIGBUS whichever process writes
+    the first page past its room -- this one, an engine, or a sender daemon writing into it. The
+    daemon does (``arena_fallocate``); sparse arenas (benchmarks, tests) do not.
     """
 
-    def __init__(self, reserved: int, backed: int = 0, *, directory: str = "/dev/shm", name: str | None = None, mode: int = 0o600):
+    def __init__(
+        self, reserved: int, backed: int = 0, *, directory: str = "/dev/shm", name: str | None = None, mode: int = 0o600,
+        allocate: bool = False,
+    ):
         if not isinstance(reserved, int) or reserved <= 0:
             raise InvalidArgument(f"arena reservation must be a positive byte count, got {reserved!r}")
         if not os.path.isdir(directory):
             raise InvalidArgument(f"arena directory {directory!r} does not exist; set arena_dir to a tmpfs directory")
         self._reserved = reserved
+        self._allocate = allocate
+        self.directory = directory
         self.region_id = name or f"kvd-{uuid.uuid4().hex[:12]}"
         self.path = os.path.join(directory, self.region_id)
         # Liveness: an open-file-description read lock held for the arena's lifetime. The kernel
@@ -148,7 +159,11 @@ class ShmArena(Arena):
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         self._full = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._backed = 0
-        self.set_backed(backed)
+        try:
+            self.set_backed(backed)
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def device(self) -> torch.device:
@@ -156,10 +171,33 @@ class ShmArena(Arena):
 
     def set_backed(self, nbytes: int) -> None:
         self._check_size(nbytes)
+        old = self._backed
+        if self._allocate and nbytes > old:
+            self._room_for(nbytes - old, nbytes)
         # On tmpfs, truncating a file frees the pages past its new end, so shrinking gives the
-        # memory back; growing only extends the file (pages are allocated when first touched).
+        # memory back; growing extends the file, its pages taken now (allocate) or when first touched.
         os.ftruncate(self._fd, nbytes)
+        if self._allocate and nbytes > old:
+            try:
+                os.posix_fallocate(self._fd, old, nbytes - old)
+            except OSError as exc:
+                os.ftruncate(self._fd, old)  # as it was (tmpfs gives back what the failed call took)
+                raise self._no_room(nbytes, exc.strerror or str(exc)) from exc
         self._backed = nbytes
+
+    def _room_for(self, more: int, nbytes: int) -> None:
+        """Refuse at once a backing the filesystem has no room for (``statvfs``), before spending
+        a second per GiB finding out by allocating it."""
+        st = os.statvfs(self.directory)
+        free = st.f_bavail * st.f_frsize
+        if more > free:
+            raise self._no_room(nbytes, f"{free:,d} bytes free there, {more:,d} more needed")
+
+    def _no_room(self, nbytes: int, why: str) -> FailedPrecondition:
+        return FailedPrecondition(
+            f"arena_dir {self.directory!r} cannot hold the arena's {nbytes:,d} backed bytes ({why}): give that tmpfs "
+            "more room (docker run --shm-size, compose shm_size, the chart's shm.sizeLimit) or ask for a smaller arena_bytes"
+        )
 
     def tensor(self) -> torch.Tensor:
         return self._full[: self._backed]

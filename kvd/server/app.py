@@ -146,7 +146,8 @@ def _make_arena(settings: Settings) -> Arena:
         return CudaVmmArena(settings.reserved, backed, device=settings.cuda_device)
     for path in reap_stale(settings.arena_dir):
         log.warning("removed %s: an arena file left by a daemon that died without cleaning up", path)
-    return ShmArena(settings.reserved, backed, directory=settings.arena_dir, mode=0o660 if settings.group_access else 0o600)
+    return ShmArena(settings.reserved, backed, directory=settings.arena_dir, mode=0o660 if settings.group_access else 0o600,
+                    allocate=settings.arena_fallocate)
 
 
 def _undo(stack: contextlib.ExitStack, what: str, fn: Callable[..., object], *args: object) -> None:

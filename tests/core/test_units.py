@@ -3,7 +3,9 @@ shared-memory arena (in place growth, and a second process mapping it)."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvd.pool.allocator import IDX, IdRing
 from kvd.memory.arena import ArenaHandle, ShmArena, map_shared
-from kvd.errors import InternalError, InvalidArgument
+from kvd.errors import FailedPrecondition, InternalError, InvalidArgument
 from kvd.copy.pages import copy_runs
 from kvd.copy.runs import Runs, coalesce, expand
 
@@ -171,6 +173,64 @@ def test_shm_arena_close_unlinks(tmp_path) -> None:
     arena.close()
     arena.close()  # idempotent
     assert not (tmp_path / path.rsplit("/", 1)[-1]).exists()
+
+
+def test_an_allocating_shm_arena_takes_its_backed_pages_from_the_tmpfs_at_once(tmp_path) -> None:
+    # On /dev/shm (a tmpfs): the file's blocks are there before anything is written; a sparse
+    # arena's are not.
+    allocating = ShmArena(1 << 22, 1 << 20, allocate=True)
+    sparse = ShmArena(1 << 22, 1 << 20)
+    try:
+        assert os.fstat(allocating._fd).st_blocks * 512 >= 1 << 20
+        assert os.fstat(sparse._fd).st_blocks == 0
+        allocating.set_backed(1 << 21)  # grown: the new pages too
+        assert os.fstat(allocating._fd).st_blocks * 512 >= 1 << 21
+        allocating.set_backed(1 << 19)  # shrunk: given back
+        assert os.fstat(allocating._fd).st_blocks * 512 < 1 << 20
+    finally:
+        allocating.close()
+        sparse.close()
+
+
+def _free_shm() -> int:
+    st = os.statvfs("/dev/shm")
+    return st.f_bavail * st.f_frsize
+
+
+def test_a_tmpfs_without_room_refuses_the_backing_with_what_to_change_and_keeps_nothing() -> None:
+    # More than /dev/shm holds: refused before a byte is taken (statvfs), no file left behind, and
+    # the message names the setting, the directory and the ways to give it room.
+    too_much = 2 * _free_shm() + (1 << 30)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(FailedPrecondition, match=r"arena_dir '/dev/shm' cannot hold .*--shm-size.*shm.sizeLimit.*arena_bytes"):
+        ShmArena(too_much, too_much, allocate=True)
+    assert set(os.listdir("/dev/shm")) <= before
+    # Growing an arena that lives: refused, its backing and its bytes as they were.
+    arena = ShmArena(too_much, 1 << 20, allocate=True)
+    try:
+        arena.tensor()[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        with pytest.raises(FailedPrecondition, match="cannot hold"):
+            arena.set_backed(too_much)
+        assert arena.backed == 1 << 20 and os.fstat(arena._fd).st_size == 1 << 20
+        assert arena.tensor()[:4].tolist() == [1, 2, 3, 4]
+    finally:
+        arena.close()
+
+
+def test_a_failed_allocation_leaves_the_arena_as_it_was(monkeypatch) -> None:
+    # The tmpfs filled up between the room check and the allocation (another user of it): ENOSPC,
+    # the file cut back to what it was, and the same error.
+    arena = ShmArena(1 << 22, 1 << 20, allocate=True)
+    try:
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(os, "posix_fallocate", full)
+        with pytest.raises(FailedPrecondition, match="No space left on device"):
+            arena.set_backed(1 << 21)
+        assert arena.backed == 1 << 20 and os.fstat(arena._fd).st_size == 1 << 20
+    finally:
+        arena.close()
 
 
 _CHILD = textwrap.dedent(

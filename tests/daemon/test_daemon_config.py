@@ -12,7 +12,7 @@ from daemon_kit import rid
 
 from kvd.cli import main as cli_main
 from kvd.config import Settings, load_settings
-from kvd.errors import InvalidArgument
+from kvd.errors import FailedPrecondition, InvalidArgument
 from kvd.server.app import Daemon, validate
 
 MiB = 1 << 20
@@ -484,3 +484,16 @@ def test_a_start_that_fails_late_undoes_every_step_and_the_same_paths_start_agai
         d.stop(0)
     assert not any(os.path.exists(p) for p in paths)
     assert all(made.arena_closed(a) for a in made.arenas)
+
+
+def test_an_arena_its_tmpfs_cannot_hold_is_refused_at_start_leaving_nothing(tmp_path):
+    # arena_bytes above what arena_dir's tmpfs has free: the start fails naming the directory, the
+    # settings to change and the ways to give the tmpfs room; no socket, no arena file left.
+    st = os.statvfs("/dev/shm")
+    too_much = 2 * st.f_bavail * st.f_frsize + (1 << 30)
+    before = set(os.listdir("/dev/shm"))
+    s = load_settings(arena_bytes=too_much, listen_unix=str(tmp_path / "kvd.sock"), backend="local")
+    with pytest.raises(FailedPrecondition, match=r"arena_dir '/dev/shm' cannot hold .*--shm-size.*arena_bytes"):
+        Daemon.start(s)
+    assert sorted(os.listdir(tmp_path)) == []
+    assert set(os.listdir("/dev/shm")) <= before

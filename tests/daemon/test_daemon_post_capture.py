@@ -87,3 +87,26 @@ def test_finalize_on_an_eager_daemon_is_refused(inproc):
     with expect(E.FailedPrecondition, C.FAILED_PRECONDITION, "build it with post_capture=True"):
         c.resize(MiB)
     assert inproc.node.stats() == before
+
+
+
+def test_a_finalize_its_tmpfs_cannot_hold_is_refused_with_nothing_changed(late, monkeypatch):
+    # The arena's pages are taken when they are backed (arena_fallocate, the default): a Finalize
+    # larger than the tmpfs has room for is FAILED_PRECONDITION saying what to change -- not a
+    # SIGBUS in whichever process later writes past the tmpfs's room -- and once there is room
+    # the same Finalize works.
+    import os
+    from types import SimpleNamespace
+
+    t, c = late, late.connect(name="engine")
+    real = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=256, f_frsize=4096))  # 1 MiB free
+    refused(t, c, lambda: c.finalize(2 * MiB), E.FailedPrecondition, C.FAILED_PRECONDITION,
+            "cannot hold the arena's 2,097,152 backed bytes (1,048,576 bytes free there")
+    assert not c.info().finalized
+    monkeypatch.setattr(os, "statvfs", real)
+    assert c.finalize(2 * MiB).finalized
+    r = rid()
+    c.allocate(r, 8)
+    c.free(r)
+    t.node.check()

@@ -35,6 +35,17 @@ DETECT_S = 1.5
 #: Session TTL of the engines killed here (the daemon reaps them this long after their last call).
 ENGINE_TTL_S = 1.0
 
+def _why(proc, line: str) -> str:
+    """What a child engine that answered ``line`` said on stderr: an empty line is its stdout
+    closed, so it is exiting (waited for briefly; its exit is not yet seen when stdout closes)."""
+    if not line:
+        try:
+            proc.wait(5)
+        except Exception:  # noqa: BLE001 -- still running: nothing to read without blocking
+            return ""
+    return proc.stderr.read() if proc.poll() is not None else ""
+
+
 _PREFILL_ENGINE = """
 import sys, time
 from kvd.client import Client
@@ -138,12 +149,14 @@ def test_a_prefill_engine_gone_mid_transfer_fails_the_receiver_at_its_reaping(hp
     p_used, d_used = hp.p.used(), hp.d.used()
     rid = dk.rid("orph-engine")
     hp.d.alloc(rid, TOKENS, receive=True)
-    lease = hp.d.c.acquire_lease(rid, "recv")
+    # A TTL that outlasts the child engine's start-up (it imports torch: seconds on a loaded
+    # machine, past the daemon's default and the lease with them). Nothing below waits on it.
+    lease = hp.d.c.acquire_lease(rid, "recv", ttl=60)
     expired0 = hp.p.c.stats().sessions_expired_total
     args = (hp.pair.prefill.t.unix, rid, str(TOKENS), lease.ticket.hex(), str(CHUNK), str(ENGINE_TTL_S))
     with dk.child(_PREFILL_ENGINE, *args) as proc:
         line = proc.stdout.readline()
-        assert line.strip() == "sent", f"the prefill engine did not send: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert line.strip() == "sent", f"the prefill engine did not send: {line!r} {_why(proc, line)}"
         assert hp.d.c.wait_ready(rid, 0).state is RECEIVING
         t_kill = time.monotonic()
         proc.send_signal(sig)
@@ -240,7 +253,7 @@ def test_a_decode_engine_killed_mid_transfer_keeps_its_pages_from_the_next_engin
     expired0 = hp.d.c.stats().sessions_expired_total
     with dk.child(_DECODE_ENGINE, hp.pair.decode.t.unix, rid, str(TOKENS), str(ENGINE_TTL_S)) as proc:
         line = proc.stdout.readline().strip()
-        assert line, f"the decode engine gave no ticket: {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert line, f"the decode engine gave no ticket: {_why(proc, line)}"
         ticket = bytes.fromhex(line)
         assert hp.p.c.begin_send(rid, ticket) is True
         hp.p.c.send(rid, ticket, end=CHUNK, last=False)
