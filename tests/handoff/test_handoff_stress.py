@@ -137,11 +137,17 @@ class Worker:
             raise AssertionError(f"{rid}: {st.state.name} ({st.reason}) after its sender gave up, not FAILED")
         self.d.free(rid)
 
-    # -- the flows ------------------------------------------------------------------------------
-    def short(self, n: int) -> None:
+    def _begun(self, n: int):
+        """A new request of ``n`` tokens on both sides, its transfer begun by the prefill
+        Allocate: ``(rid, src, dst, lease)``."""
         rid = self._rid()
         dst, lease = self._retry(lambda: self.d.allocate_recv(rid, n))
         src = self._retry(lambda: self.p.allocate(rid, n, ticket=lease.ticket))
+        return rid, src, dst, lease
+
+    # -- the flows ------------------------------------------------------------------------------
+    def short(self, n: int) -> None:
+        rid, src, dst, lease = self._begun(n)
         sent = self._fill(src, dst, n)
         r = self.p.send(rid, lease.ticket, free=True)
         assert "free" in r.phases, r.phases
@@ -191,9 +197,7 @@ class Worker:
             self.d.free(rid)
 
     def abort(self, n: int) -> None:
-        rid = self._rid()
-        _, lease = self._retry(lambda: self.d.allocate_recv(rid, n))
-        self._retry(lambda: self.p.allocate(rid, n, ticket=lease.ticket))
+        rid, _, _, lease = self._begun(n)
         self.d.abort(rid, "the decode engine gave up")
         self.d.free(rid)
         try:
@@ -205,9 +209,7 @@ class Worker:
         self.p.free(rid)
 
     def race(self, n: int) -> None:
-        rid = self._rid()
-        dst, lease = self._retry(lambda: self.d.allocate_recv(rid, n))
-        src = self._retry(lambda: self.p.allocate(rid, n, ticket=lease.ticket))
+        rid, src, dst, lease = self._begun(n)
         sent = self._fill(src, dst, n)
         late: list[BaseException] = []
 
@@ -239,16 +241,12 @@ class Worker:
         self.d.free(rid)
 
     def gone(self, n: int) -> None:
-        rid = self._rid()
-        _, lease = self._retry(lambda: self.d.allocate_recv(rid, n))
-        self._retry(lambda: self.p.allocate(rid, n, ticket=lease.ticket))
+        rid, _, _, _ = self._begun(n)
         self.p.free(rid)
         self._ends_failed(rid)
 
     def closed(self, n: int) -> None:
-        rid = self._rid()
-        _, lease = self._retry(lambda: self.d.allocate_recv(rid, n))
-        self._retry(lambda: self.p.allocate(rid, n, ticket=lease.ticket))
+        rid, _, _, _ = self._begun(n)
         self.p.close()  # the prefill engine exits: its session goes, and its request with it
         self.p = self._connect("prefill")
         self.pa = self.p.attach().tensor
