@@ -196,7 +196,8 @@ class ShmArena(Arena):
     def _no_room(self, nbytes: int, why: str) -> FailedPrecondition:
         return FailedPrecondition(
             f"arena_dir {self.directory!r} cannot hold the arena's {nbytes:,d} backed bytes ({why}): give that tmpfs "
-            "more room (docker run --shm-size, compose shm_size, the chart's shm.sizeLimit) or ask for a smaller arena_bytes"
+            "more room (docker run --shm-size, compose shm_size, the chart's shm.sizeLimit) or ask for a smaller "
+            "arena (arena_bytes, or Finalize's bytes)"
         )
 
     def tensor(self) -> torch.Tensor:

@@ -169,7 +169,8 @@ class PeerConnections:
         path = conn.route.path
         if isinstance(exc, TimeoutError):
             return DeadlineExceeded(
-                f"peer socket {path}: no reply to {name} within {self.timeout:g} s (peer_timeout_s): the daemon there is hung or overloaded"
+                f"peer socket {path}: no reply to {name} within {self.timeout:g} s (peer_timeout_s): "
+                "the daemon there is hung or overloaded"
             )
         if isinstance(exc, (OSError, DecodeError)):
             return Unavailable(f"peer socket {path} failed during {name} (the daemon is gone or restarted): {exc}")
