@@ -9,7 +9,7 @@ handoff). So a daemon takes its arena's pages from the tmpfs when it backs them
 
 * an arena the tmpfs cannot hold is refused at start, saying what to change;
 * one that fits keeps its pages whatever else then fills the tmpfs: handoffs into every page of
-  it go on, and the sender lives.
+  it (the arena filled with requests) go on, and the sender lives.
 
 Needs a tmpfs of a known size: mounted here (root); skipped where mounting is not allowed.
 """
@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import handoff_kit as hk
 import pytest
 
 from kvd.client import TransferState
+from kvd.config import load_settings
+from kvd.errors import CapacityError, FailedPrecondition
+from kvd.server.app import Daemon
 
 SMALL = 8 << 20
 
@@ -40,17 +42,14 @@ def small_tmpfs(tmp_path):
 
 
 def test_an_arena_the_tmpfs_cannot_hold_is_refused_at_start(small_tmpfs, tmp_path):
-    sock = tmp_path / "kvd.sock"
-    r = subprocess.run(
-        [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", str(sock), "--arena-dir", str(small_tmpfs),
-         "--arena-bytes", str(64 << 20), "--backend", "local", "--log-level", "WARNING"],
-        capture_output=True, text=True, timeout=120,
-    )
-    out = r.stdout + r.stderr
-    assert r.returncode != 0, out
-    assert f"arena_dir {str(small_tmpfs)!r} cannot hold the arena's 67,108,864 backed bytes" in out, out
-    assert "shm-size" in out and "arena_bytes" in out, out
-    assert os.listdir(small_tmpfs) == [] and not sock.exists()
+    settings = load_settings(listen_unix=str(tmp_path / "kvd.sock"), arena_dir=str(small_tmpfs), arena_bytes=64 << 20,
+                             backend="local", log_level="WARNING")
+    with pytest.raises(FailedPrecondition) as got:
+        Daemon.start(settings)
+    msg = str(got.value)
+    assert f"arena_dir {str(small_tmpfs)!r} cannot hold the arena's 67,108,864 backed bytes" in msg, msg
+    assert "shm-size" in msg and "arena_bytes" in msg, msg
+    assert os.listdir(small_tmpfs) == [] and not (tmp_path / "kvd.sock").exists()
 
 
 def test_a_full_tmpfs_cannot_take_back_an_arenas_pages(small_tmpfs, tmp_path):
@@ -65,14 +64,21 @@ def test_a_full_tmpfs_cannot_take_back_an_arenas_pages(small_tmpfs, tmp_path):
             except OSError:
                 pass  # full
         p, d = pair.prefill.connect("prefill-engine"), pair.decode.connect("decode-engine")
-        # Enough handoffs to write every page of the decode arena, several times over.
-        for i in range(40):
-            rid = f"r{i}"
-            _, lease = d.allocate_recv(rid, 400)
-            p.allocate(rid, 400, ticket=lease.ticket)
-            p.send(rid, lease.ticket, free=True)
+        # The decode arena filled with requests (every page of it bound), each then handed over:
+        # every page of the arena written.
+        tickets = {}
+        while True:
+            try:
+                _, lease = d.allocate_recv(f"r{len(tickets)}", 400)
+            except CapacityError:
+                break
+            tickets[lease.rid] = lease.ticket
+        assert len(tickets) >= 4, tickets
+        for rid, ticket in tickets.items():
+            p.allocate(rid, 400, ticket=ticket)
+            p.send(rid, ticket, free=True)
             assert d.wait_ready(rid, 10).state is TransferState.READY
-            d.free(rid)
+        d.free(*tickets)
         assert pair.prefill.t.proc.poll() is None and pair.decode.t.proc.poll() is None, "a daemon died"
         p.close()
         d.close()
