@@ -11,7 +11,6 @@ come back as kvd exceptions, the same classes and messages whichever way a call 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import cast
 
@@ -81,17 +80,15 @@ class DaemonPeerLink:
         returned function waits for the reply (kvd exceptions either way). ``wait_for_ready``: a
         channel still backing off from an earlier refusal waits (within ``timeout``) for the peer
         instead of failing at once -- for idempotent reads only."""
-        t0 = time.monotonic()
         conn = self.sockets.checkout(via) if via is not None else None
         if conn is not None:
             self._count(method, "socket")
             return self.sockets.start(conn, method, request)
         self._count(method, "grpc")
-        # One deadline for the call, whichever way it goes: a socket whose daemon accepted the
-        # connection but never answered the hello (hung) has used it up already.
-        left = max(0.001, self.timeout - (time.monotonic() - t0))
+        # A full timeout even after a socket hello that went unanswered: on a loaded host a slow
+        # hello is not a hung daemon, and a check that times out here may still be accepted there.
         future = getattr(self._stub(address), method).future(
-            request, metadata=self._md, timeout=left, wait_for_ready=wait_for_ready
+            request, metadata=self._md, timeout=self.timeout, wait_for_ready=wait_for_ready
         )
 
         def wait() -> Message:

@@ -3,14 +3,14 @@ process lives and its sockets accept. The daemon beside it must not wait on it l
 peer timeout, nor stop serving its own engines meanwhile, and once the hung one runs again neither
 keeps anything of the transfer caught in between.
 
-* A hung receiver: the prefill engine's Send fails after the peer timeout (once, not once per way
-  of reaching the receiver) with an error that names the call, the daemon and the setting; while
-  it waits, another engine's calls on the prefill daemon are answered. ``warm``: the daemons
-  talked before, over the peer socket; the receiver, resumed, reads the check it was sent, and
-  fails that transfer for its sender's silence. ``cold``: the hung daemon never answered the
-  socket's hello; the Send's call went over gRPC within what was left of the timeout, and never
-  reached it: the transfer is still WAITING, its decode engine free to take another sender. A new
-  handoff works in both.
+* A hung receiver: the prefill engine's Send fails after the peer timeout (twice it where the
+  socket's hello went unanswered first: then gRPC gets its own) with an error that names the
+  call, the daemon and the setting; while it waits, another engine's calls on the prefill daemon
+  are answered. ``warm``: the daemons talked before, over the peer socket; the receiver, resumed,
+  reads the check it was sent, and fails that transfer for its sender's silence. ``cold``: the
+  hung daemon never answered the socket's hello, and the call over gRPC never reached it: the
+  transfer is still WAITING, its decode engine free to take another sender. A new handoff works
+  in both.
 * A hung sender: the decode engine's wait ends FAILED once the prefill daemon has been silent
   for the peer timeout; resumed, the prefill daemon's Send fails, and a new handoff works.
 """
