@@ -35,6 +35,7 @@ DETECT_S = 1.5
 #: Session TTL of the engines killed here (the daemon reaps them this long after their last call).
 ENGINE_TTL_S = 1.0
 
+
 def _why(proc, line: str) -> str:
     """What a child engine that answered ``line`` said on stderr: an empty line is its stdout
     closed, so it is exiting (waited for briefly; its exit is not yet seen when stdout closes)."""
@@ -149,8 +150,8 @@ def test_a_prefill_engine_gone_mid_transfer_fails_the_receiver_at_its_reaping(hp
     p_used, d_used = hp.p.used(), hp.d.used()
     rid = dk.rid("orph-engine")
     hp.d.alloc(rid, TOKENS, receive=True)
-    # A TTL that outlasts the child engine's start-up (it imports torch: seconds on a loaded
-    # machine, past the daemon's default and the lease with them). Nothing below waits on it.
+    # A TTL that outlasts the child engine's start-up (it imports torch: on a loaded machine,
+    # longer than the daemon's default lease TTL). Nothing below waits on it.
     lease = hp.d.c.acquire_lease(rid, "recv", ttl=60)
     expired0 = hp.p.c.stats().sessions_expired_total
     args = (hp.pair.prefill.t.unix, rid, str(TOKENS), lease.ticket.hex(), str(CHUNK), str(ENGINE_TTL_S))
