@@ -172,12 +172,13 @@ class ShmArena(Arena):
     def set_backed(self, nbytes: int) -> None:
         self._check_size(nbytes)
         old = self._backed
-        if self._allocate and nbytes > old:
+        take = self._allocate and nbytes > old
+        if take:
             self._room_for(nbytes - old, nbytes)
         # On tmpfs, truncating a file frees the pages past its new end, so shrinking gives the
         # memory back; growing extends the file, its pages taken now (allocate) or when first touched.
         os.ftruncate(self._fd, nbytes)
-        if self._allocate and nbytes > old:
+        if take:
             try:
                 os.posix_fallocate(self._fd, old, nbytes - old)
             except OSError as exc:
