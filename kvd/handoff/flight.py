@@ -109,6 +109,13 @@ class Outbound:
         """A check begin left running (sent or not) that nobody collected yet."""
         return self.pending is not None or self.unsent is not None
 
+    @property
+    def checking(self) -> bool:
+        """:attr:`parked`, or its answer being collected now (``settling`` is held until that
+        collector's count is off ``active``): whoever ends or aborts the transfer meanwhile must
+        leave the receiver's notice to :meth:`Outbox._settle_ended`, as nobody else sends it."""
+        return self.parked or self.settling.locked()
+
 
 @dataclass(slots=True)
 class Flight:

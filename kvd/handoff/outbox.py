@@ -330,13 +330,15 @@ class Outbox:
         except KvdError:
             return
         # Accepted, whoever collected the answer (the heartbeat may have, meanwhile); a Send
-        # in it tells the receiver itself.
-        if ob.began and ob.active == 0:
-            self._notices.tell_receiver(ob.ticket, ob.aborted or "the sender's transfer ended before its first Send")
-            key = (ob.ticket.boot_id, ob.ticket.lease_id)
-            with self._lock:
-                if forget and ob.active == 0 and self._open.get(key) is ob:
-                    self._forget(key)
+        # in it tells the receiver itself, and one that ended forgot it, having told it.
+        key = (ob.ticket.boot_id, ob.ticket.lease_id)
+        with self._lock:
+            if not (ob.began and ob.active == 0 and self._open.get(key) is ob):
+                return
+        self._notices.tell_receiver(ob.ticket, ob.aborted or "the sender's transfer ended before its first Send")
+        with self._lock:
+            if forget and ob.active == 0 and self._open.get(key) is ob:
+                self._forget(key)
 
     def _dest(self, ticket: TicketInfo) -> IndexVectors:
         """The destination vectors to plan from: the ticket's (unless a test set :attr:`dest_fault`)."""
@@ -556,11 +558,13 @@ class Outbox:
             for key, ob in list(self._open.items()):
                 if ob.session != e.session or ob.rid not in rids:
                     continue
+                told = False
                 if not ob.aborted:
                     ob.aborted = f"request {quote(ob.rid)} ended at the sender before its last Send: {e.reason}"
                     if ob.began and ob.active == 0:
                         tell.append(ob)
-                if ob.parked:
+                        told = True
+                if ob.checking and not told:
                     settle.append(ob)  # its check's count keeps it listed until the answer is in
                 if ob.active == 0:
                     self._forget(key)  # it names a request that is gone
@@ -609,7 +613,7 @@ class Outbox:
             if ob is not None and (not ob.aborted or ob.presumed):
                 ob.aborted, ob.aborted_at, ob.presumed = f"receiver aborted: {reason}", time.monotonic(), False
                 ack = ob.began and ob.active == 0
-                parked = ob.parked
+                parked = ob.checking and not ack
         if parked and ob is not None:
             self._notices.later(self._settle_ended, ob, False)
         if ack:

@@ -146,6 +146,64 @@ def test_the_heartbeat_collects_an_answer_no_send_came_for(hp):
     hp.check()
 
 
+@pytest.mark.parametrize("end", ["free", "receiver-abort"])
+def test_a_transfer_that_ends_while_the_heartbeat_collects_its_check_still_tells_the_receiver(hp, end, monkeypatch):
+    """The heartbeat is collecting an accepted check (its answer late) when the request is
+    freed, or its receiver aborts: once the answer is in, the receiver is told -- FAILED at once
+    for the free, the abort acknowledged -- and a freed request's transfer is forgotten, not
+    left listed until ``lease_ttl`` (made long here, so that its sweep cannot stand in)."""
+    if hp.p.side.node is None:
+        pytest.skip("holds the sender's collection of a check by hand: in-process pair only")
+    rid, _, lease = _decode_side(hp, 16, f"alloc-ticket-hb-{end}")
+    outbox = hp.pair.prefill.t.daemon.outbox
+    monkeypatch.setattr(outbox, "lease_ttl", 600.0)
+    release = threading.Event()
+    start_check = outbox.link.start_check
+
+    def held(address, ticket, sender, via=None):
+        wait = start_check(address, ticket, sender, via)
+        if ticket != lease.ticket:
+            return wait
+
+        def late():
+            release.wait(10)
+            return wait()
+
+        return late
+
+    def acks() -> float:  # AbortReceive calls of the prefill daemon, either path
+        return sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="AbortReceive", path=p) for p in ("socket", "grpc"))
+
+    monkeypatch.setattr(outbox.link, "start_check", held)
+    acks0 = acks()
+    hp.p.c.allocate(rid, 16, ticket=lease.ticket)
+    (ob,) = [o for o in outbox._open.values() if o.rid == rid]
+    beat = threading.Thread(target=outbox.heartbeat_once)
+    try:
+        beat.start()  # (or the daemon's own heartbeat thread got there first: held all the same)
+        dk.wait_for(lambda: not ob.parked and ob.settling.locked(), 5, "a heartbeat collecting the check")
+        assert not ob.began
+        if end == "free":
+            assert hp.p.c.free(rid) == 1
+        else:
+            dk.wait_for(lambda: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, "the decode daemon accepted the ticket")
+            assert hp.d.c.abort(rid, "engine preempted it") is True
+            dk.wait_for(lambda: ob.aborted, 5, "the receiver's abort reached the sender")
+    finally:
+        release.set()
+        beat.join(10)
+    if end == "free":
+        assert hp.d.c.wait_ready(rid, 5).state is FAILED
+        dk.wait_for(lambda: ob not in outbox._open.values(), 10, "the freed request's transfer forgotten")
+    else:
+        dk.wait_for(lambda: acks() == acks0 + 1, 10, "the prefill daemon acknowledged the abort")
+        with dk.expect(Aborted, grpc.StatusCode.ABORTED, "receiver aborted: engine preempted it"):
+            hp.p.c.send(rid, lease.ticket, free=True)
+        assert hp.p.c.free(rid) == 1
+    assert hp.d.free(rid) == 1
+    hp.check()
+
+
 def test_a_send_that_comes_before_the_deferred_check_sends_it_itself(hp, monkeypatch):
     """Over the engine socket the check is sent once the Allocate's reply is out; a Send on
     another connection can come first: it sends the check itself, and the deferred work that
