@@ -6,7 +6,9 @@ connections to other daemons' peer sockets, a few held per daemon.
 or None when the route cannot be used now: nothing listens on the path, the daemon there is
 another one (another host's ticket, another container, this daemon itself), or it is full. The
 caller then uses gRPC. A route that failed is not tried again for ``retry_s``, so a Send to a
-daemon on another host does not pay a connect attempt each time. A refused token is raised
+daemon on another host does not pay a connect attempt each time -- except one whose hello timed
+out (the daemon there busy, or hung): hellos sent from a thread of its own, one at a time, bring
+it back as soon as one is answered, and no call waits for them. A refused token is raised
 (PermissionDenied): that daemon refuses it over gRPC too.
 
 :meth:`PeerConnections.call` sends one request and reads its reply, within ``timeout``. The
@@ -47,11 +49,13 @@ RETRY_S = 10.0
 class _Unusable(Exception):
     """This route cannot be used now: the caller uses gRPC, for ``retry_after_s`` when its daemon
     was full and said so (every call would otherwise pay a refused connect + hello before going
-    over gRPC anyway), else for RETRY_S."""
+    over gRPC anyway), else for RETRY_S. ``slow``: no answer within the timeout (a daemon that is
+    there, busy or hung): probed meanwhile (:meth:`PeerConnections._probe`)."""
 
-    def __init__(self, why: str, *, retry_after_s: float | None = None) -> None:
+    def __init__(self, why: str, *, retry_after_s: float | None = None, slow: bool = False) -> None:
         super().__init__(why)
         self.retry_after_s = retry_after_s
+        self.slow = slow
 
 
 class _Conn:
@@ -99,6 +103,7 @@ class PeerConnections:
         self.retry_s = retry_s
         self._idle: dict[SocketRoute, list[_Conn]] = {}
         self._failed: dict[SocketRoute, float] = {}  # route -> monotonic time it may be tried again
+        self._probing: set[SocketRoute] = set()  # failed routes whose daemon a thread is saying hello to
         self._lock = threading.Lock()
         self._closed = False
 
@@ -121,11 +126,52 @@ class PeerConnections:
             return self._open(via)
         except _Unusable as exc:
             log.info("peer socket %s (boot %s) not used, calling over gRPC: %s", via.path, via.boot_id, exc)
-            # A full server is tried again soon; a wrong daemon or nothing listening after RETRY_S.
-            with self._lock:
-                wait = self.retry_s if exc.retry_after_s is None else min(self.retry_s, exc.retry_after_s)
-                self._failed[via] = time.monotonic() + wait
+            self._fail(via, exc)
             return None
+
+    def _fail(self, via: SocketRoute, exc: _Unusable) -> None:
+        """``via`` could not be used: a full server is tried again soon; a wrong daemon or
+        nothing listening after ``retry_s``; a daemon that did not answer in time is probed
+        until it does (a busy host's one slow hello must not send every call over gRPC, ~4x
+        slower, for ``retry_s``)."""
+        with self._lock:
+            wait = self.retry_s if exc.retry_after_s is None else min(self.retry_s, exc.retry_after_s)
+            self._failed[via] = time.monotonic() + wait
+            if not exc.slow or via in self._probing or self._closed:
+                return
+            self._probing.add(via)
+        threading.Thread(target=self._probe, args=(via,), name="kvd-peer-probe", daemon=True).start()
+
+    def _probe(self, via: SocketRoute) -> None:
+        """On a thread of its own: hellos to ``via``'s daemon, one at a time, a quarter of
+        ``timeout`` apart, until one is answered -- its connection is kept and the route serves
+        calls again at once -- or the route's failure runs out (its next call then says hello
+        itself) or becomes another kind (the daemon went away or is another one)."""
+        try:
+            while True:
+                time.sleep(self.timeout / 4)
+                with self._lock:
+                    if self._closed or self._failed.get(via, 0.0) <= time.monotonic():
+                        return
+                try:
+                    conn = self._open(via)
+                except PermissionDenied:
+                    return  # the calls over gRPC are refused alike and say so
+                except _Unusable as exc:
+                    if exc.slow:
+                        continue
+                    with self._lock:
+                        wait = self.retry_s if exc.retry_after_s is None else min(self.retry_s, exc.retry_after_s)
+                        self._failed[via] = time.monotonic() + wait
+                    return
+                with self._lock:
+                    self._failed.pop(via, None)
+                log.info("peer socket %s (boot %s) answers again: calls use it", via.path, via.boot_id)
+                self._checkin(conn)
+                return
+        finally:
+            with self._lock:
+                self._probing.discard(via)
 
     def call(self, conn: _Conn, name: str, request: Message) -> Message:
         """Call Peer rpc ``name`` on a checked-out connection, which this returns to the pool (or
@@ -199,8 +245,8 @@ class PeerConnections:
             s.settimeout(self.timeout)
             try:
                 s.connect(via.path)
-            except OSError as exc:  # ENOENT, ECONNREFUSED, EACCES, a path too long, ...
-                raise _Unusable(f"cannot connect: {exc.strerror or exc}") from exc
+            except OSError as exc:  # ENOENT, ECONNREFUSED, EACCES, a path too long, a full backlog ...
+                raise _Unusable(f"cannot connect: {exc.strerror or exc}", slow=isinstance(exc, TimeoutError)) from exc
             try:
                 deadline = time.monotonic() + self.timeout
                 try:
@@ -213,7 +259,7 @@ class PeerConnections:
                 else:
                     answered = pb.PeerHelloResponse.FromString(body).boot_id
             except (OSError, DecodeError) as exc:
-                raise _Unusable(f"the hello failed: {exc}") from exc
+                raise _Unusable(f"the hello failed: {exc or type(exc).__name__}", slow=isinstance(exc, TimeoutError)) from exc
             if status == REFUSED:
                 if isinstance(err, PermissionDenied):
                     raise err

@@ -472,3 +472,108 @@ def test_a_call_that_breaks_raises_and_is_never_sent_again(sock_dir, after, cls,
         assert pc.idle == 0, "a connection in an unknown state never goes back to the pool"
     finally:
         fake.close()
+
+
+# ---- a daemon slow to say hello ---------------------------------------------------------------------
+
+
+class SlowHello:
+    """A bare Unix socket server that answers each hello as ``boot`` after the next of ``delays``
+    (seconds; none left: at once), each connection on a thread of its own, and then holds the
+    connection until the caller closes it. Counts the connections it accepted."""
+
+    def __init__(self, path: str, boot: str, delays: list[float]) -> None:
+        self.path, self.boot, self.delays = path, boot, list(delays)
+        self.accepted = 0
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(64)
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.conns.append(c)
+            delay = self.delays.pop(0) if self.delays else 0.0
+            threading.Thread(target=self._answer, args=(c, delay), daemon=True).start()
+
+    def _answer(self, c: socket.socket, delay: float) -> None:
+        try:
+            n, _ = read_head(c)  # type: ignore[misc]
+            recv_exact(c, n)
+            time.sleep(delay)
+            c.sendall(frame(OK, pb.PeerHelloResponse(boot_id=self.boot)))
+            c.recv(1)  # held until the caller closes it
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def _checkout_within(pc: PeerConnections, via: SocketRoute, seconds: float) -> tuple[object, float]:
+    """Check out until a connection comes or ``seconds`` pass, as a Send's calls would; returns
+    it (or None) and the longest a single checkout took."""
+    end, longest = time.monotonic() + seconds, 0.0
+    while True:
+        t0 = time.monotonic()
+        got = pc.checkout(via)
+        longest = max(longest, time.monotonic() - t0)
+        if got is not None or time.monotonic() > end:
+            return got, longest
+        time.sleep(0.01)
+
+
+def test_a_slow_hello_sends_calls_over_grpc_only_until_the_daemon_answers_again(sock_dir):
+    """One hello unanswered within the timeout (a busy host) makes that call go over gRPC; the
+    route is not left for ``retry_s`` (set to an hour here): a probe says hello meanwhile and the
+    route serves calls again once it is answered. No checkout waits for the probe."""
+    fake = SlowHello(str(sock_dir / "slow.sock"), "b1", [0.6])
+    pc = _conns(timeout=0.3, retry_s=3600)
+    try:
+        via = SocketRoute(fake.path, "b1")
+        t0 = time.monotonic()
+        assert pc.checkout(via) is None  # its hello unanswered within 0.3 s
+        assert 0.25 < time.monotonic() - t0 < 0.6
+        got, longest = _checkout_within(pc, via, 5.0)
+        assert got is not None, "the route stayed on gRPC although its daemon answers hellos again"
+        assert longest < 0.1, f"a checkout waited {longest:.3f} s for a hello: only the probe may"
+        assert fake.accepted == 2  # the caller's hello, then one probe's (answered at once)
+    finally:
+        pc.close()
+        fake.close()
+
+
+def test_a_daemon_that_never_says_hello_is_probed_one_hello_at_a_time(sock_dir):
+    """A hung daemon (its socket accepting, no hello answered): every checkout returns None at
+    once, one probe at a time says hello (about one per timeout), and it stops with the route's
+    failure (``retry_s``) and when the pool closes."""
+    fake = SlowHello(str(sock_dir / "hung.sock"), "b1", [3600.0] * 100)
+    pc = _conns(timeout=0.2, retry_s=1.5)
+    try:
+        via = SocketRoute(fake.path, "b1")
+        assert pc.checkout(via) is None
+        got, longest = _checkout_within(pc, via, 1.0)
+        assert got is None and longest < 0.1, longest
+        # 1.5 s of failure / (0.2 s a hello + 0.05 s apart): the caller's hello and at most 7 probes.
+        time.sleep(1.0)
+        assert 2 <= fake.accepted <= 8, fake.accepted
+        seen = fake.accepted
+        time.sleep(0.6)
+        assert fake.accepted == seen, "the probe went on after the route's failure ran out"
+        assert pc.checkout(via) is None and fake.accepted >= seen + 1  # the next call's own hello: probing again
+        pc.close()
+        time.sleep(0.3)  # a probe's hello in progress ends within its timeout
+        seen = fake.accepted
+        time.sleep(0.6)
+        assert fake.accepted == seen, "probes after the pool closed"
+    finally:
+        pc.close()
+        fake.close()
