@@ -10,7 +10,8 @@ keeps anything of the transfer caught in between.
   reads the check it was sent, and fails that transfer for its sender's silence. ``cold``: the
   hung daemon never answered the socket's hello, and the call over gRPC never reached it: the
   transfer is still WAITING, its decode engine free to take another sender. A new handoff works
-  in both.
+  in both, and after ``cold`` handoffs go over the peer socket again within seconds (a probe's
+  hello is answered), not after the route's ``RETRY_S``.
 * A hung sender: the decode engine's wait ends FAILED once the prefill daemon has been silent
   for the peer timeout; resumed, the prefill daemon's Send fails, and a new handoff works.
 """
@@ -130,6 +131,18 @@ def test_a_hung_receiver_fails_the_send_in_time_and_wedges_nothing(procs, talked
     d.free("caught")
     p.free("caught")
     _handoff_works(p, d, "after-the-hang")
+    if talked == "cold":
+        # Its hello went unanswered, so the route went to gRPC; a probe's hello is answered now,
+        # and handoffs go over the peer socket again long before RETRY_S (10 s) has passed.
+        def by_socket() -> float:
+            return procs.prefill.counter("kvd_peer_calls_total", method="CheckTicket", path="socket")
+
+        def over_the_socket_again(n=[0], base=by_socket()) -> bool:  # noqa: B006 -- a counter of tries
+            n[0] += 1
+            _handoff_works(p, d, f"after-the-hang-{n[0]}")
+            return by_socket() > base
+
+        dk.wait_for(over_the_socket_again, 6, "a handoff over the peer socket again", interval=0.2)
     for c in (p, d, other):
         c.close()
     _settled(procs)
