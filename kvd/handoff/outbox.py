@@ -578,8 +578,8 @@ class Outbox:
     def abort_local(self, session: str, rid: str, reason: str) -> bool:
         """The prefill engine aborts its transfer(s) of ``rid``. Returns whether one was open."""
         with self._lock:
-            parked = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session and ob.parked]
-        for ob in parked:  # their checks' answers first: then nothing of them is in flight
+            parked = [ob for ob in self._open.values() if ob.rid == rid and ob.session == session and ob.checking]
+        for ob in parked:  # their checks' answers first (or another collector's end): then nothing of them is in flight
             with contextlib.suppress(KvdError):
                 self._settle(ob)
         with self._lock:

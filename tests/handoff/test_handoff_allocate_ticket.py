@@ -146,12 +146,13 @@ def test_the_heartbeat_collects_an_answer_no_send_came_for(hp):
     hp.check()
 
 
-@pytest.mark.parametrize("end", ["free", "receiver-abort"])
+@pytest.mark.parametrize("end", ["free", "abort", "receiver-abort"])
 def test_a_transfer_that_ends_while_the_heartbeat_collects_its_check_still_tells_the_receiver(hp, end, monkeypatch):
     """The heartbeat is collecting an accepted check (its answer late) when the request is
-    freed, or its receiver aborts: once the answer is in, the receiver is told -- FAILED at once
-    for the free, the abort acknowledged -- and a freed request's transfer is forgotten, not
-    left listed until ``lease_ttl`` (made long here, so that its sweep cannot stand in)."""
+    freed or aborted by the prefill engine, or its receiver aborts: once the answer is in, the
+    receiver is told -- FAILED at once for the free and the abort, the receiver's abort
+    acknowledged -- and the sender's end forgets the transfer, not left listed until
+    ``lease_ttl`` (made long here, so that its sweep cannot stand in)."""
     if hp.p.side.node is None:
         pytest.skip("holds the sender's collection of a check by hand: in-process pair only")
     rid, _, lease = _decode_side(hp, 16, f"alloc-ticket-hb-{end}")
@@ -185,6 +186,9 @@ def test_a_transfer_that_ends_while_the_heartbeat_collects_its_check_still_tells
         assert not ob.began
         if end == "free":
             assert hp.p.c.free(rid) == 1
+        elif end == "abort":  # waits for the collection (released below, from another thread)
+            threading.Timer(0.3, release.set).start()
+            hp.p.c.abort(rid, "the prompt failed")
         else:
             dk.wait_for(lambda: hp.d.c.wait_ready(rid, 0).state is RECEIVING, 5, "the decode daemon accepted the ticket")
             assert hp.d.c.abort(rid, "engine preempted it") is True
@@ -192,9 +196,11 @@ def test_a_transfer_that_ends_while_the_heartbeat_collects_its_check_still_tells
     finally:
         release.set()
         beat.join(10)
-    if end == "free":
+    if end in ("free", "abort"):
         assert hp.d.c.wait_ready(rid, 5).state is FAILED
-        dk.wait_for(lambda: ob not in outbox._open.values(), 10, "the freed request's transfer forgotten")
+        dk.wait_for(lambda: ob not in outbox._open.values(), 10, "the ended transfer forgotten")
+        if end == "abort":
+            assert hp.p.c.free(rid) == 1
     else:
         dk.wait_for(lambda: acks() == acks0 + 1, 10, "the prefill daemon acknowledged the abort")
         with dk.expect(Aborted, grpc.StatusCode.ABORTED, "receiver aborted: engine preempted it"):
