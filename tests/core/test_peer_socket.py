@@ -413,16 +413,15 @@ def test_a_path_too_long_is_refused_naming_the_setting(node):
 # ---- a daemon that breaks mid-call -----------------------------------------------------------------
 
 
-class FakeDaemon:
-    """A bare Unix socket server that answers hellos as ``boot`` and then does ``after(conn)``
-    with each connection; counts the call frames it received over all connections."""
+class BareDaemon:
+    """A bare Unix socket server at ``path`` that claims boot ``boot``: each connection it
+    accepts goes to :meth:`serve` (on the accepting thread); :meth:`close` ends them all."""
 
-    def __init__(self, path: str, boot: str, after: Callable[[socket.socket], None]) -> None:
-        self.path, self.boot, self.after = path, boot, after
-        self.frames = 0
+    def __init__(self, path: str, boot: str, backlog: int = 8) -> None:
+        self.path, self.boot = path, boot
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(path)
-        self.sock.listen(8)
+        self.sock.listen(backlog)
         self.conns: list[socket.socket] = []
         threading.Thread(target=self._loop, daemon=True).start()
 
@@ -433,20 +432,41 @@ class FakeDaemon:
             except OSError:
                 return
             self.conns.append(c)
-            n, _ = read_head(c)  # type: ignore[misc]
-            recv_exact(c, n)
-            c.sendall(frame(OK, pb.PeerHelloResponse(boot_id=self.boot)))
-            head = read_head(c)
-            if head is None:
-                continue
-            recv_exact(c, head[0])
-            self.frames += 1
-            self.after(c)
+            self.serve(c)
+
+    def serve(self, c: socket.socket) -> None:
+        raise NotImplementedError
+
+    def hello(self, c: socket.socket, delay: float = 0.0) -> None:
+        """Read the caller's hello and answer it as ``boot``, ``delay`` seconds later."""
+        n, _ = read_head(c)  # type: ignore[misc]
+        recv_exact(c, n)
+        time.sleep(delay)
+        c.sendall(frame(OK, pb.PeerHelloResponse(boot_id=self.boot)))
 
     def close(self) -> None:
         self.sock.close()
         for c in self.conns:
             c.close()
+
+
+class FakeDaemon(BareDaemon):
+    """Answers hellos and then does ``after(conn)`` with each connection; counts the call frames
+    it received over all connections."""
+
+    def __init__(self, path: str, boot: str, after: Callable[[socket.socket], None]) -> None:
+        self.after = after
+        self.frames = 0
+        super().__init__(path, boot)
+
+    def serve(self, c: socket.socket) -> None:
+        self.hello(c)
+        head = read_head(c)
+        if head is None:
+            return
+        recv_exact(c, head[0])
+        self.frames += 1
+        self.after(c)
 
 
 @pytest.mark.parametrize(
@@ -477,45 +497,27 @@ def test_a_call_that_breaks_raises_and_is_never_sent_again(sock_dir, after, cls,
 # ---- a daemon slow to say hello ---------------------------------------------------------------------
 
 
-class SlowHello:
-    """A bare Unix socket server that answers each hello as ``boot`` after the next of ``delays``
-    (seconds; none left: at once), each connection on a thread of its own, and then holds the
-    connection until the caller closes it. Counts the connections it accepted."""
+class SlowHello(BareDaemon):
+    """Answers each hello after the next of ``delays`` (seconds; none left: at once), each
+    connection on a thread of its own, then holds the connection until the caller closes it.
+    Counts the connections it accepted."""
 
     def __init__(self, path: str, boot: str, delays: list[float]) -> None:
-        self.path, self.boot, self.delays = path, boot, list(delays)
+        self.delays = list(delays)
         self.accepted = 0
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(64)
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._loop, daemon=True).start()
+        super().__init__(path, boot, backlog=64)
 
-    def _loop(self) -> None:
-        while True:
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                return
-            self.accepted += 1
-            self.conns.append(c)
-            delay = self.delays.pop(0) if self.delays else 0.0
-            threading.Thread(target=self._answer, args=(c, delay), daemon=True).start()
+    def serve(self, c: socket.socket) -> None:
+        self.accepted += 1
+        delay = self.delays.pop(0) if self.delays else 0.0
+        threading.Thread(target=self._answer, args=(c, delay), daemon=True).start()
 
     def _answer(self, c: socket.socket, delay: float) -> None:
         try:
-            n, _ = read_head(c)  # type: ignore[misc]
-            recv_exact(c, n)
-            time.sleep(delay)
-            c.sendall(frame(OK, pb.PeerHelloResponse(boot_id=self.boot)))
+            self.hello(c, delay)
             c.recv(1)  # held until the caller closes it
         except OSError:
             pass
-
-    def close(self) -> None:
-        self.sock.close()
-        for c in self.conns:
-            c.close()
 
 
 def _checkout_within(pc: PeerConnections, via: SocketRoute, seconds: float) -> tuple[object, float]:

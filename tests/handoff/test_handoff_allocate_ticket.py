@@ -36,6 +36,27 @@ def _checks(hp) -> float:
     return sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="CheckTicket", path=p) for p in ("socket", "grpc"))
 
 
+def _hold_check(monkeypatch, outbox, raw: bytes) -> threading.Event:
+    """The check of ticket ``raw`` goes out as ever, but collecting its answer waits (at most
+    10 s) for the returned event: a slow receiver, or a collector caught mid-way."""
+    release = threading.Event()
+    start_check = outbox.link.start_check
+
+    def held(address, ticket, sender, via=None):
+        wait = start_check(address, ticket, sender, via)
+        if ticket != raw:
+            return wait
+
+        def late():
+            release.wait(10)
+            return wait()
+
+        return late
+
+    monkeypatch.setattr(outbox.link, "start_check", held)
+    return release
+
+
 def _decode_side(hp, tokens: int, prefix: str):
     """The decode engine's half: ``rid`` allocated receive=True with its RECV lease. Returns
     ``(rid, dst vectors, lease)``."""
@@ -158,24 +179,11 @@ def test_a_transfer_that_ends_while_the_heartbeat_collects_its_check_still_tells
     rid, _, lease = _decode_side(hp, 16, f"alloc-ticket-hb-{end}")
     outbox = hp.pair.prefill.t.daemon.outbox
     monkeypatch.setattr(outbox, "lease_ttl", 600.0)
-    release = threading.Event()
-    start_check = outbox.link.start_check
-
-    def held(address, ticket, sender, via=None):
-        wait = start_check(address, ticket, sender, via)
-        if ticket != lease.ticket:
-            return wait
-
-        def late():
-            release.wait(10)
-            return wait()
-
-        return late
+    release = _hold_check(monkeypatch, outbox, lease.ticket)
 
     def acks() -> float:  # AbortReceive calls of the prefill daemon, either path
         return sum(hp.pair.prefill.counter("kvd_peer_calls_total", method="AbortReceive", path=p) for p in ("socket", "grpc"))
 
-    monkeypatch.setattr(outbox.link, "start_check", held)
     acks0 = acks()
     hp.p.c.allocate(rid, 16, ticket=lease.ticket)
     (ob,) = [o for o in outbox._open.values() if o.rid == rid]
@@ -285,22 +293,7 @@ def test_an_allocate_refused_at_a_later_ticket_leaves_the_earlier_receivers_unto
     a, _, lease_a = _decode_side(hp, 16, "alloc-ticket-held")
     b, dst_b, lease_b = _decode_side(hp, 16, "alloc-ticket-innocent")
     outbox = hp.pair.prefill.t.daemon.outbox
-    release = threading.Event()
-    start_check = outbox.link.start_check
-
-    def held_for_a(address, ticket, sender, via=None):
-        """A's check goes out; collecting its answer waits for ``release`` (a slow receiver)."""
-        wait = start_check(address, ticket, sender, via)
-        if ticket != lease_a.ticket:
-            return wait
-
-        def held():
-            release.wait(10)
-            return wait()
-
-        return held
-
-    monkeypatch.setattr(outbox.link, "start_check", held_for_a)
+    release = _hold_check(monkeypatch, outbox, lease_a.ticket)
     try:
         c.allocate(a, 16, ticket=lease_a.ticket)
         assert c.free(a) == 1  # A's transfer stays listed, aborted, until its check's answer is in
