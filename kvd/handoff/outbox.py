@@ -189,7 +189,7 @@ class Outbox:
         self.node.own(session, rid)
         ob = self._enter(session, rid, ticket, raw)
         try:
-            if ob.began or ob.parked:
+            if ob.began or ob.checking:
                 return False
             pending = self.link.start_check(ticket.peer_address, raw, self.address, ticket.via)
             pending()
@@ -235,7 +235,7 @@ class Outbox:
             raise
         opened = []
         for ob, it, env in entered:
-            if ob.began or ob.parked:
+            if ob.began or ob.checking:
                 self._leave(ob, last=False)
                 opened.append(False)
             else:
