@@ -135,8 +135,7 @@ class PeerConnections:
         until it does (a busy host's one slow hello must not send every call over gRPC, ~4x
         slower, for ``retry_s``)."""
         with self._lock:
-            wait = self.retry_s if exc.retry_after_s is None else min(self.retry_s, exc.retry_after_s)
-            self._failed[via] = time.monotonic() + wait
+            self._failed[via] = self._retry_at(exc)
             if not exc.slow or via in self._probing or self._closed:
                 return
             self._probing.add(via)
@@ -161,8 +160,7 @@ class PeerConnections:
                     if exc.slow:
                         continue
                     with self._lock:
-                        wait = self.retry_s if exc.retry_after_s is None else min(self.retry_s, exc.retry_after_s)
-                        self._failed[via] = time.monotonic() + wait
+                        self._failed[via] = self._retry_at(exc)
                     return
                 with self._lock:
                     self._failed.pop(via, None)
@@ -172,6 +170,10 @@ class PeerConnections:
         finally:
             with self._lock:
                 self._probing.discard(via)
+
+    def _retry_at(self, exc: _Unusable) -> float:
+        """When a route that failed with ``exc`` may be tried again (monotonic)."""
+        return time.monotonic() + (self.retry_s if exc.retry_after_s is None else min(self.retry_s, exc.retry_after_s))
 
     def call(self, conn: _Conn, name: str, request: Message) -> Message:
         """Call Peer rpc ``name`` on a checked-out connection, which this returns to the pool (or
