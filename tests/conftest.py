@@ -3,7 +3,10 @@ collide; plain helpers (layouts, snapshots, page patterns) live in ``pool_testki
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +42,37 @@ def kvd_pool_factory(kvd_arena_factory: Callable[..., ShmArena]) -> Callable[...
         return Pool(layout, arena, **kwargs)
 
     return make
+
+
+def _daemon_children() -> dict[int, str]:
+    """This process's child processes running ``kvd.cli serve``: pid -> command line."""
+    me, out = os.getpid(), {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
+        if ppid == me and "kvd.cli serve" in cmd:
+            out[int(entry.name)] = cmd
+    return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kvd_no_daemon_outlives_the_tests() -> Iterator[None]:
+    """Every ``kvd serve`` a test (or a fixture) started is stopped by the end of the session:
+    one left running would outlive pytest (orphaned, holding its arena and sockets). Set up
+    first, torn down last; what it finds is killed and reported as an error."""
+    yield
+    left = _daemon_children()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        pytest.fail("daemons still running when the tests ended (killed now): " + "; ".join(f"{p}: {c}" for p, c in left.items()))
+

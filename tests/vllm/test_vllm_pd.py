@@ -75,6 +75,7 @@ def pd(request, tmp_path_factory):
     finally:
         base.stop()
     started: list = []
+    live = None
     try:
         pd_ = Daemon.start(tmp, "prefill")  # layout_from_engine: each takes its engine's layout
         started.append(pd_)
@@ -97,8 +98,11 @@ def pd(request, tmp_path_factory):
         for d in (pd_, dd):
             with Client.connect(d.address, name="probe") as c:
                 assert c.info().layout == want, f"{model}: the daemon took another layout than the engine's"
-        yield PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold, model_dir)
+        live = PD(model, tmp, baseline, pd_, dd, prefill, decode, port, hold, model_dir)
+        yield live
     finally:
+        if live is not None:  # the restart tests replace the daemons: stop the ones running now, after the engines
+            started[:0] = [live.prefill_d, live.decode_d]
         for p in reversed(started):
             p.stop()
 
