@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
+from proc_kit import live_processes
 
 from kvd.memory.arena import ShmArena
 from kvd.pool.layout import Layout
@@ -46,19 +46,8 @@ def kvd_pool_factory(kvd_arena_factory: Callable[..., ShmArena]) -> Callable[...
 
 def _daemon_children() -> dict[int, str]:
     """This process's child processes running ``kvd.cli serve``: pid -> command line."""
-    me, out = os.getpid(), {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # gone meanwhile
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
-        if ppid == me and "kvd.cli serve" in cmd:
-            out[int(entry.name)] = cmd
-    return out
+    me = os.getpid()
+    return {p.pid: p.cmd for p in live_processes() if p.ppid == me and "kvd.cli serve" in p.cmd}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -75,4 +64,3 @@ def kvd_no_daemon_outlives_the_tests() -> Iterator[None]:
             pass
     if left:
         pytest.fail("daemons still running when the tests ended (killed now): " + "; ".join(f"{p}: {c}" for p, c in left.items()))
-

@@ -13,20 +13,12 @@ import subprocess
 import sys
 import time
 
+from proc_kit import live_processes
+
 
 def session_members(sid: int) -> list[str]:
     """Command lines of live (not zombie) processes whose session id is ``sid``."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-            if int(stat.rsplit(")", 1)[1].split()[4]) == sid and stat.split()[2] != "Z":
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    out.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
+    return [p.cmd for p in live_processes() if p.sid == sid]
 
 
 def run_demo(args: list[str], limit_s: float) -> subprocess.CompletedProcess:
