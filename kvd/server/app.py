@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import os
+import select
 import signal
 import tempfile
 import threading
@@ -463,13 +464,42 @@ def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = Non
             d.stop(0)
             raise
     settle_heap()
-    done = threading.Event()
+    signum = _wait_for_signal((signal.SIGTERM, signal.SIGINT), lambda: print(
+        f"kvd: serving on {', '.join(d.addresses)}" + (f"; metrics on :{d.metrics.port}" if d.metrics and d.metrics.port else ""), flush=True))
+    log.info("signal %d: draining for up to %.1fs", signum, settings.grace_s)
+    d.stop()
 
-    def on_signal(signum, frame):  # noqa: ARG001
-        log.info("signal %d: draining for up to %.1fs", signum, settings.grace_s)
-        threading.Thread(target=lambda: (d.stop(), done.set()), daemon=True).start()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(f"kvd: serving on {', '.join(d.addresses)}" + (f"; metrics on :{d.metrics.port}" if d.metrics and d.metrics.port else ""), flush=True)
-    done.wait()
+def _wait_for_signal(signums: tuple[int, ...], ready: Callable[[], None]) -> int:
+    """Install handlers for ``signums``, call ``ready``, and block the main thread until one of
+    them arrives; returns its number (the handlers stay: a second signal while the caller
+    drains changes nothing).
+
+    Why not ``Event.wait()``: the kernel hands a signal sent to the process to any thread that
+    does not block it (grpc's, kvd's), and CPython runs the handler in the main thread only
+    once that thread runs Python again. A main thread asleep in a lock never would: the daemon
+    ignored a SIGTERM delivered to another thread and was killed undrained at the end of
+    Kubernetes' grace period. A wakeup fd is written by whichever thread takes the signal, and
+    ``select`` on it wakes the main thread."""
+    got: list[int] = []
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+
+    def on_signal(num: int, frame: object) -> None:  # noqa: ARG001  # runs in the main thread
+        got.append(num)
+
+    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    try:
+        for num in signums:
+            signal.signal(num, on_signal)
+        ready()
+        while not got:
+            select.select([r], [], [])  # returns once a signal wrote the fd; the handler has run by then
+            with contextlib.suppress(BlockingIOError):
+                os.read(r, 512)
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
+    return got[0]

@@ -3,6 +3,7 @@ with a second process (DESIGN §3 attach, §6 observability)."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import os
@@ -181,7 +182,21 @@ def test_cli_status_prints_the_pool(subproc, inproc, capsys):
     assert "Unavailable" in capsys.readouterr().err
 
 
-def test_sigterm_drains_and_cleans_up(tmp_path):
+def _sigterm_a_thread(pid: int) -> None:
+    """SIGTERM one of ``pid``'s threads other than its main thread (``tgkill``), as the kernel may
+    deliver a signal sent to the process."""
+    others = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+    assert others, "the daemon runs no thread but its main one"
+    tgkill = ctypes.CDLL(None, use_errno=True).tgkill
+    if tgkill(pid, others[-1], signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "tgkill")
+
+
+@pytest.mark.parametrize("to", ["process", "thread"])
+def test_sigterm_drains_and_cleans_up(tmp_path, to):
+    """SIGTERM drains the daemon whichever of its threads the kernel hands it to: a signal that
+    landed on a grpc or kvd thread was never handled (the main thread slept in a lock), and the
+    daemon ran on until it was killed undrained -- seen as a health Watch waiting out its deadline."""
     t = start_subproc(tmp_path, grace_s=0.3)
     try:
         c = t.connect()
@@ -191,7 +206,10 @@ def test_sigterm_drains_and_cleans_up(tmp_path):
         with grpc.insecure_channel(t.tcp) as ch:
             watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="kvd.v1.Kvd"), timeout=20)
             assert next(watch).status == SERVING
-            t.proc.send_signal(signal.SIGTERM)
+            if to == "thread":
+                _sigterm_a_thread(t.proc.pid)
+            else:
+                t.proc.send_signal(signal.SIGTERM)
             assert next(watch).status == NOT_SERVING  # reported before the drain
             assert t.proc.wait(10) == 0
         with expect(E.Unavailable, C.UNAVAILABLE, "UNAVAILABLE"):
