@@ -7,8 +7,10 @@ Shared by the handle socket (:mod:`kvd.ipc.fdpass`) and the peer socket
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import resource
 import select
 import socket
 import stat
@@ -22,6 +24,11 @@ __all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "h
 
 log = logging.getLogger("kvd.ipc.unix_socket")
 _S = TypeVar("_S", bound="UnixServer")
+
+#: accept() errors that say this process or the system is out of something (files, buffers):
+#: the accept loop pauses, from _PAUSE_MIN_S doubling to _PAUSE_MAX_S, until one succeeds.
+_STARVED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_PAUSE_MIN_S, _PAUSE_MAX_S = 0.005, 0.1
 
 #: Bytes of a Unix socket path (sun_path is 108 bytes with its terminating NUL).
 MAX_PATH = 107
@@ -154,6 +161,8 @@ class UnixServer:
         self._ino = 0  # inode of the socket file we bound: stop() unlinks only that one
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: accept() failures for want of files or buffers (each one a pause): connections waited.
+        self.starved = 0
 
     def start(self: _S) -> _S:
         self._sock, self._ino = listen(self.path, self._setting, self._serves, group=self._group)
@@ -190,17 +199,34 @@ class UnixServer:
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
+        what = self._setting.replace("_", " ")
+        pause = 0.0  # > 0 while accept() is starved: the seconds to wait before the next try
         while not self._stop.is_set():
             self._tick()
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     return
-                log.exception("%s on %s: accept failed", self._setting.replace("_", " "), self.path)
+                if exc.errno in _STARVED:
+                    # The connection stays queued, so trying again at once fails at once: that
+                    # spun a core and logged a traceback per try (2 MB/s) until fds were freed.
+                    if not pause:
+                        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+                        log.error("%s on %s: cannot accept connections: %s (this process may open %d files); connections wait "
+                                  "until some close -- raise the daemon's open-file limit (ulimit -n; the container's nofile "
+                                  "ulimit) or find the client holding connections", what, self.path, exc.strerror, soft)
+                    self.starved += 1
+                    pause = min(max(2 * pause, _PAUSE_MIN_S), _PAUSE_MAX_S)
+                    self._stop.wait(pause)
+                elif exc.errno != errno.ECONNABORTED:  # aborted: the client gave up while queued
+                    log.warning("%s on %s: accept failed: %s", what, self.path, exc)
                 continue
+            if pause:
+                log.warning("%s on %s: accepting connections again", what, self.path)
+                pause = 0.0
             self._accepted(conn)
 
 

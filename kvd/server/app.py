@@ -12,6 +12,7 @@ import contextlib
 import gc
 import logging
 import os
+import resource
 import select
 import signal
 import tempfile
@@ -53,7 +54,7 @@ from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "serve", "settle_heap", "validate"]
+__all__ = ["Daemon", "handle_socket_path", "peer_socket_path", "raise_open_files", "serve", "settle_heap", "validate"]
 
 log = logging.getLogger("kvd.server")
 
@@ -453,10 +454,32 @@ def settle_heap() -> int:
     return gc.get_freeze_count()
 
 
+def raise_open_files() -> int:
+    """Raise this process's soft limit on open files to its hard limit; returns the soft limit
+    now. Every engine and peer connection, mapping and watch holds a file: a soft limit of 1,024
+    (a shell's default) runs out long before the hard limit an operator granted."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:  # the most setrlimit allows
+                hard = int(f.read())
+        except (OSError, ValueError):
+            return soft
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
 def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None) -> None:
     """Run a daemon in the foreground until SIGTERM or SIGINT. ``on_start`` (test launchers only,
     :mod:`kvd.demo.faults`) sees the started daemon before it announces itself."""
+    files = raise_open_files()
     d = Daemon.start(settings)
+    log.info("this process may open %d files", files)
     if on_start is not None:
         try:
             on_start(d)
@@ -489,13 +512,15 @@ def _wait_for_signal(signums: tuple[int, ...], ready: Callable[[], None]) -> int
     def on_signal(num: int, frame: object) -> None:  # noqa: ARG001  # runs in the main thread
         got.append(num)
 
+    wake = select.poll()
+    wake.register(r, select.POLLIN)
     old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
     try:
         for num in signums:
             signal.signal(num, on_signal)
         ready()
         while not got:
-            select.select([r], [], [])  # returns once a signal wrote the fd; the handler has run by then
+            wake.poll()  # returns once a signal wrote the fd; the handler has run by then
             with contextlib.suppress(BlockingIOError):
                 os.read(r, 512)
     finally:

@@ -134,6 +134,15 @@ class _NodeCollector(Collector):
             for reason, n in es.closed().items():
                 closed.add_metric([reason], n)
             yield closed
+        starved = CounterMetricFamily(
+            "kvd_socket_accept_starved", "Times a socket of this daemon could not accept a connection for want of open "
+            "files or buffers and paused (up to 0.1 s; the connection waited): compare process_open_fds with "
+            "process_max_fds, and raise the open-file limit", labels=["socket"],
+        )
+        for name, srv in (("engine", self.engine_socket), ("peer", self.peer_socket)):
+            if srv is not None:
+                starved.add_metric([name], srv.starved)
+        yield starved
 
 
 class _LatencyInterceptor(grpc.ServerInterceptor):

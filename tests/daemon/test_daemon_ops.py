@@ -9,8 +9,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import time
 import weakref
 
 import grpc
@@ -35,6 +37,7 @@ from google.protobuf import descriptor_pb2
 
 from kvd import errors as E
 from kvd.cli import main as cli_main
+from kvd.rpc.engine_wire import fast_path
 from kvd.v1 import kvd_pb2 as pb
 
 C = grpc.StatusCode
@@ -261,3 +264,71 @@ def test_second_process_sees_the_bytes(target):
     finally:
         att.close()
     target.check()
+
+
+def _open_files(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_daemon_out_of_files_waits_quietly_and_serves_again(tmp_path):
+    """A daemon at its open-file limit pauses its accept loops instead of spinning: accept()
+    fails at once while the connection stays queued, and it used to try again at once, a core
+    busy and a traceback logged per try (~2 MB/s), until files were freed. Now one error names
+    the limit, the pending connection is served once files free up, and the metric counts the
+    pauses."""
+    limit = 160
+    t = start_subproc(tmp_path, nofile=(limit, limit))
+    hogs: list[socket.socket] = []
+    try:
+        grpc_path = t.unix.removeprefix("unix:")
+        # Plain connections to the gRPC socket: grpc accepts each and holds its fd.
+        while _open_files(t.proc.pid) < limit and len(hogs) < 2 * limit:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(grpc_path)
+            hogs.append(s)
+            if len(hogs) % 16 == 0:
+                time.sleep(0.05)  # let grpc accept what is queued
+        wait_for(lambda: _open_files(t.proc.pid) >= limit, timeout=10, what="the daemon at its open-file limit")
+        # An engine connects to the fast socket: queued, not accepted while no file is free.
+        engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        engine.connect(fast_path(grpc_path))
+        err = tmp_path / "daemon.stderr"
+        wait_for(lambda: "fast socket on" in err.read_text(), timeout=10, what="the accept loop's error")
+        cpu0 = _cpu_seconds(t.proc.pid)
+        time.sleep(1.0)
+        busy = _cpu_seconds(t.proc.pid) - cpu0
+        log = err.read_text()
+        assert log.count("fast socket on") == 1 and "Traceback" not in log, log[-2000:]
+        assert "cannot accept connections" in log
+        assert f"this process may open {limit} files" in log
+        assert "ulimit" in log  # the message says what to change
+        assert busy < 0.5, f"the daemon used {busy:.2f} s of CPU in 1 s while it could not accept"
+        engine.close()
+        for s in hogs:
+            s.close()
+        hogs.clear()
+        c = t.connect()  # the engine socket (and gRPC) serve again
+        c.allocate(rid(), 8)
+        wait_for(lambda: "accepting connections again" in err.read_text(), timeout=10, what="the accept loop back")
+        starved = samples(scrape(t.metrics_port))[("kvd_socket_accept_starved_total", (("socket", "engine"),))]
+        assert starved >= 1
+    finally:
+        for s in hogs:
+            s.close()
+        assert stop_subproc(t) == 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of ``pid`` so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_serve_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):
+    t = start_subproc(tmp_path, nofile=(256, 4096))
+    try:
+        limits = open(f"/proc/{t.proc.pid}/limits").read()
+        row = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        assert row.split()[3:5] == ["4096", "4096"], row
+    finally:
+        assert stop_subproc(t) == 0

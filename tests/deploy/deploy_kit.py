@@ -85,7 +85,7 @@ def tcp_port(listen_tcp: str) -> int:
 
 #: Labels Prometheus adds at scrape time (targets, relabelling), not kvd.
 TARGET_LABELS = {"job", "instance", "role", "pod", "namespace"}
-_SELECTOR = re.compile(r"(?<![\w:])(kvd_[a-z0-9_]+)\b(\s*\{[^}]*\})?")  # a daemon's or the proxy's
+_SELECTOR = re.compile(r"(?<![\w:])((?:kvd|process)_[a-z0-9_]+)\b(\s*\{[^}]*\})?")  # a daemon's or the proxy's (process_*: its ProcessCollector)
 #: KvdConnector's counters in a vLLM engine's /metrics (kvd/connectors/vllm_stats.py)
 _VLLM_SELECTOR = re.compile(r"(?<![\w:])(vllm:kvd_[a-z0-9_]+)\b(\s*\{[^}]*\})?")
 _MATCHER = re.compile(r'([a-zA-Z_]\w*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
@@ -125,7 +125,7 @@ def _read(pattern: re.Pattern[str], expr: str) -> Iterator[Selector]:
 
 
 def selectors(expr: str) -> Iterator[Selector]:
-    """``(metric name, [(label, op, value), ...])`` of each kvd_* selector in ``expr``."""
+    """``(metric name, [(label, op, value), ...])`` of each kvd_* (or process_*) selector in ``expr``."""
     return _read(_SELECTOR, expr)
 
 
