@@ -194,7 +194,17 @@ class HandleServer(UnixServer):
         t = threading.Thread(target=self._serve_one, args=(conn,), name="kvd-handles-conn", daemon=True)
         with self._lock:
             self._workers.add(t)
-        t.start()
+        try:
+            t.start()
+        except RuntimeError as exc:  # "can't start new thread": the process's thread or memory limit
+            with self._lock:
+                self._workers.discard(t)
+            self._slots.release()
+            log.error("handle server %s: could not start a thread for a new connection: %s", self.path, exc)
+            self._answer_error(conn, Unavailable(
+                f"handle server {self.path} could not start a thread for this connection ({exc}): the daemon is at its "
+                "thread or memory limit (a container's pids limit?); ask again, or raise the limit", retry_after_s=BUSY_RETRY_S), busy=True)
+            conn.close()
 
     @property
     def watching(self) -> int:

@@ -7,6 +7,7 @@ Shared by the handle socket (:mod:`kvd.ipc.fdpass`) and the peer socket
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -227,7 +228,12 @@ class UnixServer:
             if pause:
                 log.warning("%s on %s: accepting connections again", what, self.path)
                 pause = 0.0
-            self._accepted(conn)
+            try:
+                self._accepted(conn)
+            except Exception:  # the loop must outlive any one connection: ended, it would accept none again
+                log.exception("%s on %s: a new connection failed; closed it", what, self.path)
+                with contextlib.suppress(OSError):
+                    conn.close()
 
 
 #: Any of these on a held connection that the other side never writes to unasked (a watch, an

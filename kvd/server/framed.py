@@ -241,7 +241,15 @@ class FramedServer(UnixServer, Generic[S]):
                 f"{self.label} {self.path} serves {self.max_connections} connections already; {self.busy_hint}",
                 retry_after_s=BUSY_RETRY_S)), "refused")
             return
-        t.start()
+        try:
+            t.start()
+        except RuntimeError as exc:  # "can't start new thread": the process's thread or memory limit
+            with self._lock:
+                self._conns.pop(conn, None)
+            self.log.error("%s %s: could not start a thread for a new connection: %s", self.label, self.path, exc)
+            self._close(conn, refusal(Unavailable(
+                f"{self.label} {self.path} could not start a thread for this connection ({exc}): the daemon is at its "
+                "thread or memory limit (a container's pids limit?); ask again, or raise the limit", retry_after_s=BUSY_RETRY_S)), "refused")
 
     def _serve(self, conn: socket.socket) -> None:
         try:

@@ -6,15 +6,17 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import types
 
 import grpc
 import pytest
-from daemon_kit import expect, rid
+from daemon_kit import expect, rid, start_inproc, stop_inproc
 
 from kvd import errors as E
 from kvd.client import Client
 from kvd.ipc.frames import HEAD, HELLO, OK, REFUSED, frame, read_frame
 from kvd.rpc.engine_wire import METHOD_IDS, METHODS, fast_path
+from kvd.server import framed
 from kvd.v1 import kvd_pb2 as pb
 
 
@@ -750,3 +752,43 @@ def test_a_frame_over_the_limit_is_resource_exhausted_as_over_grpc(inproc):
         assert f"exceeds the {MAX_FRAME:,d}-byte limit" in st.message and "send less per call" in st.message, st
         assert not st.metadata, "a transport's limit, not the pool's capacity"
         assert _closed_within(s, 3.0), "the body is not read: the stream cannot be followed past it"
+
+
+def test_a_connection_no_thread_can_serve_is_refused_and_the_socket_serves_on(tmp_path, monkeypatch):
+    """At the process's thread limit (a container's pids limit, memory for a stack), starting a
+    connection's thread fails. The connection is refused, saying so, and the next one is served:
+    before, the error ended the accept loop, and the engine socket accepted nothing again."""
+    t = start_inproc(tmp_path)
+    try:
+        es = t.daemon.engine_socket
+        failures = [RuntimeError("can't start new thread")]
+
+        class Thread(threading.Thread):
+            def start(self) -> None:
+                if failures:
+                    raise failures.pop()
+                super().start()
+
+        monkeypatch.setattr(framed, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+        refused = es.refused
+        with _raw(t) as s:
+            st = _status(s)
+            assert st.code == grpc.StatusCode.UNAVAILABLE.value[0] and "could not start a thread" in st.message, st
+            assert "pids limit" in st.message
+            assert s.recv(1) == b""  # closed
+        assert es.refused == refused + 1 and es.connections == 0
+        # Any other failure with a new connection: logged, that connection closed, the loop goes on.
+        real = es._accepted
+
+        def broken(conn: socket.socket) -> None:
+            monkeypatch.setattr(es, "_accepted", real)
+            raise ValueError("a bug in a subclass")
+
+        monkeypatch.setattr(es, "_accepted", broken)
+        with _raw(t) as s:
+            assert s.recv(1) == b""  # closed unanswered
+        with _raw(t) as s:
+            s.sendall(frame(METHOD_IDS["OpenSession"], pb.OpenSessionRequest(name="after")))
+            assert read_frame(s)[0] == OK
+    finally:
+        stop_inproc(t)
