@@ -139,7 +139,12 @@ class PeerConnections:
             if not exc.slow or via in self._probing or self._closed:
                 return
             self._probing.add(via)
-        threading.Thread(target=self._probe, args=(via,), name="kvd-peer-probe", daemon=True).start()
+        try:
+            threading.Thread(target=self._probe, args=(via,), name="kvd-peer-probe", daemon=True).start()
+        except RuntimeError as e:  # at the thread limit: no probe; the route is tried again after its failure
+            with self._lock:
+                self._probing.discard(via)
+            log.warning("peer socket %s: could not start its probe (%s); calls go over gRPC until it is tried again", via.path, e)
 
     def _probe(self, via: SocketRoute) -> None:
         """On a thread of its own: hellos to ``via``'s daemon, one at a time, a quarter of
