@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import grpc
+import proc_kit
 import pytest
 from daemon_kit import REPO, expect, rid, start_inproc, stop_inproc, wait_for
 
@@ -241,7 +242,7 @@ def test_a_client_stalled_past_its_ttl_learns_its_session_is_gone_before_it_writ
     try:
         assert p.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
         assert t.node.stats().sessions_live == 2
-        os.kill(p.pid, signal.SIGSTOP)
+        proc_kit.stop(p.pid)
         wait_for(lambda: t.node.stats().sessions_live == 1, 10, "the stopped client's session reaped")
         time.sleep(0.2)
         assert not live.overdue  # its heartbeat kept it answered throughout

@@ -25,6 +25,7 @@ import time
 
 import daemon_kit as dk
 import handoff_kit as hk
+import proc_kit
 import pytest
 
 from kvd.client import TransferState
@@ -91,7 +92,7 @@ def test_a_hung_receiver_fails_the_send_in_time_and_wedges_nothing(procs, talked
     _, lease = d.allocate_recv("caught", TOKENS)
     p.allocate("caught", TOKENS)  # the check goes with the Send, to a daemon that no longer answers
     decode_pid = procs.decode.t.proc.pid
-    os.kill(decode_pid, signal.SIGSTOP)
+    proc_kit.stop(decode_pid)
     outcome: list[BaseException | None] = []
     t0 = time.monotonic()
 
@@ -156,7 +157,7 @@ def test_a_hung_sender_fails_the_wait_in_time_and_wedges_nothing(procs):
     prefill_pid = procs.prefill.t.proc.pid
     # The receiver accepted the sender's check (sent past the Allocate's reply): RECEIVING.
     dk.wait_for(lambda: d.wait_ready("caught", 0).state is TransferState.RECEIVING, 5, "the receiver to accept the ticket")
-    os.kill(prefill_pid, signal.SIGSTOP)
+    proc_kit.stop(prefill_pid)
     got = []
     t0 = time.monotonic()
     try:

@@ -1,4 +1,5 @@
-"""The processes on this machine, read from /proc, for tests that must leave none behind.
+"""The processes on this machine, read from /proc: for tests that must leave none behind, and
+for tests that stop one (SIGSTOP) and must know it stopped.
 
 Not a test module (no ``test_`` prefix); test files and conftest import it as ``proc_kit``.
 """
@@ -6,6 +7,8 @@ Not a test module (no ``test_`` prefix); test files and conftest import it as ``
 from __future__ import annotations
 
 import os
+import signal
+import time
 from typing import NamedTuple
 
 
@@ -32,3 +35,29 @@ def live_processes() -> list[Proc]:
         if state != "Z":
             out.append(Proc(int(pid), int(ppid), int(sid), cmd))
     return out
+
+
+def stop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped.
+
+    kill() only marks the stop pending: one thread of the process must run to begin the group
+    stop, and the others stop as they next leave the kernel. On a loaded host that takes
+    milliseconds, during which the "hung" process still answers calls (a whole Send to it
+    succeeded so in CI). A test of a hung process must wait for this."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_stopped(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid}: not every thread stopped {timeout:g} s after SIGSTOP")
+        time.sleep(0.001)
+
+
+def _all_stopped(pid: int) -> bool:
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return bool(states) and all(s in ("T", "t") for s in states)
