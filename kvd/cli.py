@@ -204,12 +204,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace, on_start: Callable[[Daemon], None] | None = None) -> int:
     """``kvd serve``; ``on_start``: see :func:`kvd.server.app.serve` (test launchers only)."""
-    from kvd.server.app import serve
+    import signal
 
-    overrides = {k: getattr(args, k) for k in Settings.model_fields if getattr(args, k, None) is not None}
-    settings = load_settings(args.config, **overrides)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(settings, on_start=on_start)
+    from kvd.server.signals import StopSignals
+
+    # Before the imports and the start-up, which take seconds: as a container's PID 1, kvd
+    # never sees a SIGTERM sent before it has a handler.
+    stops = StopSignals((signal.SIGTERM,))
+    try:
+        from kvd.server.app import serve
+
+        overrides = {k: getattr(args, k) for k in Settings.model_fields if getattr(args, k, None) is not None}
+        settings = load_settings(args.config, **overrides)
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        serve(settings, on_start=on_start, stops=stops)
+    finally:
+        stops.close()
     return 0
 
 

@@ -13,7 +13,6 @@ import gc
 import logging
 import os
 import resource
-import select
 import signal
 import tempfile
 import threading
@@ -50,6 +49,7 @@ from kvd.handoff.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.engine_socket import EngineSocketServer, fast_path
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
+from kvd.server.signals import StopSignals
 from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
@@ -474,57 +474,28 @@ def raise_open_files() -> int:
     return soft
 
 
-def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None) -> None:
-    """Run a daemon in the foreground until SIGTERM or SIGINT. ``on_start`` (test launchers only,
+def serve(settings: Settings, *, on_start: Callable[[Daemon], None] | None = None, stops: StopSignals | None = None) -> None:
+    """Run a daemon in the foreground until SIGTERM or SIGINT. ``stops``: the handlers ``kvd
+    serve`` installed first thing (a SIGTERM during start-up stops the daemon once started);
+    installed here when not given; closed once a signal came. ``on_start`` (test launchers only,
     :mod:`kvd.demo.faults`) sees the started daemon before it announces itself."""
-    files = raise_open_files()
-    d = Daemon.start(settings)
-    log.info("this process may open %d files", files)
-    if on_start is not None:
-        try:
-            on_start(d)
-        except BaseException:
-            d.stop(0)
-            raise
-    settle_heap()
-    signum = _wait_for_signal((signal.SIGTERM, signal.SIGINT), lambda: print(
-        f"kvd: serving on {', '.join(d.addresses)}" + (f"; metrics on :{d.metrics.port}" if d.metrics and d.metrics.port else ""), flush=True))
+    stops = stops if stops is not None else StopSignals((signal.SIGTERM,))
+    try:
+        files = raise_open_files()
+        d = Daemon.start(settings)
+        log.info("this process may open %d files", files)
+        if on_start is not None:
+            try:
+                on_start(d)
+            except BaseException:
+                d.stop(0)
+                raise
+        settle_heap()
+        stops.listen(signal.SIGINT)  # until now Ctrl-C stopped the start-up (KeyboardInterrupt)
+        signum = stops.wait(lambda: print(
+            f"kvd: serving on {', '.join(d.addresses)}" + (f"; metrics on :{d.metrics.port}" if d.metrics and d.metrics.port else ""),
+            flush=True))
+    finally:
+        stops.close()
     log.info("signal %d: draining for up to %.1fs", signum, settings.grace_s)
     d.stop()
-
-
-def _wait_for_signal(signums: tuple[int, ...], ready: Callable[[], None]) -> int:
-    """Install handlers for ``signums``, call ``ready``, and block the main thread until one of
-    them arrives; returns its number (the handlers stay: a second signal while the caller
-    drains changes nothing).
-
-    Why not ``Event.wait()``: the kernel hands a signal sent to the process to any thread that
-    does not block it (grpc's, kvd's), and CPython runs the handler in the main thread only
-    once that thread runs Python again. A main thread asleep in a lock never would: the daemon
-    ignored a SIGTERM delivered to another thread and was killed undrained at the end of
-    Kubernetes' grace period. A wakeup fd is written by whichever thread takes the signal, and
-    ``select`` on it wakes the main thread."""
-    got: list[int] = []
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-
-    def on_signal(num: int, frame: object) -> None:  # noqa: ARG001  # runs in the main thread
-        got.append(num)
-
-    wake = select.poll()
-    wake.register(r, select.POLLIN)
-    old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    try:
-        for num in signums:
-            signal.signal(num, on_signal)
-        ready()
-        while not got:
-            wake.poll()  # returns once a signal wrote the fd; the handler has run by then
-            with contextlib.suppress(BlockingIOError):
-                os.read(r, 512)
-    finally:
-        signal.set_wakeup_fd(old)
-        os.close(r)
-        os.close(w)
-    return got[0]

@@ -25,6 +25,7 @@ from daemon_kit import (
     rid,
     samples,
     scrape,
+    serve_args,
     start_inproc,
     start_subproc,
     stop_inproc,
@@ -37,6 +38,7 @@ from google.protobuf import descriptor_pb2
 
 from kvd import errors as E
 from kvd.cli import main as cli_main
+from kvd.client import Client
 from kvd.rpc.engine_wire import fast_path
 from kvd.v1 import kvd_pb2 as pb
 
@@ -222,6 +224,48 @@ def test_sigterm_drains_and_cleans_up(tmp_path, to):
         assert "signal 15: draining" in (tmp_path / "daemon.stderr").read_text()
     finally:
         assert stop_subproc(t) == 0
+
+
+_HELD_START = """
+import argparse, sys
+from kvd.cli import cmd_serve, serve_parser
+
+def hold(daemon):  # the start-up, held until the test says go
+    print("starting", flush=True)
+    sys.stdin.readline()
+
+ap = argparse.ArgumentParser()
+serve_parser(ap.add_subparsers(dest="cmd", required=True))
+sys.exit(cmd_serve(ap.parse_args(sys.argv[1:]), on_start=hold))
+"""
+
+
+def test_a_sigterm_during_start_up_stops_the_daemon_once_started(tmp_path):
+    """A SIGTERM before the daemon announced itself (a pod deleted while it starts: torch, the
+    arena, the backend take seconds) stops it once started, cleanly and without announcing it.
+    Before, it had no handler yet: as a container's PID 1 the kernel dropped the signal and the
+    pod waited out its grace period; as here, not PID 1, it died undrained, its files left."""
+    sock = tmp_path / "kvd.sock"
+    p = subprocess.Popen([sys.executable, "-c", _HELD_START, *serve_args(tmp_path, grace_s=0.3)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert p.stdout.readline() == "starting\n", p.stderr.read()  # type: ignore[union-attr]
+        with Client.connect(f"unix:{sock}", name="probe") as c:
+            shm = f"/dev/shm/{c.info().envelopes[0].region_id}"
+        assert os.path.exists(shm)
+        p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert p.poll() is None, f"a SIGTERM during start-up killed the daemon (exit {p.returncode}), undrained"
+        out, err = p.communicate("go\n", timeout=30)
+        assert p.returncode == 0, err
+        assert "kvd: serving" not in out, "a daemon told to stop while it started announced itself"
+        assert "signal 15: draining" in err
+        assert not sock.exists(), "socket file left behind"
+        assert not os.path.exists(shm), "arena file left in /dev/shm"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=10)
 
 
 _READER = """

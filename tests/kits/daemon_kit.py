@@ -177,14 +177,18 @@ def stop_inproc(t: Target) -> None:
 _SERVING = re.compile(r"kvd: serving on unix:(?P<unix>\S+), (?P<tcp>127\.0\.0\.1:\d+); metrics on :(?P<metrics>\d+)")
 
 
+def serve_args(tmp_path: Path, *extra: str, **overrides: Any) -> list[str]:
+    """``serve`` and its flags as :func:`start_subproc` runs it (the test defaults, ``overrides``)."""
+    argv = ["serve", "--listen-unix", str(tmp_path / "kvd.sock"), "--listen-tcp", "127.0.0.1:0", "--metrics-port", "0", *extra]
+    for k, v in {**DAEMON_DEFAULTS, **overrides}.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return argv
+
+
 def start_subproc(tmp_path: Path, *extra: str, nofile: tuple[int, int] | None = None, **overrides: Any) -> Target:
     """``python -m kvd.cli serve`` on a Unix socket and loopback port 0; waits for its banner.
     ``nofile``: the (soft, hard) limit on open files it starts with."""
-    opts = {**DAEMON_DEFAULTS, **overrides}
-    argv = [sys.executable, "-m", "kvd.cli", "serve", "--listen-unix", str(tmp_path / "kvd.sock"),
-            "--listen-tcp", "127.0.0.1:0", "--metrics-port", "0", *extra]
-    for k, v in opts.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+    argv = [sys.executable, "-m", "kvd.cli", *serve_args(tmp_path, *extra, **overrides)]
     err = open(tmp_path / "daemon.stderr", "w")  # noqa: SIM115 -- the child holds it open
     limit = None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO, preexec_fn=limit)
