@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import array
 import base64
-import json
 import logging
 import os
 import queue
@@ -75,7 +74,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -92,6 +90,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 from kvd.client import Client
 from kvd.connectors import vllm_blocks as vb
 from kvd.connectors.vllm_stats import CopyStats, KvdConnectorStats, KvdPromMetrics, TicketStats, grown
+from kvd.connectors.vllm_ticket_server import TicketServer, serve_tickets
 from kvd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, KvdError, LayoutMismatch, SessionGone
 from kvd.pool.layout import DTYPES, GroupKind, GroupSpec, Layout
 
@@ -107,7 +106,6 @@ if os.environ.get("KVDCONN_DEBUG"):
 #: the transfer is open at the decode daemon), so a test can kill the prefill vLLM mid-transfer
 HOLD_SEND_ENV = "KVDCONN_TEST_HOLD_FILE"
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_MAX_TICKET_BODY = 1 << 20  # a ticket request is a prompt's token ids
 #: How often the decode side reads its pending transfers' doorbells (kvd.memory.doorbells): a
 #: READY transfer is seen within this, with no call to the daemon (~1 us of Python a transfer).
 BELL_POLL_S = 0.002
@@ -736,75 +734,6 @@ class _TicketBook:
         self._ring.set()
 
 
-def _reply_json(handler: BaseHTTPRequestHandler, code: int, body: dict) -> None:
-    data = json.dumps(body).encode()
-    handler.send_response(code)
-    handler.send_header("Content-Type", "application/json")
-    handler.send_header("Content-Length", str(len(data)))
-    if handler.close_connection:
-        handler.send_header("Connection", "close")
-    handler.end_headers()
-    handler.wfile.write(data)
-
-
-def _ticket_server(book: _TicketBook, listen: str) -> ThreadingHTTPServer:
-    """``POST /v1/kvd/tickets`` mints a ticket, ``DELETE /v1/kvd/tickets/{rid}`` gives back one
-    whose request never came (the proxy's prefill failed), ``GET /v1/kvd/transfers/{rid}`` says
-    where a ticket's transfer stands."""
-    host, _, port = listen.rpartition(":")
-    tickets = "/v1/kvd/tickets/"
-
-    class Handler(BaseHTTPRequestHandler):
-        # Keep-alive: a proxy's pooled connection is served by one thread, not a new connection
-        # and thread per ticket (~1 ms more a ticket through aiohttp's client); an idle one is
-        # dropped after `timeout` seconds.
-        protocol_version = "HTTP/1.1"
-        timeout = 60
-        disable_nagle_algorithm = True  # headers and body go as two writes: no 40 ms delayed-ACK stall
-
-        def _reply(self, code: int, body: dict) -> None:
-            _reply_json(self, code, body)
-
-        def do_POST(self) -> None:  # noqa: N802 - http.server's name
-            n = int(self.headers.get("Content-Length") or 0)
-            if self.path != "/v1/kvd/tickets":
-                self.close_connection = True  # its body left unread
-                return self._reply(404, {"error": f"no such endpoint {self.path[:64]!r}; POST /v1/kvd/tickets"})
-            if not 0 < n <= _MAX_TICKET_BODY:
-                self.close_connection = True
-                return self._reply(400, {"error": f"body of {n} bytes: send JSON {{prompt_token_ids: [...]}} of at most {_MAX_TICKET_BODY}"})
-            try:
-                body = json.loads(self.rfile.read(n))
-                self._reply(200, book.mint(body.get("prompt_token_ids") if isinstance(body, dict) else None))
-            except (ValueError, InvalidArgument) as exc:
-                self._reply(400, {"error": str(exc)})
-            except KvdError as exc:
-                self._reply(503, {"error": f"{type(exc).__name__}: {exc}"})
-
-        def do_DELETE(self) -> None:  # noqa: N802
-            if int(self.headers.get("Content-Length") or 0):
-                self.close_connection = True  # a body nobody reads
-            if not self.path.startswith(tickets):
-                return self._reply(404, {"error": f"no such endpoint {self.path[:64]!r}; DELETE {tickets}{{kvd_rid}}"})
-            code, why = book.cancel(self.path[len(tickets):])
-            self._reply(code, {"kvd_rid": self.path[len(tickets):][:64], "released": code == 200, "reason": why})
-
-        def do_GET(self) -> None:  # noqa: N802
-            if int(self.headers.get("Content-Length") or 0):
-                self.close_connection = True
-            prefix = "/v1/kvd/transfers/"
-            st = book.status(self.path[len(prefix):]) if self.path.startswith(prefix) else None
-            self._reply(200, st) if st else self._reply(404, {"error": "no such kvd request here"})
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    srv = ThreadingHTTPServer((host or "127.0.0.1", int(port)), Handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, name="kvd-ticket-server", daemon=True).start()
-    return srv
-
-
 def _connect(address: str, name: str, ttl: float | None) -> Client:
     try:
         return Client.connect(address, name=name, ttl=ttl, timeout=10.0)
@@ -837,7 +766,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_name = f"vllm-{role.name.lower()}-{os.getpid()}"
         self._kv = _connect(self._address, self._kv_name, self._kv_ttl)
         self._book: _TicketBook | None = None
-        self._server: ThreadingHTTPServer | None = None
+        self._server: TicketServer | None = None
         # scheduler side, producer: requests to save, with their block ids so far
         self._saving: dict[str, dict] = {}
         # worker side
@@ -876,7 +805,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             workers = int(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
             self._book = _TicketBook(self._kv, float(extra.get("kvd_admit_ttl_s", 30.0)), self._bs, self._layout,
                                      sync_tokens=sync_tokens, workers=workers)
-            self._server = _ticket_server(self._book, listen)
+            self._server = serve_tickets(self._book, listen)
             log.info("KvdConnector: tickets on http://%s/v1/kvd/tickets, kvd at %s", listen, self._address)
 
     # ============================ scheduler side ============================
@@ -1439,7 +1368,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
             self._sends.put(None)
             self._sender.join(timeout=30)
         if self._server is not None:
-            self._server.shutdown()
+            self._server.close()  # its port free again (shutdown alone held it)
         if self._book is not None:
             self._book.close()
         self._kv.close()

@@ -1,4 +1,5 @@
-"""Unix stream sockets as kvd serves them: path checks, claiming a path, an accept loop, exact reads.
+"""Unix stream sockets as kvd serves them: path checks, claiming a path, an accept loop (and
+its pause when out of files, :class:`AcceptPause`, for any server's accept loop), exact reads.
 
 Shared by the handle socket (:mod:`kvd.ipc.fdpass`) and the peer socket
 (:mod:`kvd.server.peer_socket`). Each refusal names the setting an operator changes
@@ -17,11 +18,12 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from typing import TypeVar
 
 from kvd.errors import InvalidArgument, Unavailable
 
-__all__ = ["MAX_PATH", "UnixServer", "check_path", "listen", "open_to_group", "hung_up", "recv_exact", "recv_rest", "stirred", "unlink_own"]
+__all__ = ["MAX_PATH", "AcceptPause", "UnixServer", "check_path", "listen", "open_to_group", "hung_up", "recv_exact", "recv_rest", "stirred", "unlink_own"]
 
 log = logging.getLogger("kvd.ipc.unix_socket")
 _S = TypeVar("_S", bound="UnixServer")
@@ -30,6 +32,42 @@ _S = TypeVar("_S", bound="UnixServer")
 #: the accept loop pauses, from _PAUSE_MIN_S doubling to _PAUSE_MAX_S, until one succeeds.
 _STARVED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _PAUSE_MIN_S, _PAUSE_MAX_S = 0.005, 0.1
+
+class AcceptPause:
+    """What an accept loop does when accept() fails for want of files or memory (EMFILE, ENFILE,
+    ENOBUFS, ENOMEM): the connection stays queued, so trying again at once fails at once -- that
+    spun a core and logged a traceback per try (2 MB/s) until files were freed. Instead: one
+    error that names the limit and what to raise, a pause from 5 ms doubling to 0.1 s per
+    failure, and a line when accepting works again. ``what`` and ``where`` name the socket in
+    those lines; ``wait(seconds)`` pauses (a stop event's ``wait``, so a stop cuts it short)."""
+
+    def __init__(self, what: str, where: str, logger: logging.Logger, wait: Callable[[float], object] = time.sleep) -> None:
+        self.what, self.where, self.log, self._wait = what, where, logger, wait
+        self.pause = 0.0  # > 0 while starved: the seconds the last pause took
+        #: accept() failures for want of files or buffers (each one a pause): connections waited.
+        self.starved = 0
+
+    def failed(self, exc: OSError) -> bool:
+        """After accept() raised ``exc``: pause and return True when it is starvation, else
+        return False at once (the caller judges it)."""
+        if exc.errno not in _STARVED:
+            return False
+        if not self.pause:
+            soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+            self.log.error("%s on %s: cannot accept connections: %s (this process may open %d files); connections wait until "
+                           "some close -- raise the open-file limit (ulimit -n; the container's nofile ulimit) or find the "
+                           "client holding connections", self.what, self.where, exc.strerror, soft)
+        self.starved += 1
+        self.pause = min(max(2 * self.pause, _PAUSE_MIN_S), _PAUSE_MAX_S)
+        self._wait(self.pause)
+        return True
+
+    def accepted(self) -> None:
+        """After accept() succeeded: say so once when it had been starved."""
+        if self.pause:
+            self.log.warning("%s on %s: accepting connections again", self.what, self.where)
+            self.pause = 0.0
+
 
 #: Bytes of a Unix socket path (sun_path is 108 bytes with its terminating NUL).
 MAX_PATH = 107
@@ -162,8 +200,12 @@ class UnixServer:
         self._ino = 0  # inode of the socket file we bound: stop() unlinks only that one
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        #: accept() failures for want of files or buffers (each one a pause): connections waited.
-        self.starved = 0
+        self._pause = AcceptPause(setting.replace("_", " "), path, log, self._stop.wait)
+
+    @property
+    def starved(self) -> int:
+        """accept() failures for want of files or buffers (each one a pause): connections waited."""
+        return self._pause.starved
 
     def start(self: _S) -> _S:
         self._sock, self._ino = listen(self.path, self._setting, self._serves, group=self._group)
@@ -201,7 +243,6 @@ class UnixServer:
     def _accept_loop(self) -> None:
         assert self._sock is not None
         what = self._setting.replace("_", " ")
-        pause = 0.0  # > 0 while accept() is starved: the seconds to wait before the next try
         while not self._stop.is_set():
             self._tick()
             try:
@@ -211,23 +252,10 @@ class UnixServer:
             except OSError as exc:
                 if self._stop.is_set():
                     return
-                if exc.errno in _STARVED:
-                    # The connection stays queued, so trying again at once fails at once: that
-                    # spun a core and logged a traceback per try (2 MB/s) until fds were freed.
-                    if not pause:
-                        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-                        log.error("%s on %s: cannot accept connections: %s (this process may open %d files); connections wait "
-                                  "until some close -- raise the daemon's open-file limit (ulimit -n; the container's nofile "
-                                  "ulimit) or find the client holding connections", what, self.path, exc.strerror, soft)
-                    self.starved += 1
-                    pause = min(max(2 * pause, _PAUSE_MIN_S), _PAUSE_MAX_S)
-                    self._stop.wait(pause)
-                elif exc.errno != errno.ECONNABORTED:  # aborted: the client gave up while queued
+                if not self._pause.failed(exc) and exc.errno != errno.ECONNABORTED:  # aborted: the client gave up while queued
                     log.warning("%s on %s: accept failed: %s", what, self.path, exc)
                 continue
-            if pause:
-                log.warning("%s on %s: accepting connections again", what, self.path)
-                pause = 0.0
+            self._pause.accepted()
             try:
                 self._accepted(conn)
             except Exception:  # the loop must outlive any one connection: ended, it would accept none again

@@ -391,7 +391,7 @@ def test_the_ticket_server_keeps_a_proxys_connection_and_drops_one_it_cannot_reu
     import http.client
     import json
 
-    from kvd.connectors.vllm import _ticket_server
+    from kvd.connectors.vllm_ticket_server import serve_tickets
     from pd_kit import free_port
 
     t = start_inproc(tmp_path)
@@ -400,7 +400,7 @@ def test_the_ticket_server_keeps_a_proxys_connection_and_drops_one_it_cannot_reu
         layout = kv.info().layout
         book = _TicketBook(kv, 30.0, layout.page_size, layout)
         port = free_port()
-        srv = _ticket_server(book, f"127.0.0.1:{port}")
+        srv = serve_tickets(book, f"127.0.0.1:{port}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             prompt = list(range(1, 2 * layout.page_size + 2))
@@ -431,8 +431,7 @@ def test_the_ticket_server_keeps_a_proxys_connection_and_drops_one_it_cannot_reu
             conn.close()
             t.check()
         finally:
-            srv.shutdown()
-            srv.server_close()
+            srv.close()
             book.close()
     finally:
         stop_inproc(t)
