@@ -6,12 +6,14 @@ Handoffs over it between real daemons are in ``tests/handoff/test_handoff_peer_s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 import socket
 import struct
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from kvd.handoff.inbox import Inbox
 from kvd.pool.pool import Pool
 from kvd.server.peer_calls import PeerCalls
 from kvd.server.framed import BUSY_RETRY_S
+from kvd.server import peer_conns
 from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
 from kvd.ipc.unix_socket import recv_exact
@@ -577,6 +580,38 @@ def test_a_daemon_that_never_says_hello_is_probed_one_hello_at_a_time(sock_dir):
         seen = fake.accepted
         time.sleep(0.8)
         assert fake.accepted == seen, "probes after the pool closed"
+    finally:
+        pc.close()
+        fake.close()
+
+
+def test_a_probe_that_cannot_start_leaves_the_route_to_be_tried_again(sock_dir, monkeypatch, caplog):
+    """At the process's thread limit the probe of a slow route cannot start: the checkout still
+    answers None (the call goes over gRPC) instead of raising into the Send, and the route is
+    not left marked as probed -- once its failure runs out, a hello is said again and a probe
+    starts when one can."""
+    fake = SlowHello(str(sock_dir / "slow.sock"), "b1", [0.6, 0.6])
+    pc = _conns(timeout=0.3, retry_s=0.5)
+    failures = [RuntimeError("can't start new thread")]
+
+    class Thread(threading.Thread):
+        def start(self) -> None:
+            if failures:
+                raise failures.pop()
+            super().start()
+
+    monkeypatch.setattr(peer_conns, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+    try:
+        via = SocketRoute(fake.path, "b1")
+        with caplog.at_level(logging.WARNING, "kvd.peer_socket"):
+            assert pc.checkout(via) is None  # its hello unanswered; no probe could start
+        assert "could not start its probe" in caplog.text
+        assert not failures and not pc._probing
+        time.sleep(0.6)  # the route's failure ran out: the next checkout says hello again (slow again: a probe now)
+        assert pc.checkout(via) is None
+        got, _ = _checkout_within(pc, via, 5.0)
+        assert got is not None, "the route never served calls again"
+        assert fake.accepted == 3  # two slow hellos, then the probe's, answered at once
     finally:
         pc.close()
         fake.close()
