@@ -48,8 +48,10 @@ class Notices:
         """Run ``fn(*args)`` (a tell above, or the outbox's own) on the notice threads; dropped once closed."""
         try:
             self._threads.submit(fn, *args)
-        except RuntimeError:  # shut down: the daemon stops, its peers see it gone
-            log.info("not sent (the outbox is closed): %s%r", fn.__name__, args)
+        except RuntimeError as exc:
+            # Shut down (the daemon stops, its peers see it gone), or no thread could be started
+            # (the process at its thread limit): then it stays queued for a thread started later.
+            log.info("%s%r: not sent now: %s", fn.__name__, args, exc)
 
     def close(self) -> None:
         """Stop the threads; notices not yet sent are dropped."""
