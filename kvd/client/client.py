@@ -519,6 +519,21 @@ class _Surface:
         return self._call("Abort", pb.AbortRequest(rid=rid, reason=reason), lambda r: r.notified_peer)
 
 
+def _wait_again(method: str, request: Any, err: KvdError, t0: float) -> tuple[pb.WaitRequest, float] | None:
+    """A WaitReady (``request`` as first sent, at ``t0``, monotonic) that a daemon refused over gRPC for now -- all its
+    waits over gRPC taken: Unavailable with a retry hint -- is sent again after the returned
+    delay, waiting what is left of its timeout (at its end, one call that does not wait, which is
+    never refused). None: raise ``err``."""
+    if method != "WaitReady" or not isinstance(err, Unavailable) or err.retry_after_s is None:
+        return None
+    left = request.timeout_seconds - (time.monotonic() - t0)
+    delay = min(err.retry_after_s, max(0.0, left))
+    again = pb.WaitRequest()
+    again.CopyFrom(request)
+    again.timeout_seconds = max(0.0, left - delay)
+    return again, delay
+
+
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
@@ -606,10 +621,18 @@ class Client(_Surface):
             if self._fast is not None:
                 reply = self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
             else:
-                try:
-                    reply = getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
-                except grpc.RpcError as exc:
-                    raise from_rpc_error(exc) from exc
+                first = request  # a WaitReady sent again waits what is left of this one's timeout
+                while True:
+                    try:
+                        reply = getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
+                        break
+                    except grpc.RpcError as exc:
+                        err = from_rpc_error(exc)
+                        again = _wait_again(method, first, err, sent)
+                        if again is None:
+                            raise err from exc
+                        request, delay = again
+                        time.sleep(delay)
         except SessionGone:
             self._reopen(sid)
             raise  # this call ran nowhere, and what the old session held is gone: its caller must know
@@ -754,10 +777,18 @@ class AsyncClient(_Surface):
             if self._fast is not None:
                 reply = await self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
             else:
-                try:
-                    reply = await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
-                except grpc.RpcError as exc:
-                    raise from_rpc_error(exc) from exc
+                first = request  # a WaitReady sent again waits what is left of this one's timeout
+                while True:
+                    try:
+                        reply = await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
+                        break
+                    except grpc.RpcError as exc:
+                        err = from_rpc_error(exc)
+                        again = _wait_again(method, first, err, sent)
+                        if again is None:
+                            raise err from exc
+                        request, delay = again
+                        await asyncio.sleep(delay)
         except SessionGone:
             await self._reopen(sid)
             raise  # as the sync client: the call at hand ran nowhere

@@ -50,7 +50,7 @@ from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.engine_socket import EngineSocketServer, fast_path
 from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
 from kvd.server.signals import StopSignals
-from kvd.server.service import Endpoint, KvdService, PeerService, add_to_server
+from kvd.server.service import GRPC_WORKERS, Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
 
@@ -269,7 +269,7 @@ class Daemon:
             # After the generation moved: watchers (peers' backends) ask again before the next write.
             node.on_backing_change.append(handle_server.notify)
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="kvd-rpc"),
+            futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="kvd-rpc"),
             interceptors=[metrics.interceptor()],
             options=[("grpc.max_receive_message_length", MAX_FRAME), ("grpc.max_send_message_length", MAX_FRAME)],
         )

@@ -11,6 +11,7 @@ INVALID_ARGUMENT naming the method, before the handler runs.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
@@ -18,7 +19,7 @@ from typing import NamedTuple, TypeVar
 import grpc
 
 from kvd import __version__
-from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound
+from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, NotFound, Unavailable
 from kvd.handoff.link import PeerLink
 from kvd.limits import MAX_ID_BYTES, quote, too_long
 from kvd.handoff.flight import BeginItem, SendItem, check_batch_size
@@ -26,7 +27,7 @@ from kvd.handoff.outbox import Outbox
 from kvd.handoff.inbox import inbox_of
 from kvd.daemon.node import Node
 from kvd.pool.layout import Layout
-from kvd.records import AllocSpec, LeaseKind
+from kvd.records import AllocSpec, LeaseKind, TransferState
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import to_status
 from kvd.handoff.ticket import Issuer, Tickets
@@ -50,9 +51,18 @@ from kvd.rpc.convert import (
     IDS_LE,
 )
 
-__all__ = ["KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint", "add_to_server"]
+__all__ = ["GRPC_WAIT_SLOTS", "GRPC_WORKERS", "KvdService", "PeerService", "SESSION_KEY", "TOKEN_KEY", "Endpoint", "add_to_server"]
 
 log = logging.getLogger("kvd.server")
+
+#: Threads serving the gRPC server's calls (every kvd and Peer call over gRPC, health checks).
+GRPC_WORKERS = 16
+#: Of those, at most this many block in a WaitReady at once. Every wait beyond them is refused
+#: (Unavailable, retry after GRPC_WAIT_RETRY_S) unless its transfer is over already: before, 16
+#: blocked waits took every thread, and health checks, heartbeats (sessions reaped for silence)
+#: and peers' calls waited behind them.
+GRPC_WAIT_SLOTS = 8
+GRPC_WAIT_RETRY_S = 0.2
 T = TypeVar("T")
 M = TypeVar("M")
 R = TypeVar("R")
@@ -137,6 +147,7 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         self.link = link
         #: mints the RECV leases' tickets; the Peer service checks them with the same object
         self.tickets = tickets if tickets is not None else Tickets(node, endpoint.issuer)
+        self._grpc_waits = threading.BoundedSemaphore(GRPC_WAIT_SLOTS)
 
     # ---- sessions ---------------------------------------------------------------------------
     def OpenSession(self, request: pb.OpenSessionRequest, context):
@@ -523,8 +534,26 @@ class KvdService(_Base, pb_grpc.KvdServicer):
             # Never wait past the caller's own deadline.
             left = context.time_remaining()
             timeout = request.timeout_seconds if left is None else min(request.timeout_seconds, max(0.0, left - 0.05))
-            # Ends early once nobody can hear the answer (the caller hung up, the server stops).
-            st = inbox_of(self.node).wait(request.rid, timeout, context.is_active)
+            inbox = inbox_of(self.node)
+            # A wait over gRPC holds one of its GRPC_WORKERS threads; the engine socket's hold
+            # their connection's own.
+            slots = self._grpc_waits if isinstance(context, grpc.ServicerContext) and timeout > 0 else None
+            if slots is not None and not slots.acquire(blocking=False):
+                st = inbox.wait(request.rid, 0)  # a transfer over already is answered, no wait needed
+                if st.state not in (TransferState.READY, TransferState.FAILED):
+                    raise Unavailable(
+                        f"WaitReady of {quote(request.rid)}: all {GRPC_WAIT_SLOTS} of this daemon's waits over gRPC are taken "
+                        f"(the other calls keep the rest of its {GRPC_WORKERS} threads); call again after the retry hint (kvd's "
+                        "clients do so within the wait's timeout), or wait over the engine socket (transport 'fast': its "
+                        "doorbells need no call)", retry_after_s=GRPC_WAIT_RETRY_S,
+                    )
+            else:
+                try:
+                    # Ends early once nobody can hear the answer (the caller hung up, the server stops).
+                    st = inbox.wait(request.rid, timeout, context.is_active)
+                finally:
+                    if slots is not None:
+                        slots.release()
             return pb.TransferStatus(rid=request.rid, state=state_to_pb(st.state), reason=st.reason, bytes=st.nbytes)
 
         return self._run(context, go)

@@ -1827,7 +1827,10 @@ Global___SendManyResponse: _TypeAlias = SendManyResponse  # noqa: Y015
 @_typing.final
 class WaitRequest(_message.Message):
     """Decode engine -> its daemon: block until rid is READY or FAILED, or the timeout passes
-    (then the current state is returned). Waiting keeps the RECV lease renewed.
+    (then the current state is returned). Waiting keeps the RECV lease renewed. Over gRPC at most
+    8 calls block at once (each holds one of the server's 16 threads): a wait beyond them whose
+    transfer is not over is refused UNAVAILABLE with a retry hint (kvd-retry-after-s); kvd's
+    clients call again within the timeout. The engine socket has no such bound.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -3,6 +3,7 @@ with a second process (DESIGN §3 attach, §6 observability)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -38,7 +40,7 @@ from google.protobuf import descriptor_pb2
 
 from kvd import errors as E
 from kvd.cli import main as cli_main
-from kvd.client import Client
+from kvd.client import Client, TransferState
 from kvd.rpc.engine_wire import fast_path
 from kvd.v1 import kvd_pb2 as pb
 
@@ -376,3 +378,90 @@ def test_serve_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):
         assert row.split()[3:5] == ["4096", "4096"], row
     finally:
         assert stop_subproc(t) == 0
+
+
+@pytest.mark.parametrize("flavour", ["sync", "async"])
+def test_waits_over_grpc_never_take_every_thread(tmp_path, flavour):
+    """More WaitReady calls over gRPC than the daemon has threads for them (an engine waiting on
+    every pending transfer, or a client that means harm): the server's other calls -- a health
+    check, another engine's call, a heartbeat -- are still answered at once, sessions live, and
+    every wait still ends as its transfer does, within its timeout. Before, 16 blocked waits
+    took all of gRPC's threads: a health check waited seconds (a kubelet restarts the pod) and
+    sessions whose heartbeats queued were reaped for silence."""
+    import asyncio
+
+    from kvd.client import AsyncClient
+    from kvd.handoff.inbox import inbox_of
+    from kvd.server.service import GRPC_WAIT_SLOTS, GRPC_WORKERS
+
+    t = start_inproc(tmp_path)
+    rids = [rid(f"w{i}") for i in range(GRPC_WORKERS + 4)]
+    allocated = threading.Event()
+    got: dict[str, tuple[TransferState, float]] = {}
+
+    def waits() -> None:  # the decode engine: a RECV lease on each request, then a wait on each
+        if flavour == "sync":
+            c = t.connect(tcp=True, name="waiter")
+            for r in rids:
+                c.allocate_recv(r, 8)
+            allocated.set()
+
+            def one(r: str) -> None:
+                got[r] = (c.wait_ready(r, 8.0).state, time.monotonic())
+
+            ths = [threading.Thread(target=one, args=(r,)) for r in rids]
+            for th in ths:
+                th.start()
+            for th in ths:
+                th.join()
+            return
+
+        async def run() -> None:
+            async with await AsyncClient.connect(t.tcp, name="waiter", transport="grpc") as ac:
+                for r in rids:
+                    await ac.allocate_recv(r, 8)
+                allocated.set()
+
+                async def one(r: str) -> None:
+                    got[r] = ((await ac.wait_ready(r, 8.0)).state, time.monotonic())
+
+                await asyncio.gather(*(one(r) for r in rids))
+
+        asyncio.run(run())
+
+    waiter = threading.Thread(target=waits)
+    try:
+        t0 = time.monotonic()
+        waiter.start()
+        assert allocated.wait(10)
+        time.sleep(0.5)  # every wait sent: GRPC_WAIT_SLOTS block, the rest are refused and call again
+        with grpc.insecure_channel(t.tcp) as ch:
+            h0 = time.monotonic()
+            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvd.v1.Kvd"), timeout=5)
+            took = time.monotonic() - h0
+        assert st.status == SERVING and took < 1.0, f"a health check took {took:.2f} s behind the waits"
+        other = t.connect(tcp=True, name="other")
+        e0 = time.monotonic()
+        other.echo()
+        assert time.monotonic() - e0 < 1.0, "another engine's call waited behind the waits"
+        time.sleep(3.5)  # past the session TTL (3 s): the waiter's heartbeats were answered throughout
+        assert t.node.stats().sessions_live == 2, "a session was reaped while its calls queued"
+        assert not got, f"a wait ended before its transfer did, {min(at for _, at in got.values()) - t0:.2f} s after the start: {got}"
+        a0 = time.monotonic()
+        for r in rids:  # the transfers end (FAILED: aborted on this side, no sender began)
+            inbox_of(t.node).abort_local(r, "ended by the test")
+        waiter.join(15)
+        assert not waiter.is_alive()
+        assert sorted(got) == sorted(rids)
+        assert all(s is TransferState.FAILED for s, _ in got.values()), got
+        late = max(at for _, at in got.values()) - a0
+        assert late < 2.0, f"a wait saw its transfer end {late:.2f} s after it did (refused waits call again every 0.2 s)"
+        assert time.monotonic() - t0 < 9.0
+        print(f"\n{len(rids)} waits over gRPC ({GRPC_WAIT_SLOTS} blocked at once): health check {took * 1000:.0f} ms; the last "
+              f"wait ended {late * 1000:.0f} ms after its transfer")
+    finally:
+        for r in rids:
+            with contextlib.suppress(Exception):
+                inbox_of(t.node).abort_local(r, "test over")
+        waiter.join(15)
+        stop_inproc(t)
