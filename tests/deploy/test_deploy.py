@@ -59,10 +59,37 @@ def _proxy_metrics(tmp: Path) -> str:
         proc.wait(30)
 
 
+def _waits_over_grpc(t: dk.Target) -> None:
+    """One more WaitReady over gRPC than the daemon blocks for (its series with code OK and
+    UNAVAILABLE): the waits end as their transfers are aborted here."""
+    import threading
+
+    from kvd.handoff.inbox import inbox_of
+    from kvd.server.service import GRPC_WAIT_SLOTS
+
+    c = Client.connect(t.tcp, name="deploy-grpc-waits", transport="grpc")
+    rids = [f"grpc-wait-{i}" for i in range(GRPC_WAIT_SLOTS + 1)]
+    try:
+        for r in rids:
+            c.allocate_recv(r, 8)
+        ths = [threading.Thread(target=c.wait_ready, args=(r, 10.0)) for r in rids]
+        for th in ths:
+            th.start()
+        refused = 'kvd_rpc_duration_seconds_count{method="WaitReady",code="UNAVAILABLE"}'
+        dk.wait_for(lambda: refused in dk.scrape(t.metrics_port), 10, "a WaitReady over gRPC refused")
+        for r in rids:
+            inbox_of(t.node).abort_local(r, "the deploy test is done waiting")
+        for th in ths:
+            th.join(10)
+    finally:
+        c.close()
+
+
 @pytest.fixture(scope="module")
 def scrape(tmp_path_factory) -> K.Scrape:
     """A prefill and a decode daemon (in this process, backend local, metrics on) after one Send
-    and one SendMany between them, both scraped over HTTP; and a ``kvd proxy``."""
+    and one SendMany between them, and more waits over gRPC than the decode daemon blocks for,
+    both scraped over HTTP; and a ``kvd proxy``."""
     root = tmp_path_factory.mktemp("deploy-metrics")
     sides = []
     try:
@@ -80,6 +107,7 @@ def scrape(tmp_path_factory) -> K.Scrape:
             assert d.wait_ready("one", 5).nbytes > 0
             assert p.send_many([("many", tickets["many"])])[0].nbytes > 0
             assert d.wait_ready("many", 5).nbytes > 0
+            _waits_over_grpc(sides[1])
             texts = [dk.scrape(t.metrics_port) for t in sides] + [_proxy_metrics(root)]
         finally:
             p.close()
