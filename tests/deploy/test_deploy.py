@@ -75,7 +75,7 @@ def _waits_over_grpc(t: dk.Target) -> None:
         ths = [threading.Thread(target=c.wait_ready, args=(r, 10.0)) for r in rids]
         for th in ths:
             th.start()
-        refused = 'kvd_rpc_duration_seconds_count{method="WaitReady",code="UNAVAILABLE"}'
+        refused = 'kvd_rpc_duration_seconds_count{code="UNAVAILABLE",method="WaitReady"}'
         dk.wait_for(lambda: refused in dk.scrape(t.metrics_port), 10, "a WaitReady over gRPC refused")
         for r in rids:
             inbox_of(t.node).abort_local(r, "the deploy test is done waiting")
