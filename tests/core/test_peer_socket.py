@@ -13,13 +13,13 @@ import struct
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import pool_testkit as pk
+import proc_kit
 from kvd import errors as E
 from kvd.records import AllocSpec, LeaseKind, SocketRoute, TransferRef, TransferState
 from kvd.daemon.node import Node
@@ -592,15 +592,7 @@ def test_a_probe_that_cannot_start_leaves_the_route_to_be_tried_again(sock_dir, 
     starts when one can."""
     fake = SlowHello(str(sock_dir / "slow.sock"), "b1", [0.6, 0.6])
     pc = _conns(timeout=0.3, retry_s=0.5)
-    failures = [RuntimeError("can't start new thread")]
-
-    class Thread(threading.Thread):
-        def start(self) -> None:
-            if failures:
-                raise failures.pop()
-            super().start()
-
-    monkeypatch.setattr(peer_conns, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+    failures = proc_kit.failing_thread_starts(monkeypatch, peer_conns)
     try:
         via = SocketRoute(fake.path, "b1")
         with caplog.at_level(logging.WARNING, "kvd.peer_socket"):

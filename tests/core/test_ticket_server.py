@@ -15,10 +15,9 @@ import socket
 import socketserver
 import subprocess
 import sys
-import threading
 import time
-import types
 
+import proc_kit
 from daemon_kit import REPO, wait_for
 
 from kvd.connectors.vllm_ticket_server import serve_tickets
@@ -118,15 +117,7 @@ def test_a_connection_no_thread_can_serve_is_closed_and_the_server_serves_on(mon
     """At the engine process's thread limit, starting a connection's thread fails: that
     connection is closed and counted, the next is served, and closing the server does not trip
     over the thread that never started (socketserver joined it: RuntimeError)."""
-    failures = [RuntimeError("can't start new thread")]
-
-    class Thread(threading.Thread):
-        def start(self) -> None:
-            if failures and self.name != "kvd-ticket-server":
-                raise failures.pop()
-            super().start()
-
-    monkeypatch.setattr(socketserver, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+    proc_kit.failing_thread_starts(monkeypatch, socketserver, spare="kvd-ticket-server")
     srv = serve_tickets(_Desk(), "127.0.0.1:0")
     try:
         port = srv.server_address[1]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import types
 
 import grpc
+import proc_kit
 import pytest
 from daemon_kit import expect, rid, start_inproc, stop_inproc
 
@@ -761,15 +761,7 @@ def test_a_connection_no_thread_can_serve_is_refused_and_the_socket_serves_on(tm
     t = start_inproc(tmp_path)
     try:
         es = t.daemon.engine_socket
-        failures = [RuntimeError("can't start new thread")]
-
-        class Thread(threading.Thread):
-            def start(self) -> None:
-                if failures:
-                    raise failures.pop()
-                super().start()
-
-        monkeypatch.setattr(framed, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+        proc_kit.failing_thread_starts(monkeypatch, framed)
         refused = es.refused
         with _raw(t) as s:
             st = _status(s)

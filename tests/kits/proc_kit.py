@@ -1,5 +1,5 @@
 """The processes on this machine, read from /proc: for tests that must leave none behind, and
-for tests that stop one (SIGSTOP) and must know it stopped.
+for tests that stop one (SIGSTOP) and must know it stopped; and a process at its thread limit.
 
 Not a test module (no ``test_`` prefix); test files and conftest import it as ``proc_kit``.
 """
@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
-from typing import NamedTuple
+import types
+from typing import Any, NamedTuple
 
 
 class Proc(NamedTuple):
@@ -61,3 +63,19 @@ def _all_stopped(pid: int) -> bool:
         except OSError:  # a thread that ended meanwhile
             continue
     return bool(states) and all(s in ("T", "t") for s in states)
+
+
+def failing_thread_starts(monkeypatch: Any, module: Any, times: int = 1, spare: str = "") -> list[RuntimeError]:
+    """Make ``module``'s next ``times`` ``threading.Thread(...).start()`` calls fail as at the
+    process's thread limit (a container's pids limit, memory for a stack): RuntimeError "can't
+    start new thread". A thread named ``spare`` starts anyway. Returns the failures not raised yet."""
+    failures = [RuntimeError("can't start new thread") for _ in range(times)]
+
+    class Thread(threading.Thread):
+        def start(self) -> None:
+            if failures and self.name != spare:
+                raise failures.pop()
+            super().start()
+
+    monkeypatch.setattr(module, "threading", types.SimpleNamespace(**{**vars(threading), "Thread": Thread}))
+    return failures
