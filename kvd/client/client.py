@@ -520,10 +520,10 @@ class _Surface:
 
 
 def _wait_again(method: str, request: Any, err: KvdError, t0: float) -> tuple[pb.WaitRequest, float] | None:
-    """A WaitReady (``request`` as first sent, at ``t0``, monotonic) that a daemon refused over gRPC for now -- all its
-    waits over gRPC taken: Unavailable with a retry hint -- is sent again after the returned
-    delay, waiting what is left of its timeout (at its end, one call that does not wait, which is
-    never refused). None: raise ``err``."""
+    """A WaitReady (``request`` as first sent, at ``t0``, monotonic) that a daemon refused over
+    gRPC for now -- all its waits over gRPC taken: Unavailable with a retry hint -- is sent again
+    after the returned delay, waiting what is left of its timeout (at its end, one call that
+    does not wait, which is never refused). None: raise ``err``."""
     if method != "WaitReady" or not isinstance(err, Unavailable) or err.retry_after_s is None:
         return None
     left = request.timeout_seconds - (time.monotonic() - t0)
