@@ -320,6 +320,31 @@ def test_a_busy_server_says_so(tmp_path):
         t.join()
 
 
+def test_a_connection_no_thread_can_serve_is_refused_busy_and_the_next_is_served(tmp_path, monkeypatch, caplog):
+    """At the daemon's thread limit the connection's thread cannot start: it is refused as a busy
+    server is (Unavailable with the retry hint; the client asks again), its slot is given back,
+    the log names the limit, and the server serves the next ask and stops cleanly (no thread
+    left in its list that never started)."""
+    import logging
+
+    import proc_kit
+    from kvd.ipc import fdpass
+
+    exp = Exporter()
+    try:
+        with HandleServer(str(tmp_path / "t.sock"), exp, max_clients=1) as srv:  # one slot: a slot kept is seen at once
+            failures = proc_kit.failing_thread_starts(monkeypatch, fdpass)
+            with caplog.at_level(logging.ERROR, "kvd.ipc.fdpass"):
+                assert ping(srv.path, timeout=5).region_id == "kvd-memfd-test"  # refused once, asked again
+            assert not failures
+            assert "could not start a thread" in caplog.text
+            assert ping(srv.path, timeout=5).region_id == "kvd-memfd-test"
+            with srv._lock:
+                assert all(w.ident is not None for w in srv._workers), "a thread that never started is waited for at stop"
+    finally:
+        exp.close()
+
+
 # ---- the daemon's exporter ---------------------------------------------------------------------
 
 
