@@ -46,6 +46,7 @@ __all__ = [
     "AlreadyExists",
     "PermissionDenied",
     "CapacityError",
+    "LimitReached",
     "FailedPrecondition",
     "StaleEpoch",
     "Pinned",
@@ -96,6 +97,12 @@ class CapacityError(KvdError):
     def __init__(self, message: str, shortfall_bytes: int = 0) -> None:
         super().__init__(message)
         self.shortfall_bytes = int(shortfall_bytes)
+
+
+class LimitReached(KvdError):
+    """A bound on what clients may hold at once in the daemon (its sessions, one request's
+    leases) is reached; nothing changed. Release what is no longer used (close clients, release
+    leases) and call again. Not the pool's memory: that is :class:`CapacityError`."""
 
 
 class FailedPrecondition(KvdError):
@@ -174,6 +181,7 @@ CODES: dict[type[KvdError], Code] = {
     AlreadyExists: Code.ALREADY_EXISTS,
     PermissionDenied: Code.PERMISSION_DENIED,
     CapacityError: Code.RESOURCE_EXHAUSTED,
+    LimitReached: Code.RESOURCE_EXHAUSTED,
     StaleEpoch: Code.FAILED_PRECONDITION,
     Pinned: Code.FAILED_PRECONDITION,
     NotFinalized: Code.FAILED_PRECONDITION,

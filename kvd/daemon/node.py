@@ -43,6 +43,7 @@ from kvd.errors import (
     InternalError,
     InvalidArgument,
     LayoutMismatch,
+    LimitReached,
     NotFound,
     SessionGone,
     PermissionDenied,
@@ -54,12 +55,20 @@ from kvd.daemon.inbound import Inbound, NoInbound
 from kvd.daemon.leases import Lease, LeaseTable
 from kvd.pool.pool import Pool
 
-__all__ = ["Node", "MAX_SESSION_TTL", "MAX_HANDED"]
+__all__ = ["Node", "MAX_SESSION_TTL", "MAX_HANDED", "MAX_SESSIONS", "MAX_LEASES_PER_REQUEST"]
 
 #: Upper bound of a client-chosen session TTL (the same cap as the session_ttl_s setting).
 MAX_SESSION_TTL = 3600.0
 #: Requests whose handed-out vectors a node keeps for their SEND lease (Node.acquire_lease).
 MAX_HANDED = 256
+#: Sessions live at once. A node's engines hold a few each (a scheduler's, each worker's); a
+#: client opening sessions in a loop would otherwise grow the daemon's memory, and every sweep,
+#: for as long as their TTL (up to an hour) -- LimitReached instead.
+MAX_SESSIONS = 4096
+#: Live leases on one request. A request has a RECV lease, or a SEND lease per Send in flight
+#: and the few an engine takes itself; leases taken in a loop would grow without bound for their
+#: TTL, and every lease, free and Send of the request scans them -- LimitReached instead.
+MAX_LEASES_PER_REQUEST = 64
 
 log = logging.getLogger("kvd.daemon.node")
 
@@ -159,6 +168,11 @@ class Node:
                 "a longer TTL would keep a dead client's pages"
             )
         with self._lock:
+            if len(self._sessions) >= MAX_SESSIONS:
+                raise LimitReached(
+                    f"this daemon holds {len(self._sessions):,d} sessions, its limit: close the clients no longer used "
+                    "(Client.close); a session whose client died ends after its TTL"
+                )
             s = SessionInfo(uuid.uuid4().hex, name, ttl or self.session_ttl, self.clock())
             self._sessions[s.session_id] = s
             return s
@@ -412,8 +426,14 @@ class Node:
                 # new lease could forget it while its sender may still write (this request's
                 # only: the hot path of every decode-side allocate).
                 self.inbox.lapse(rid)
-            if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
+            held = self.leases.for_rid(rid)
+            if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in held):
                 raise FailedPrecondition(f"request {quote(rid)} already has a live RECV lease: one sender per request")
+            if len(held) >= MAX_LEASES_PER_REQUEST:
+                raise LimitReached(
+                    f"request {quote(rid)} holds {len(held):,d} live leases, the limit of one request: release the leases "
+                    "no longer used (each Send releases its own)"
+                )
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
             if kind is LeaseKind.RECV:
                 self.inbox.expect(rid, lease.lease_id)

@@ -20,6 +20,9 @@ Conventions
   Longer is INVALID_ARGUMENT naming the field, its length and the limit. So is a request whose
   bytes do not parse as the method's message. Error messages quote at most 64 characters of any
   caller's string and are at most 2048 bytes. A whole message is at most 64 MiB.
+* What clients hold at once is bounded: 4,096 live sessions per daemon, 64 live leases per
+  request. Beyond is RESOURCE_EXHAUSTED with "kvd-error" LimitReached (not the pool's
+  CapacityError), nothing changed: close clients and release leases no longer used.
 """
 
 from collections import abc as _abc

@@ -225,3 +225,48 @@ def test_killed_client_is_reaped(target):
     with expect(E.NotFound, C.NOT_FOUND, "not allocated"):
         watcher.vectors(r)
     target.check()
+
+
+def test_one_request_holds_a_bounded_number_of_leases(target):
+    """Leases taken on one request in a loop (a client leaking them, or one that means harm)
+    stop at MAX_LEASES_PER_REQUEST: the next is refused LimitReached (RESOURCE_EXHAUSTED, not the
+    pool's CapacityError) and nothing changes; a lease released makes room again. Before, they
+    grew for their TTL, and every lease, free and Send of the request scanned them all."""
+    from kvd.daemon.node import MAX_LEASES_PER_REQUEST
+
+    c = target.connect(name="lease-hoarder")
+    r = rid()
+    c.allocate(r, 8)
+    leases = [c.acquire_lease(r, "send", ttl=30) for _ in range(MAX_LEASES_PER_REQUEST)]
+    before = target.snapshot(c)
+    with expect(E.LimitReached, C.RESOURCE_EXHAUSTED, f"holds {MAX_LEASES_PER_REQUEST} live leases"):
+        c.acquire_lease(r, "send", ttl=30)
+    after = target.snapshot(c)
+    assert after.leases_live == before.leases_live and after.pool == before.pool
+    target.check()
+    c.release_lease(leases[0].lease_id)
+    again = c.acquire_lease(r, "send", ttl=30)
+    for lease in [*leases[1:], again]:
+        c.release_lease(lease.lease_id)
+    c.free(r)
+    target.check()
+
+
+def test_a_daemon_holds_a_bounded_number_of_sessions(tmp_path, monkeypatch):
+    """Sessions opened in a loop stop at MAX_SESSIONS: the next OpenSession is refused
+    LimitReached, naming what to do; a session closed makes room. (The bound is lowered here: the
+    daemon's is 4,096.)"""
+    from kvd.daemon import node as node_mod
+
+    monkeypatch.setattr(node_mod, "MAX_SESSIONS", 8)
+    t = start_inproc(tmp_path)
+    try:
+        clients = [t.connect(name=f"s{i}", transport="grpc") for i in range(8)]
+        with expect(E.LimitReached, C.RESOURCE_EXHAUSTED, "holds 8 sessions, its limit"):
+            t.connect(name="one-too-many", transport="grpc")
+        assert t.node.stats().sessions_live == 8
+        clients.pop().close()
+        t.connect(name="room-again", transport="grpc").echo()
+        t.check()
+    finally:
+        stop_inproc(t)
