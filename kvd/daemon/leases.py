@@ -130,6 +130,11 @@ class LeaseTable:
         lease = self._leases.get(lease_id)
         return lease is not None and lease.expires_at > self.clock()
 
+    def count(self, rid: str) -> int:
+        """Leases of ``rid`` in the table, expired ones not yet swept included (no scan)."""
+        mine = self._by_rid.get(rid)
+        return len(mine) if mine else 0
+
     def for_rid(self, rid: str) -> list[Lease]:
         mine = self._by_rid.get(rid)
         if not mine:

@@ -426,13 +426,13 @@ class Node:
                 # new lease could forget it while its sender may still write (this request's
                 # only: the hot path of every decode-side allocate).
                 self.inbox.lapse(rid)
-            held = self.leases.for_rid(rid)
-            if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in held):
+            if kind is LeaseKind.RECV and any(lease.kind is LeaseKind.RECV for lease in self.leases.for_rid(rid)):
                 raise FailedPrecondition(f"request {quote(rid)} already has a live RECV lease: one sender per request")
-            if len(held) >= MAX_LEASES_PER_REQUEST:
+            held = self.leases.count(rid)  # no scan: a Send's path
+            if held >= MAX_LEASES_PER_REQUEST:
                 raise LimitReached(
-                    f"request {quote(rid)} holds {len(held):,d} live leases, the limit of one request: release the leases "
-                    "no longer used (each Send releases its own)"
+                    f"request {quote(rid)} holds {held:,d} leases, the limit of one request: release the leases no longer "
+                    "used (each Send releases its own)"
                 )
             lease = self.leases.acquire(rid, kind, session=session_id, boot_id=self.pool.boot_id, epoch=vec.epoch, ttl=ttl)
             if kind is LeaseKind.RECV:

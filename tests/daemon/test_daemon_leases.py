@@ -239,7 +239,7 @@ def test_one_request_holds_a_bounded_number_of_leases(target):
     c.allocate(r, 8)
     leases = [c.acquire_lease(r, "send", ttl=30) for _ in range(MAX_LEASES_PER_REQUEST)]
     before = target.snapshot(c)
-    with expect(E.LimitReached, C.RESOURCE_EXHAUSTED, f"holds {MAX_LEASES_PER_REQUEST} live leases"):
+    with expect(E.LimitReached, C.RESOURCE_EXHAUSTED, f"holds {MAX_LEASES_PER_REQUEST} leases"):
         c.acquire_lease(r, "send", ttl=30)
     after = target.snapshot(c)
     assert after.leases_live == before.leases_live and after.pool == before.pool
