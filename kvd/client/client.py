@@ -519,17 +519,19 @@ class _Surface:
         return self._call("Abort", pb.AbortRequest(rid=rid, reason=reason), lambda r: r.notified_peer)
 
 
-def _wait_again(method: str, request: Any, err: KvdError, t0: float) -> tuple[pb.WaitRequest, float] | None:
-    """A WaitReady (``request`` as first sent, at ``t0``, monotonic) that a daemon refused over
-    gRPC for now -- all its waits over gRPC taken: Unavailable with a retry hint -- is sent again
-    after the returned delay, waiting what is left of its timeout (at its end, one call that
-    does not wait, which is never refused). None: raise ``err``."""
+def _again_or_raise(method: str, first: Any, exc: grpc.RpcError, t0: float) -> tuple[pb.WaitRequest, float]:
+    """After a gRPC call (``first`` as first sent, at ``t0``, monotonic) failed with ``exc``: the
+    kvd error it is, raised -- unless it is a WaitReady the daemon refused for now (all its waits
+    over gRPC taken: Unavailable with a retry hint). That one is sent again after the returned
+    delay, waiting what is left of its timeout (at its end, one call that does not wait, which
+    is never refused)."""
+    err = from_rpc_error(exc)
     if method != "WaitReady" or not isinstance(err, Unavailable) or err.retry_after_s is None:
-        return None
-    left = request.timeout_seconds - (time.monotonic() - t0)
+        raise err from exc
+    left = first.timeout_seconds - (time.monotonic() - t0)
     delay = min(err.retry_after_s, max(0.0, left))
     again = pb.WaitRequest()
-    again.CopyFrom(request)
+    again.CopyFrom(first)
     again.timeout_seconds = max(0.0, left - delay)
     return again, delay
 
@@ -627,12 +629,8 @@ class Client(_Surface):
                         reply = getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
                         break
                     except grpc.RpcError as exc:
-                        err = from_rpc_error(exc)
-                        again = _wait_again(method, first, err, sent)
-                        if again is None:
-                            raise err from exc
-                        request, delay = again
-                        time.sleep(delay)
+                        request, delay = _again_or_raise(method, first, exc, sent)
+                    time.sleep(delay)
         except SessionGone:
             self._reopen(sid)
             raise  # this call ran nowhere, and what the old session held is gone: its caller must know
@@ -777,18 +775,14 @@ class AsyncClient(_Surface):
             if self._fast is not None:
                 reply = await self._fast.call(method, _fast.bounded(method, request, timeout), timeout)
             else:
-                first = request  # a WaitReady sent again waits what is left of this one's timeout
+                first = request  # as the sync client
                 while True:
                     try:
                         reply = await getattr(self._stub, method)(request, metadata=self._md, timeout=timeout)
                         break
                     except grpc.RpcError as exc:
-                        err = from_rpc_error(exc)
-                        again = _wait_again(method, first, err, sent)
-                        if again is None:
-                            raise err from exc
-                        request, delay = again
-                        await asyncio.sleep(delay)
+                        request, delay = _again_or_raise(method, first, exc, sent)
+                    await asyncio.sleep(delay)
         except SessionGone:
             await self._reopen(sid)
             raise  # as the sync client: the call at hand ran nowhere

@@ -110,8 +110,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 class TicketServer(ThreadingHTTPServer):
     """A thread per connection, serving ``desk``; :meth:`close` stops it (what
-    ``shutdown`` + ``server_close`` do, once). ``starved``: accepts that failed for want of
-    files or memory; ``refused``: connections closed because no thread could be started."""
+    ``shutdown`` + ``server_close`` do, once). ``pause.starved``: accepts that failed for want
+    of files or memory; ``refused``: connections closed because no thread could be started."""
 
     daemon_threads = True
     # Closing never waits for the connections' threads: a kept-alive idle one lasts `timeout`.

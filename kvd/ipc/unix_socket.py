@@ -33,6 +33,7 @@ _S = TypeVar("_S", bound="UnixServer")
 _STARVED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _PAUSE_MIN_S, _PAUSE_MAX_S = 0.005, 0.1
 
+
 class AcceptPause:
     """What an accept loop does when accept() fails for want of files or memory (EMFILE, ENFILE,
     ENOBUFS, ENOMEM): the connection stays queued, so trying again at once fails at once -- that
@@ -242,7 +243,7 @@ class UnixServer:
 
     def _accept_loop(self) -> None:
         assert self._sock is not None
-        what = self._setting.replace("_", " ")
+        what = self._pause.what
         while not self._stop.is_set():
             self._tick()
             try:

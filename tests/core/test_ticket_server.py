@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import resource
 import socket
 import socketserver
@@ -63,15 +62,6 @@ srv.close()
 """
 
 
-def _open_files(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_a_ticket_server_out_of_files_waits_quietly_and_serves_again(tmp_path):
     """Out of open files (a client holding connections, a low nofile limit), accept() fails at
     once and the connection stays queued: socketserver selected and failed again at once, a core
@@ -85,14 +75,14 @@ def test_a_ticket_server_out_of_files_waits_quietly_and_serves_again(tmp_path):
     hogs: list[socket.socket] = []
     try:
         port = int(p.stdout.readline())  # type: ignore[union-attr]
-        while _open_files(p.pid) < limit and len(hogs) < 2 * limit:
+        while proc_kit.open_files(p.pid) < limit and len(hogs) < 2 * limit:
             hogs.append(socket.create_connection(("127.0.0.1", port)))
             if len(hogs) % 8 == 0:
                 time.sleep(0.05)  # let it accept what is queued
         wait_for(lambda: "cannot accept connections" in err.read_text(), 10, "the ticket server's error")
-        cpu0 = _cpu_seconds(p.pid)
+        cpu0 = proc_kit.cpu_seconds(p.pid)
         time.sleep(1.0)
-        busy = _cpu_seconds(p.pid) - cpu0
+        busy = proc_kit.cpu_seconds(p.pid) - cpu0
         log = err.read_text()
         assert log.count("cannot accept connections") == 1 and "Traceback" not in log, log[-2000:]
         assert "ulimit" in log and f"may open {limit} files" in log

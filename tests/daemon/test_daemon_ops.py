@@ -18,6 +18,7 @@ import time
 import weakref
 
 import grpc
+import proc_kit
 import pytest
 import torch
 from daemon_kit import (
@@ -312,10 +313,6 @@ def test_second_process_sees_the_bytes(target):
     target.check()
 
 
-def _open_files(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def test_a_daemon_out_of_files_waits_quietly_and_serves_again(tmp_path):
     """A daemon at its open-file limit pauses its accept loops instead of spinning: accept()
     fails at once while the connection stays queued, and it used to try again at once, a core
@@ -328,21 +325,21 @@ def test_a_daemon_out_of_files_waits_quietly_and_serves_again(tmp_path):
     try:
         grpc_path = t.unix.removeprefix("unix:")
         # Plain connections to the gRPC socket: grpc accepts each and holds its fd.
-        while _open_files(t.proc.pid) < limit and len(hogs) < 2 * limit:
+        while proc_kit.open_files(t.proc.pid) < limit and len(hogs) < 2 * limit:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(grpc_path)
             hogs.append(s)
             if len(hogs) % 16 == 0:
                 time.sleep(0.05)  # let grpc accept what is queued
-        wait_for(lambda: _open_files(t.proc.pid) >= limit, timeout=10, what="the daemon at its open-file limit")
+        wait_for(lambda: proc_kit.open_files(t.proc.pid) >= limit, timeout=10, what="the daemon at its open-file limit")
         # An engine connects to the fast socket: queued, not accepted while no file is free.
         engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         engine.connect(fast_path(grpc_path))
         err = tmp_path / "daemon.stderr"
         wait_for(lambda: "fast socket on" in err.read_text(), timeout=10, what="the accept loop's error")
-        cpu0 = _cpu_seconds(t.proc.pid)
+        cpu0 = proc_kit.cpu_seconds(t.proc.pid)
         time.sleep(1.0)
-        busy = _cpu_seconds(t.proc.pid) - cpu0
+        busy = proc_kit.cpu_seconds(t.proc.pid) - cpu0
         log = err.read_text()
         assert log.count("fast socket on") == 1 and "Traceback" not in log, log[-2000:]
         assert "cannot accept connections" in log
@@ -362,12 +359,6 @@ def test_a_daemon_out_of_files_waits_quietly_and_serves_again(tmp_path):
         for s in hogs:
             s.close()
         assert stop_subproc(t) == 0
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of every thread of ``pid`` so far."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_serve_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):

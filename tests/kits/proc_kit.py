@@ -39,6 +39,17 @@ def live_processes() -> list[Proc]:
     return out
 
 
+def open_files(pid: int) -> int:
+    """Files ``pid`` holds open now."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 def stop(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP ``pid`` and return once every thread of it is stopped.
 
