@@ -4,7 +4,9 @@ collide; plain helpers (layouts, snapshots, page patterns) live in ``pool_testki
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -29,6 +31,17 @@ def kvd_arena_factory() -> Iterator[Callable[..., ShmArena]]:
     yield make
     for arena in made:
         arena.close()
+
+
+@pytest.fixture
+def kvd_shm_dir() -> Iterator[str]:
+    """A directory of this test's own on /dev/shm (the same tmpfs, so the same room), removed
+    when the test ends. A test that asserts "no arena file left" lists it, not /dev/shm itself,
+    where tests on the other xdist workers make and remove arenas meanwhile."""
+    path = os.path.join("/dev/shm", f"test-{uuid.uuid4().hex[:12]}")
+    os.mkdir(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

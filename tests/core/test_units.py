@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -197,14 +198,14 @@ def _free_shm() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def test_a_tmpfs_without_room_refuses_the_backing_with_what_to_change_and_keeps_nothing() -> None:
+def test_a_tmpfs_without_room_refuses_the_backing_with_what_to_change_and_keeps_nothing(kvd_shm_dir) -> None:
     # More than /dev/shm holds: refused before a byte is taken (statvfs), no file left behind, and
     # the message names the setting, the directory and the ways to give it room.
     too_much = 2 * _free_shm() + (1 << 30)
-    before = set(os.listdir("/dev/shm"))
-    with pytest.raises(FailedPrecondition, match=r"arena_dir '/dev/shm' cannot hold .*--shm-size.*shm.sizeLimit.*arena_bytes"):
-        ShmArena(too_much, too_much, allocate=True)
-    assert set(os.listdir("/dev/shm")) <= before
+    where = re.escape(kvd_shm_dir)
+    with pytest.raises(FailedPrecondition, match=rf"arena_dir '{where}' cannot hold .*--shm-size.*shm.sizeLimit.*arena_bytes"):
+        ShmArena(too_much, too_much, directory=kvd_shm_dir, allocate=True)
+    assert os.listdir(kvd_shm_dir) == []
     # Growing an arena that lives: refused, its backing and its bytes as they were.
     arena = ShmArena(too_much, 1 << 20, allocate=True)
     try:
