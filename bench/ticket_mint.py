@@ -51,7 +51,8 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
 
     from kvd.client import Client
-    from kvd.connectors.vllm import _ticket_server, _TicketBook
+    from kvd.connectors.vllm import _TicketBook
+    from kvd.connectors.vllm_ticket_server import serve_tickets
 
     cpu0, own0 = cpu_snap(), own_cpu()
     d = BenchDaemon.spawn("--backend", "local", "--layout", "tiny-hybrid", "--arena-bytes", str(8 << 30)).wait_ready()
@@ -61,7 +62,7 @@ def main() -> None:
     ports = {}
     servers = []
     for way, book in books.items():
-        srv = _ticket_server(book, "127.0.0.1:0")
+        srv = serve_tickets(book, "127.0.0.1:0")
         servers.append(srv)
         ports[way] = srv.server_address[1]
     prompt = [(7 * k) % 1000 + 1 for k in range(args.tokens)]
@@ -129,7 +130,7 @@ def main() -> None:
                     round_(way, n)
     finally:
         for srv in servers:
-            srv.shutdown()
+            srv.close()
         for book in books.values():
             book.close()
         kv.close()
