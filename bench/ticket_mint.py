@@ -51,14 +51,14 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
 
     from kvd.client import Client
-    from kvd.connectors.vllm import _TicketBook
+    from kvd.connectors.vllm_ticket_book import TicketBook
     from kvd.connectors.vllm_ticket_server import serve_tickets
 
     cpu0, own0 = cpu_snap(), own_cpu()
     d = BenchDaemon.spawn("--backend", "local", "--layout", "tiny-hybrid", "--arena-bytes", str(8 << 30)).wait_ready()
     kv = Client.connect(d.unix, name="decode-scheduler", transport="fast")
     layout = kv.info().layout
-    books = {way: _TicketBook(kv, 60.0, layout.page_size, layout, coalesce=(way == "together")) for way in ("one call each", "together")}
+    books = {way: TicketBook(kv, 60.0, layout.page_size, layout, coalesce=(way == "together")) for way in ("one call each", "together")}
     ports = {}
     servers = []
     for way, book in books.items():

@@ -34,7 +34,7 @@ _TRANSFERS = "/v1/kvd/transfers/"
 
 
 class TicketDesk(Protocol):
-    """What the ticket server serves (the connector's ``_TicketBook``)."""
+    """What the ticket server serves (the decode connector's :class:`~kvd.connectors.vllm_ticket_book.TicketBook`)."""
 
     def mint(self, prompt: object) -> dict:
         """A ticket for ``prompt`` (the body's ``prompt_token_ids``, unchecked JSON); raises

@@ -96,7 +96,7 @@ def main() -> None:
 
     sched._preempt_request = counted
     if a.layout_out:
-        from kvd.connectors.vllm import layout_from_vllm
+        from kvd.connectors.vllm_layout import layout_from_vllm
 
         core = llm.llm_engine.engine_core.engine_core  # VLLM_ENABLE_V1_MULTIPROCESSING=0: in this process
         layout, _ = layout_from_vllm(core.scheduler.kv_cache_config, name=a.model.rstrip("/").rsplit("/", 1)[-1])

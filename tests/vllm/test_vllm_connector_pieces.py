@@ -21,7 +21,9 @@ pytest.importorskip("vllm.config", reason="the vLLM tier runs in .venv-vllm (mak
 
 from daemon_kit import start_inproc, stop_inproc  # noqa: E402
 
-from kvd.connectors.vllm import CopyStats, KvdConnector, _KvdWorkerMetadata, _Load, _TicketBook  # noqa: E402
+from kvd.connectors.vllm import CopyStats, KvdConnector  # noqa: E402
+from kvd.connectors.vllm_meta import KvdWorkerMetadata, Load  # noqa: E402
+from kvd.connectors.vllm_ticket_book import TicketBook  # noqa: E402
 
 
 def _worker(block: int = 32) -> KvdConnector:
@@ -32,14 +34,14 @@ def _worker(block: int = 32) -> KvdConnector:
 
 
 @contextmanager
-def _ticket_book(tmp_path: Any, **kw: Any) -> Iterator[tuple[Any, Any, _TicketBook, list[int]]]:
+def _ticket_book(tmp_path: Any, **kw: Any) -> Iterator[tuple[Any, Any, TicketBook, list[int]]]:
     """A daemon in this process, a scheduler's client of it and a ticket book on that client (``kw``:
     the book's options), closed and stopped after; and a prompt two pages and a token long."""
     t = start_inproc(tmp_path)
     try:
         kv = t.connect(name="scheduler")
         layout = kv.info().layout
-        book = _TicketBook(kv, 30.0, layout.page_size, layout, **kw)
+        book = TicketBook(kv, 30.0, layout.page_size, layout, **kw)
         try:
             yield t, kv, book, list(range(1, 2 * layout.page_size + 2))
         finally:
@@ -58,23 +60,23 @@ def test_a_failed_sync_load_reports_its_blocks_and_is_reported_done():
     (5 is vLLM's own prefix-cache hit), reported once; the load is reported done (its kvd request
     freed) and never in failed_recving, which vLLM 0.32 asserts only of a request it holds back."""
     c = _worker()
-    c._load_failed(_Load("req-0", ([5, 6, 7, 8],), 32, 100, sync=True))
+    c._load_failed(Load("req-0", ([5, 6, 7, 8],), 32, 100, sync=True))
     assert c._failed == set() and c.copy_stats.sync_failed == 1
     assert c.get_block_ids_with_load_errors() == {6, 7, 8}
     assert c.get_block_ids_with_load_errors() == set()
     meta = c.build_connector_worker_meta()
-    assert isinstance(meta, _KvdWorkerMetadata) and meta.loaded == {"req-0": 1}
+    assert isinstance(meta, KvdWorkerMetadata) and meta.loaded == {"req-0": 1}
     assert c.build_connector_worker_meta() is None  # reported once
 
 
 def test_a_failed_async_load_goes_to_failed_recving():
     c = _worker()
-    c._load_failed(_Load("req-1", ([5, 6],), 0, 64))
+    c._load_failed(Load("req-1", ([5, 6],), 0, 64))
     assert c._failed == {"req-1"} and c.get_block_ids_with_load_errors() == set() and c.build_connector_worker_meta() is None
 
 
 def test_workers_reports_add_up():
-    a, b = _KvdWorkerMetadata({"r1": 1, "r2": 1}), _KvdWorkerMetadata({"r1": 1})
+    a, b = KvdWorkerMetadata({"r1": 1, "r2": 1}), KvdWorkerMetadata({"r1": 1})
     assert a.aggregate(b).loaded == {"r1": 2, "r2": 1}
     with pytest.raises(TypeError):
         a.aggregate(object())  # type: ignore[arg-type]
@@ -257,7 +259,7 @@ def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_with
     kvd request stays open, pages and all."""
     import handoff_kit as hk
 
-    from kvd.connectors.vllm import _Save
+    from kvd.connectors.vllm_meta import Save
 
     pair = hk.make_pair(tmp_path)
     try:
@@ -267,10 +269,10 @@ def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_with
         want = pre.vectors("kvd-x")
         c = KvdConnector.__new__(KvdConnector)
         c._kv, c._vecs, c._bad_saves, c.copy_stats = pre, {}, set(), CopyStats()
-        first = _Save("req-a", "kvd-x", lease.ticket, 40, ([1, 2],), 0, 40, True)
+        first = Save("req-a", "kvd-x", lease.ticket, 40, ([1, 2],), 0, 40, True)
         v = c._open(first)
         assert v is not None and v["full"] == want.full.tolist() and c.copy_stats.adopted == 1
-        dup = _Save("req-b", "kvd-x", lease.ticket, 40, ([3, 4],), 0, 40, True)
+        dup = Save("req-b", "kvd-x", lease.ticket, 40, ([3, 4],), 0, 40, True)
         assert c._open(dup) is None and "req-b" in c._bad_saves and c.copy_stats.adopted == 1
         assert pre.vectors("kvd-x").full.tolist() == want.full.tolist()  # still open, the same pages
         assert c._vecs == {"req-a": v}
@@ -291,7 +293,7 @@ def test_a_steps_new_requests_are_opened_ahead_of_its_forward_on_the_opener_thre
 
     import handoff_kit as hk
 
-    from kvd.connectors.vllm import _Save
+    from kvd.connectors.vllm_meta import Save
 
     pair = hk.make_pair(tmp_path)
     try:
@@ -309,7 +311,7 @@ def test_a_steps_new_requests_are_opened_ahead_of_its_forward_on_the_opener_thre
                 return _real(*a, **k)
 
             setattr(pre, name, spy)
-        step = [_Save("req-a", "kvd-a", la.ticket, 40, ([1, 2],), 0, 32, False), _Save("req-b", "kvd-b", lb.ticket, 40, ([3, 4],), 0, 32, False)]
+        step = [Save("req-a", "kvd-a", la.ticket, 40, ([1, 2],), 0, 32, False), Save("req-b", "kvd-b", lb.ticket, 40, ([3, 4],), 0, 32, False)]
         c.handle_preemptions(SimpleNamespace(saves=step))
         c._opened()
         assert [n for n, _ in calls] == ["allocate_many"] and calls[0][1].startswith("kvd-opener"), calls
@@ -318,7 +320,7 @@ def test_a_steps_new_requests_are_opened_ahead_of_its_forward_on_the_opener_thre
         assert c.copy_stats.opens == 1 and c.copy_stats.opened == 2
         c.handle_preemptions(SimpleNamespace(saves=[replace(sv, start=32, end=40, last=True) for sv in step]))
         assert c._opening is None and len(calls) == 1  # their next chunks: nothing new to open
-        bad = _Save("req-c", "kvd-c", b"not a ticket", 40, ([5, 6],), 0, 40, True)
+        bad = Save("req-c", "kvd-c", b"not a ticket", 40, ([5, 6],), 0, 40, True)
         c.handle_preemptions(SimpleNamespace(saves=[bad]))
         c._opened()
         assert "req-c" in c._bad_saves and "req-c" not in c._vecs and calls[-1][0] == "allocate"
@@ -398,7 +400,7 @@ def test_the_ticket_server_keeps_a_proxys_connection_and_drops_one_it_cannot_reu
     try:
         kv = t.connect(name="scheduler")
         layout = kv.info().layout
-        book = _TicketBook(kv, 30.0, layout.page_size, layout)
+        book = TicketBook(kv, 30.0, layout.page_size, layout)
         port = free_port()
         srv = serve_tickets(book, f"127.0.0.1:{port}")
         try:
