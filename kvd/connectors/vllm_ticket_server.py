@@ -5,30 +5,33 @@ process (:class:`TicketServer`, started by :func:`serve_tickets`).
 request never came (the proxy's prefill failed), ``GET /v1/kvd/transfers/{rid}`` says where a
 ticket's transfer stands. What each does is the :class:`TicketDesk`'s (the connector's ticket
 book); this module is the HTTP around it, and keeps a broken or hostile client from costing the
-engine more than a refused connection: out of open files it pauses instead of spinning, and a
-connection no thread can be started for is closed, not left to break the server's close.
+engine more than a waiting or refused connection (:class:`~kvd.ipc.http_server.BoundedThreads`):
+at most :data:`MAX_TICKET_CONNECTIONS` threads, an idle connection closed after 60 s, out of open
+files a pause instead of a spin, a connection no thread can be started for closed.
 
-Standard library and :mod:`kvd.ipc.unix_socket`'s :class:`AcceptPause` only: no vLLM import.
+Standard library and :mod:`kvd.ipc.http_server` only: no vLLM import.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Protocol
 
 from kvd.errors import InvalidArgument, KvdError
-from kvd.ipc.unix_socket import AcceptPause
+from kvd.ipc.http_server import BoundedThreads
 
-__all__ = ["MAX_TICKET_BODY", "TicketDesk", "TicketServer", "serve_tickets"]
+__all__ = ["MAX_TICKET_BODY", "MAX_TICKET_CONNECTIONS", "TicketDesk", "TicketServer", "serve_tickets"]
 
 log = logging.getLogger("kvd.connectors.tickets")
 
 #: Bytes of a ticket request's body (a prompt's token ids as JSON).
 MAX_TICKET_BODY = 1 << 20
+#: Connections served at once (a thread each); more wait to be accepted. The proxy keeps a pool
+#: of them alive (aiohttp, unbounded): this is room for a burst of that many tickets at once.
+MAX_TICKET_CONNECTIONS = 512
 _TICKETS = "/v1/kvd/tickets/"
 _TRANSFERS = "/v1/kvd/transfers/"
 
@@ -108,48 +111,16 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-class TicketServer(ThreadingHTTPServer):
-    """A thread per connection, serving ``desk``; :meth:`close` stops it (what
-    ``shutdown`` + ``server_close`` do, once). ``pause.starved``: accepts that failed for want
-    of files or memory; ``refused``: connections closed because no thread could be started."""
-
-    daemon_threads = True
-    # Closing never waits for the connections' threads: a kept-alive idle one lasts `timeout`.
-    block_on_close = False
+class TicketServer(BoundedThreads, HTTPServer):
+    """A thread per connection, at most :data:`MAX_TICKET_CONNECTIONS` at once, serving ``desk``
+    (:class:`~kvd.ipc.http_server.BoundedThreads`: :meth:`close` stops it; ``waited``,
+    ``refused`` and ``pause.starved`` count what a client holding connections or the process's
+    limits cost)."""
 
     def __init__(self, address: tuple[str, int], desk: TicketDesk) -> None:
         super().__init__(address, _Handler)
         self.desk = desk
-        self.pause = AcceptPause("ticket server", f"{address[0]}:{self.server_address[1]}", log)
-        self.refused = 0
-        self._closed = False
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        try:
-            got = super().get_request()
-        except OSError as exc:
-            # socketserver drops the failure and selects again: the connection is still queued,
-            # so out of files it would try again at once, a core busy in the engine's process.
-            self.pause.failed(exc)
-            raise
-        self.pause.accepted()
-        return got
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request(request, client_address)
-        except RuntimeError as exc:  # "can't start new thread": at the process's thread limit
-            self.refused += 1
-            log.warning("ticket server: closed a connection from %s: no thread could serve it (%s); "
-                        "the engine process is at its thread limit", client_address, exc)
-            self.shutdown_request(request)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.shutdown()
-        self.server_close()
+        self.bound("ticket server", log, MAX_TICKET_CONNECTIONS)
 
 
 def serve_tickets(desk: TicketDesk, listen: str) -> TicketServer:

@@ -9,26 +9,37 @@ registry, so several daemons can live in one process (tests).
 
 from __future__ import annotations
 
+import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import grpc
-from prometheus_client import CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvd.handoff.outbox import Outbox
 from kvd.daemon.node import Node
+from kvd.ipc.http_server import BoundedThreads
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from kvd.server.engine_socket import EngineSocketServer
     from kvd.server.peer_link import DaemonPeerLink
     from kvd.server.peer_socket import PeerSocketServer
 
-__all__ = ["Metrics"]
+__all__ = ["METRICS_CONNECTIONS", "METRICS_IDLE_S", "Metrics"]
+
+log = logging.getLogger("kvd.server.metrics")
+#: Connections to /metrics served at once (a thread each; Prometheus scrapes one at a time, and
+#: each request closes its connection): more wait to be accepted.
+METRICS_CONNECTIONS = 16
+#: A connection to /metrics that sends no whole request in this long is closed (a scrape sends
+#: its request at once).
+METRICS_IDLE_S = 5.0
 
 # Control-plane calls take tens of microseconds to milliseconds; transfers go to seconds.
 _BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -41,6 +52,7 @@ class _NodeCollector(Collector):
         self.link: DaemonPeerLink | None = None  # likewise: this daemon calling others
         self.peer_socket: PeerSocketServer | None = None  # set when it serves a peer socket
         self.engine_socket: EngineSocketServer | None = None  # set when it serves an engine socket
+        self.http: BoundedThreads | None = None  # set when it serves /metrics
 
     def collect(self) -> Iterator:
         s = self.node.stats()
@@ -139,7 +151,7 @@ class _NodeCollector(Collector):
             "files or buffers and paused (up to 0.1 s; the connection waited): compare process_open_fds with "
             "process_max_fds, and raise the open-file limit", labels=["socket"],
         )
-        for name, srv in (("engine", self.engine_socket), ("peer", self.peer_socket)):
+        for name, srv in (("engine", self.engine_socket), ("peer", self.peer_socket), ("metrics", self.http)):
             if srv is not None:
                 starved.add_metric([name], srv.starved)
         yield starved
@@ -191,19 +203,44 @@ class Metrics:
             "kvd_rpc_duration_seconds", "gRPC call latency by method and status code", ["method", "code"],
             buckets=_BUCKETS, registry=self.registry,
         )
-        self._http: WSGIServer | None = None
+        self._http: _MetricsServer | None = None
         self.port: int | None = None
 
     def interceptor(self) -> grpc.ServerInterceptor:
         return _LatencyInterceptor(self.rpc_seconds)
 
     def serve(self, host: str, port: int) -> int:
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = self._http.server_port
+        """Serve /metrics on ``host:port`` (0: any free port) from a thread of its own, bounded
+        (:class:`_MetricsServer`); the port. OSError when it cannot bind."""
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server = _MetricsServer((host, port), family)
+        server.set_app(make_wsgi_app(self.registry))
+        self.collector.http = server
+        threading.Thread(target=server.serve_forever, name="kvd-metrics", daemon=True).start()
+        self._http = server
+        self.port = server.server_port
         return self.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
+
+
+class _MetricsHandler(WSGIRequestHandler):
+    timeout = METRICS_IDLE_S
+
+    def log_message(self, *args: object) -> None:
+        pass  # a line per scrape on stderr
+
+
+class _MetricsServer(BoundedThreads, WSGIServer):
+    """prometheus_client's exposition app (:func:`make_wsgi_app`) on a server a client cannot
+    grow without bound (:class:`~kvd.ipc.http_server.BoundedThreads`): prometheus_client's own
+    server kept a thread per open connection, read without a timeout, for as long as the client
+    held it -- 1,000 idle connections were 1,000 daemon threads."""
+
+    def __init__(self, address: tuple[str, int], family: int) -> None:
+        self.address_family = family  # IPv6 for an IPv6 metrics_host ('::')
+        super().__init__(address, _MetricsHandler)
+        self.bound("metrics endpoint", log, METRICS_CONNECTIONS)

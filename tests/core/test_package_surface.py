@@ -213,9 +213,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 }
 #: Single imports across the layers, allowed by name: (importer, imported) -> the reason.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    # The ticket server runs in the decode vLLM's process: out of open files its accept loop
-    # pauses as the daemon's do, with the same one class (stdlib only below it).
-    ("kvd.connectors.vllm_ticket_server", "kvd.ipc.unix_socket"): "the ticket server pauses out of files as kvd's sockets do",
+    # The ticket server runs in the decode vLLM's process: bounded as the daemon's /metrics
+    # server is, by the same one class (stdlib only below it).
+    ("kvd.connectors.vllm_ticket_server", "kvd.ipc.http_server"): "the ticket server is bounded as the daemon's HTTP server is",
     # The backend setting is validated against the registry's table of names; the registry
     # imports only kvd.errors at module level (each backend's module lazily, when asked).
     ("kvd.config", "kvd.backends.registry"): "config checks backend names against the registry's table",

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import weakref
 
 import grpc
@@ -335,30 +336,79 @@ def test_a_daemon_out_of_files_waits_quietly_and_serves_again(tmp_path):
         # An engine connects to the fast socket: queued, not accepted while no file is free.
         engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         engine.connect(fast_path(grpc_path))
+        # ...and a scraper to /metrics (prometheus_client's accept loop spun here too).
+        scraper = socket.create_connection(("127.0.0.1", t.metrics_port))
         err = tmp_path / "daemon.stderr"
         wait_for(lambda: "fast socket on" in err.read_text(), timeout=10, what="the accept loop's error")
+        wait_for(lambda: "metrics endpoint on" in err.read_text(), timeout=10, what="the metrics server's error")
         cpu0 = proc_kit.cpu_seconds(t.proc.pid)
         time.sleep(1.0)
         busy = proc_kit.cpu_seconds(t.proc.pid) - cpu0
         log = err.read_text()
         assert log.count("fast socket on") == 1 and "Traceback" not in log, log[-2000:]
+        assert log.count("metrics endpoint on") == 1, log[-2000:]
         assert "cannot accept connections" in log
         assert f"this process may open {limit} files" in log
         assert "ulimit" in log  # the message says what to change
         assert busy < 0.5, f"the daemon used {busy:.2f} s of CPU in 1 s while it could not accept"
         engine.close()
+        scraper.close()
         for s in hogs:
             s.close()
         hogs.clear()
         c = t.connect()  # the engine socket (and gRPC) serve again
         c.allocate(rid(), 8)
-        wait_for(lambda: "accepting connections again" in err.read_text(), timeout=10, what="the accept loop back")
-        starved = samples(scrape(t.metrics_port))[("kvd_socket_accept_starved_total", (("socket", "engine"),))]
-        assert starved >= 1
+        wait_for(lambda: err.read_text().count("accepting connections again") >= 2, timeout=10, what="the accept loops back")
+        starved = samples(scrape(t.metrics_port))
+        assert starved[("kvd_socket_accept_starved_total", (("socket", "engine"),))] >= 1
+        assert starved[("kvd_socket_accept_starved_total", (("socket", "metrics"),))] >= 1
     finally:
         for s in hogs:
             s.close()
         assert stop_subproc(t) == 0
+
+
+def test_idle_connections_to_metrics_cost_the_daemon_a_bounded_number_of_threads(tmp_path, monkeypatch, caplog):
+    """Clients that open connections to /metrics and send nothing (a scanner, a client that means
+    harm): prometheus_client's server started a thread for each and read it without a timeout,
+    for good -- 1,000 idle connections were 1,000 more daemon threads, still there 30 s later,
+    until the daemon met its thread limit and its own threads (engine connections, Sends) could
+    not start. Now at most METRICS_CONNECTIONS are served at once, each idle one is closed after
+    METRICS_IDLE_S, and a scrape behind them is answered."""
+    from kvd.server import metrics as m
+
+    monkeypatch.setattr(m._MetricsHandler, "timeout", 0.5)
+    t = start_inproc(tmp_path, metrics_port=0)
+    idle: list[socket.socket] = []
+    try:
+        def serving() -> int:
+            return sum(1 for th in threading.enumerate() if "process_request_thread" in th.name)
+
+        assert scrape(t.metrics_port)  # served before
+        for _ in range(8 * m.METRICS_CONNECTIONS):
+            idle.append(socket.create_connection(("127.0.0.1", t.metrics_port), timeout=10))
+        wait_for(lambda: t.daemon.metrics._http.waited >= 1, timeout=10, what="the metrics server at its bound")
+        assert serving() <= m.METRICS_CONNECTIONS
+        t0 = time.monotonic()
+        assert "kvd_pool_reserved_bytes" in scrape_within(t.metrics_port, 30)  # behind all of them
+        took = time.monotonic() - t0
+        assert took < 8 * 0.5 + 5, f"a scrape waited {took:.1f} s behind {len(idle)} idle clients"
+        for s in idle:  # each was closed by the daemon
+            assert s.recv(1) == b""
+        wait_for(lambda: serving() == 0, timeout=10, what="the idle connections' threads to end")
+        assert "Traceback" not in caplog.text
+        assert sum("the most it serves at once" in r.getMessage() for r in caplog.records) == 1
+        c = t.connect()
+        c.allocate(rid(), 8)  # the daemon serves on
+    finally:
+        for s in idle:
+            s.close()
+        stop_inproc(t)
+
+
+def scrape_within(port: int, timeout: float) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as r:
+        return r.read().decode()
 
 
 def test_serve_raises_its_soft_open_file_limit_to_the_hard_one(tmp_path):
