@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 import pytest
@@ -24,30 +23,26 @@ BOUND = 4
 IDLE_S = 0.5
 
 
-class _Handler(BaseHTTPRequestHandler):
-    timeout = IDLE_S
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        body = b"ok"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+class _Handler(WSGIRequestHandler):
+    timeout = IDLE_S  # wsgiref's handler lets a timeout out of handle(): the server's handle_error sees it
 
     def log_message(self, *args: object) -> None:
         pass
 
 
-class _Server(BoundedThreads, HTTPServer):
+class _Server(BoundedThreads, WSGIServer):
+    """A WSGI server (as the daemon's /metrics is) answering "ok", serving once made."""
+
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.bound("test server", logging.getLogger("kvd.test.http"), BOUND)
+        self.set_app(lambda environ, start: (start("200 OK", [("Content-Length", "2")]), [b"ok"])[1])
+        threading.Thread(target=self.serve_forever, name="test-http", daemon=True).start()
 
 
 @pytest.fixture
 def server() -> Iterator[_Server]:
     srv = _Server()
-    threading.Thread(target=srv.serve_forever, name="test-http", daemon=True).start()
     yield srv
     srv.close()
 
@@ -94,7 +89,6 @@ def test_idle_connections_past_the_bound_cost_no_thread_and_each_is_served_in_tu
 
 def test_closing_a_server_that_waits_for_a_slot_returns_at_once_and_frees_its_port():
     srv = _Server()
-    threading.Thread(target=srv.serve_forever, name="test-http", daemon=True).start()
     port = srv.server_address[1]
     idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(BOUND + 2)]
     try:
@@ -112,37 +106,18 @@ def test_closing_a_server_that_waits_for_a_slot_returns_at_once_and_frees_its_po
             s.close()
 
 
-class _WsgiHandler(WSGIRequestHandler):
-    timeout = IDLE_S  # wsgiref's handler lets a timeout out of handle(): the server's handle_error sees it
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-class _WsgiServer(BoundedThreads, WSGIServer):
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _WsgiHandler)
-        self.bound("test wsgi server", logging.getLogger("kvd.test.http"), BOUND)
-
-
-def test_a_client_that_stops_mid_request_is_a_debug_line_not_a_traceback(caplog, capfd):
+def test_a_client_that_stops_mid_request_is_a_debug_line_not_a_traceback(server, caplog, capfd):
     # socketserver printed a traceback to stderr for each (the timeout wsgiref lets out): a
     # client that means harm could fill a daemon's log with them.
-    srv = _WsgiServer()
-    srv.set_app(lambda environ, start: (start("200 OK", [("Content-Length", "2")]), [b"ok"])[1])
-    threading.Thread(target=srv.serve_forever, name="test-wsgi", daemon=True).start()
-    port = srv.server_address[1]
-    try:
-        with caplog.at_level(logging.DEBUG, logger="kvd.test.http"):
-            for _ in range(3):
-                with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-                    s.sendall(b"GET / HT")  # the request line never finished
-                    s.settimeout(10)
-                    assert s.recv(1) == b""  # closed by the server after IDLE_S
-            wait_for(lambda: _serving() == 0, timeout=10, what="the connections' threads to end")
-            assert _get(port)[0] == 200
-        err = capfd.readouterr().err
-        assert "Traceback" not in err and "Exception occurred" not in err, err[-2000:]
-        assert sum("connection from" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records) == 3
-    finally:
-        srv.close()
+    port = server.server_address[1]
+    with caplog.at_level(logging.DEBUG, logger="kvd.test.http"):
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"GET / HT")  # the request line never finished
+                s.settimeout(10)
+                assert s.recv(1) == b""  # closed by the server after IDLE_S
+        wait_for(lambda: _serving() == 0, timeout=10, what="the connections' threads to end")
+        assert _get(port)[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err[-2000:]
+    assert sum("connection from" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records) == 3
