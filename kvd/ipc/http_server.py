@@ -70,7 +70,7 @@ class BoundedThreads(socketserver.ThreadingMixIn):
         self.pause = AcceptPause(what, f"{host}:{port}", log)
         self.waited = self.refused = 0
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._said_at = -LOG_EVERY_S
+        self._said_at: dict[str, float] = {}  # per message: a flood of waits does not hide a refusal
         self._closed = False
 
     @property
@@ -132,6 +132,6 @@ class BoundedThreads(socketserver.ThreadingMixIn):
 
     def _say(self, msg: str, *args: object) -> None:
         now = time.monotonic()
-        if now - self._said_at >= LOG_EVERY_S:
-            self._said_at = now
+        if now - self._said_at.get(msg, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._said_at[msg] = now
             self.log.warning("%s on %s: " + msg, self.what, self.pause.where, *args)
