@@ -16,6 +16,9 @@ __all__ = ["KvdMetadata", "KvdWorkerMetadata", "Load", "Save"]
 
 @dataclass
 class Save:
+    """Prefill side: tokens ``[start, end)`` of vLLM request ``req_id`` to write from its blocks
+    into its kvd pages this step; the request is sent once ``last``."""
+
     req_id: str
     rid: str  # the kvd request: the ticket's (both daemons name the request alike)
     ticket: bytes
@@ -29,6 +32,10 @@ class Save:
 
 @dataclass
 class Load:
+    """Decode side: tokens ``[start, end)`` of vLLM request ``req_id`` to copy from kvd pages
+    (``full`` / ``swa`` / ``state``, of daemon boot ``boot``) into its blocks, or a failure to
+    report (``error``, ``aborted``) instead of copying."""
+
     req_id: str
     block_ids: tuple[list[int], ...]
     start: int  # load tokens [start, end) (start: vLLM's own prefix-cache hit)
