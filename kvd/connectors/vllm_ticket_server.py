@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Protocol
 
@@ -128,5 +127,5 @@ def serve_tickets(desk: TicketDesk, listen: str) -> TicketServer:
     127.0.0.1), serving on a thread of its own."""
     host, _, port = listen.rpartition(":")
     srv = TicketServer((host or "127.0.0.1", int(port)), desk)
-    threading.Thread(target=srv.serve_forever, name="kvd-ticket-server", daemon=True).start()
+    srv.start("kvd-ticket-server")
     return srv

@@ -17,7 +17,8 @@ and fails again at once: a core busy. With :class:`BoundedThreads` mixed in:
 * out of files the accept loop pauses (:class:`~kvd.ipc.unix_socket.AcceptPause`), not spins;
 * a connection no thread can be started for (the thread limit) is closed and counted;
 * a client's broken or timed-out connection is a debug line, never a traceback on stderr;
-* :meth:`BoundedThreads.close` stops serving and frees the port, once.
+* :meth:`BoundedThreads.start` serves from a thread of its own; :meth:`BoundedThreads.close`
+  stops serving and frees the port, once.
 
 Standard library and :mod:`kvd.ipc.unix_socket` only.
 """
@@ -121,9 +122,13 @@ class BoundedThreads(socketserver.ThreadingMixIn):
         else:
             self.log.exception("%s: error serving %s", self.what, client_address)
 
+    def start(self, thread_name: str) -> None:
+        """Serve (``serve_forever``) from a daemon thread named ``thread_name``."""
+        threading.Thread(target=self.serve_forever, name=thread_name, daemon=True).start()  # type: ignore[attr-defined]
+
     def close(self) -> None:
         """Stop serving (``serve_forever`` returns) and close the listening socket; again: nothing.
-        Only for a server whose ``serve_forever`` runs (``shutdown`` waits for it)."""
+        Only for a started server (``shutdown`` waits for ``serve_forever``)."""
         if self._closed:
             return
         self._closed = True

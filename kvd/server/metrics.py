@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -37,8 +36,8 @@ log = logging.getLogger("kvd.server.metrics")
 #: Connections to /metrics served at once (a thread each; Prometheus scrapes one at a time, and
 #: each request closes its connection): more wait to be accepted.
 METRICS_CONNECTIONS = 16
-#: A connection to /metrics that sends no whole request in this long is closed (a scrape sends
-#: its request at once).
+#: A connection to /metrics that sends nothing for this long is closed (a scrape sends its
+#: request at once).
 METRICS_IDLE_S = 5.0
 
 # Control-plane calls take tens of microseconds to milliseconds; transfers go to seconds.
@@ -203,7 +202,6 @@ class Metrics:
             "kvd_rpc_duration_seconds", "gRPC call latency by method and status code", ["method", "code"],
             buckets=_BUCKETS, registry=self.registry,
         )
-        self._http: _MetricsServer | None = None
         self.port: int | None = None
 
     def interceptor(self) -> grpc.ServerInterceptor:
@@ -215,16 +213,15 @@ class Metrics:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         server = _MetricsServer((host, port), family)
         server.set_app(make_wsgi_app(self.registry))
-        self.collector.http = server
-        threading.Thread(target=server.serve_forever, name="kvd-metrics", daemon=True).start()
-        self._http = server
+        server.start("kvd-metrics")
+        self.collector.http = server  # its pauses out of files are a series
         self.port = server.server_port
         return self.port
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
-            self._http = None
+        if self.collector.http is not None:
+            self.collector.http.close()
+            self.collector.http = None
 
 
 class _MetricsHandler(WSGIRequestHandler):

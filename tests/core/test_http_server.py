@@ -37,7 +37,7 @@ class _Server(BoundedThreads, WSGIServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.bound("test server", logging.getLogger("kvd.test.http"), BOUND)
         self.set_app(lambda environ, start: (start("200 OK", [("Content-Length", "2")]), [b"ok"])[1])
-        threading.Thread(target=self.serve_forever, name="test-http", daemon=True).start()
+        self.start("test-http")
 
 
 @pytest.fixture

@@ -387,7 +387,7 @@ def test_idle_connections_to_metrics_cost_the_daemon_a_bounded_number_of_threads
         assert scrape(t.metrics_port)  # served before
         for _ in range(8 * m.METRICS_CONNECTIONS):
             idle.append(socket.create_connection(("127.0.0.1", t.metrics_port), timeout=10))
-        wait_for(lambda: t.daemon.metrics._http.waited >= 1, timeout=10, what="the metrics server at its bound")
+        wait_for(lambda: t.daemon.metrics.collector.http.waited >= 1, timeout=10, what="the metrics server at its bound")
         assert serving() <= m.METRICS_CONNECTIONS
         t0 = time.monotonic()
         assert "kvd_pool_reserved_bytes" in scrape_within(t.metrics_port, 30)  # behind all of them
