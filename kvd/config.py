@@ -138,6 +138,11 @@ class Settings(BaseSettings):
     session_ttl_s: float = Field(10.0, gt=0, le=3600, description="a client silent this long is dead: its leases are released and requests freed")
     lease_ttl_s: float = Field(10.0, gt=0, le=600, description="default lease TTL; holders renew before it runs out")
     sweep_interval_s: float = Field(0.2, gt=0, le=10, description="how often expired leases and dead sessions are reclaimed")
+    grpc_keepalive_s: float = Field(
+        10.0, gt=0, le=3600,
+        description="the gRPC server pings each connection with calls in flight this often and drops one that does not "
+        "answer within as long: a stopped or vanished client's calls end and free their threads (gRPC's default: 2 hours)",
+    )
     grace_s: float = Field(5.0, ge=0, le=300, description="on SIGTERM: seconds to drain in-flight calls before stopping")
     peer_token: str | None = Field(None, description="shared secret peer daemons must present (metadata kvd-token)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log verbosity")

@@ -18,7 +18,6 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -43,6 +42,7 @@ from kvd.pool.pool import Pool
 from kvd.pool.models import load_model
 from kvd.pool.presets import load_layout
 from kvd.server.handles import ArenaHandles
+from kvd.server.lanes import Lanes, keepalive_options
 from kvd.server.metrics import Metrics
 from kvd.server.peer_calls import PeerCalls
 from kvd.handoff.ticket import Tickets
@@ -207,6 +207,7 @@ class Daemon:
     tickets: Tickets | None = None  # mints and checks this boot's tickets (its key never leaves the process)
     engine_socket: EngineSocketServer | None = None  # the engine's calls without gRPC (<listen_unix>.fast)
     doorbells: Doorbells | None = None  # inbound transfers' states, mapped read-only by engines (kvd.memory.doorbells)
+    lanes: Lanes | None = None  # the gRPC server's thread pools (kvd.server.lanes)
     _stop: threading.Event = field(default_factory=threading.Event)
     _sweeper: threading.Thread | None = None
 
@@ -268,10 +269,17 @@ class Daemon:
             _undo(undo, "the handle socket", handle_server.stop)
             # After the generation moved: watchers (peers' backends) ask again before the next write.
             node.on_backing_change.append(handle_server.notify)
+        # Health and reflection on pools of their own, and clients that stop answering dropped:
+        # kvd.server.lanes says what held every gRPC thread before.
+        lanes = Lanes(GRPC_WORKERS)
+        _undo(undo, "the gRPC thread pools", lanes.close)
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=GRPC_WORKERS, thread_name_prefix="kvd-rpc"),
-            interceptors=[metrics.interceptor()],
-            options=[("grpc.max_receive_message_length", MAX_FRAME), ("grpc.max_send_message_length", MAX_FRAME)],
+            lanes.main,
+            interceptors=[lanes.interceptor(), metrics.interceptor()],
+            options=[
+                ("grpc.max_receive_message_length", MAX_FRAME), ("grpc.max_send_message_length", MAX_FRAME),
+                *keepalive_options(settings.grpc_keepalive_s),
+            ],
         )
         addresses: list[str] = []
         serving = False
@@ -386,7 +394,7 @@ class Daemon:
         d = cls(
             settings, node, server, hs, addresses, metrics,
             backend=backend, outbox=outbox, link=link, handles=handle_server, peer_socket=peer_server, tickets=tickets,
-            engine_socket=engine_server, doorbells=doorbells,
+            engine_socket=engine_server, doorbells=doorbells, lanes=lanes,
         )
         _undo(undo, "the sweeper and heartbeat threads", d._stop.set)  # both leave at their next wait
         d._sweeper = threading.Thread(target=d._sweep, name="kvd-sweeper", daemon=True)
@@ -418,6 +426,8 @@ class Daemon:
         self._stop.set()
         self.health.enter_graceful_shutdown()
         self.server.stop(self.settings.grace_s if grace is None else grace).wait()
+        if self.lanes is not None:
+            self.lanes.close()
         if self.engine_socket is not None:
             self.engine_socket.stop()  # engines see EOF: their next call is Unavailable, as over gRPC
         if self.peer_socket is not None:

@@ -1,0 +1,116 @@
+"""The gRPC server's threads by service, and how it drops clients that stopped answering.
+
+grpcio's sync server runs every call on a thread of a pool, from before its request is read to its
+last reply, so a call whose client sends nothing holds a thread for as long as the client waits.
+With one pool for everything, 16 such calls took the daemon's whole gRPC surface: 16 reflection
+streams left open (grpcurl, grpcui or any tool that browses the API keeps one per session), or 16
+unary calls whose request never came (a client stopped mid-send, or one line of any gRPC
+client), and the kubelet's gRPC probe, peers' Commits and every engine call over gRPC waited.
+Two defences, used together by :class:`~kvd.server.app.Daemon`:
+
+* **Lanes.** kvd's own services keep the main pool; the health service and reflection each get a
+  small pool of their own (grpcio's per-behaviour ``experimental_thread_pool``, which
+  ``grpc_health`` itself takes). Reflection streams then hold only reflection's threads, and a
+  health check never queues behind kvd's calls.
+* **Keepalive.** The server pings every connection with calls in flight each ``keepalive_s``
+  and closes one whose client does not answer within as long (gRPC's default waits two hours):
+  a stopped, frozen or vanished client's calls end and give their threads back.
+
+What these do not cover: a live client that holds calls open on purpose can still take the main
+pool's threads (the network policy in the chart is the defence there). grpcio's asyncio server
+reads requests without a thread, but on this code's 2-core VMs it cost 0.3-0.9 ms more per call
+(docs/benchmarks.md), which peers' cross-host Commits would pay on every handoff.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+__all__ = ["HEALTH_THREADS", "REFLECTION_THREADS", "Lanes", "keepalive_options"]
+
+#: Threads of the health service's lane: probes and Watch streams' updates (Watch holds none).
+HEALTH_THREADS = 4
+#: Threads of reflection's lane: at most this many reflection streams are served at once, the
+#: rest wait for one to close.
+REFLECTION_THREADS = 4
+
+_HEALTH = "grpc.health.v1.Health"
+_REFLECTION = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
+
+
+def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """gRPC server options that ping each connection with calls in flight every ``keepalive_s``
+    and drop it when an answer takes longer than that."""
+    ms = max(1, round(keepalive_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        # The timer that closes the connection is this one (a minute by default): with the
+        # keepalive's own timeout alone, a stopped client's calls still held their threads 20 s on.
+        ("grpc.http2.ping_timeout_ms", ms),
+        # gRPC stops pinging after two pings with no data between them: a call whose request
+        # never comes sends no data, which is the case the pings are for.
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class Lanes:
+    """The gRPC server's thread pools: ``main`` (kvd's services: give it to ``grpc.server``),
+    and the health service's and reflection's own, which :meth:`interceptor` routes their calls
+    to. Shut down with :meth:`close` after the server stopped."""
+
+    def __init__(self, workers: int) -> None:
+        self.main = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvd-rpc")
+        self.health = ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="kvd-rpc-health")
+        self.reflection = ThreadPoolExecutor(max_workers=REFLECTION_THREADS, thread_name_prefix="kvd-rpc-reflection")
+        self._by_service = {_HEALTH: self.health, **{name: self.reflection for name in _REFLECTION}}
+
+    def interceptor(self) -> grpc.ServerInterceptor:
+        """The interceptor that puts each call on its service's pool. List it first in the
+        server's interceptors, so it sees the handler the others made."""
+        return _LaneInterceptor(self._by_service)
+
+    def close(self) -> None:
+        for pool in (self.main, self.health, self.reflection):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _LaneInterceptor(grpc.ServerInterceptor):
+    def __init__(self, by_service: dict[str, ThreadPoolExecutor]) -> None:
+        self._by_service = by_service
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(handler_call_details)
+        pool = self._by_service.get(handler_call_details.method.lstrip("/").split("/", 1)[0])
+        if handler is None or pool is None:
+            return handler
+        return _on_pool(handler, pool)
+
+
+def _on_pool(handler: grpc.RpcMethodHandler, pool: ThreadPoolExecutor) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour run on ``pool`` (the attribute grpcio's server reads)."""
+    de, ser = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(_pinned(handler.unary_unary, pool), de, ser)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_pinned(handler.unary_stream, pool), de, ser)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(_pinned(handler.stream_unary, pool), de, ser)
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(_pinned(handler.stream_stream, pool), de, ser)
+    return handler
+
+
+def _pinned(behavior: Callable[..., Any], pool: ThreadPoolExecutor) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return behavior(*args, **kwargs)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    # health's Watch answers through a callback and returns at once (no thread held per watcher):
+    # keep that, or every open Watch would hold one of the lane's threads.
+    run.experimental_non_blocking = getattr(behavior, "experimental_non_blocking", False)  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,153 @@
+"""The daemon's gRPC threads against calls that hold them (kvd.server.lanes).
+
+grpcio's sync server keeps a pool thread for each call from before its request is read to its
+last reply. Before the lanes, one pool of 16 served everything, so 16 open reflection streams or
+16 unary calls whose request never came made every health check and kvd call wait. Each test
+below holds more calls than the pool has threads, with real gRPC clients against a real daemon.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import proc_kit
+from daemon_kit import start_inproc, stop_inproc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvd.server.lanes import REFLECTION_THREADS
+from kvd.server.service import GRPC_WORKERS
+from kvd.v1 import kvd_pb2 as pb
+from kvd.v1 import kvd_pb2_grpc as pb_grpc
+
+HELD = GRPC_WORKERS + 4  # more than the main pool's threads
+
+
+def _serving(address: str, timeout: float = 1.0) -> None:
+    """A health check and a kvd call both answered within ``timeout`` (what a kubelet probe
+    and a peer's Commit need), on a connection of their own."""
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        assert got.status == health_pb2.HealthCheckResponse.SERVING
+        assert pb_grpc.KvdStub(ch).Echo(pb.EchoRequest(payload=b"ok"), timeout=timeout).payload == b"ok"
+
+
+def _health_answers(address: str, timeout: float = 1.0) -> None:
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        assert got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _held_until(release: threading.Event, first: object) -> Iterator[object]:
+    """A request stream that sends ``first`` (when given) and then nothing until ``release``."""
+    if first is not None:
+        yield first
+    release.wait()
+
+
+def test_open_reflection_streams_hold_neither_kvds_calls_nor_health_checks(tmp_path):
+    """A grpcui page or a stuck grpcurl keeps a reflection stream open. Twenty of them: health
+    checks and kvd calls answer at once, reflection serves REFLECTION_THREADS of them, and once
+    they close a new reflection call is served again."""
+    t = start_inproc(tmp_path)
+    release = threading.Event()
+    channels, calls = [], []
+    try:
+        for _ in range(HELD):
+            ch = grpc.insecure_channel(t.tcp, options=[("grpc.use_local_subchannel_pool", 1)])
+            channels.append(ch)
+            ask = reflection_pb2.ServerReflectionRequest(list_services="")
+            calls.append(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(_held_until(release, ask)))
+        answered = [next(c) for c in calls[:REFLECTION_THREADS]]  # served at once: the lane's threads
+        assert all(a.list_services_response.service for a in answered)
+        _serving(t.tcp)
+        _serving(t.unix)
+        release.set()
+        for c in calls:  # every stream, the queued ones too, is served and ends
+            assert list(c) is not None
+        with grpc.insecure_channel(t.tcp) as ch:
+            again = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=2
+            )
+            assert "kvd.v1.Kvd" in {s.name for s in next(again).list_services_response.service}
+    finally:
+        release.set()
+        for ch in channels:
+            ch.close()
+        stop_inproc(t)
+
+
+def test_health_checks_answer_while_calls_that_never_send_their_request_hold_kvds_threads(tmp_path):
+    """Unary kvd calls whose request never comes (any gRPC client can start one: a request
+    stream that yields nothing) hold the main pool's threads while their client lives: the
+    kubelet's probe still answers. (kvd's own calls wait: the gap kvd.server.lanes names.)"""
+    t = start_inproc(tmp_path)
+    release = threading.Event()
+    channels, futures = [], []
+    try:
+        for _ in range(HELD):
+            ch = grpc.insecure_channel(t.tcp, options=[("grpc.use_local_subchannel_pool", 1)])
+            channels.append(ch)
+            echo = ch.stream_unary("/kvd.v1.Kvd/Echo", request_serializer=bytes, response_deserializer=pb.EchoResponse.FromString)
+            futures.append(echo.future(_held_until(release, None)))
+        time.sleep(0.5)  # every call reached a thread
+        _health_answers(t.tcp)
+        _health_answers(t.unix)
+    finally:
+        release.set()
+        for f in futures:
+            f.cancel()
+        for ch in channels:
+            ch.close()
+        stop_inproc(t)
+    # Released, they fail as the malformed calls they are; nothing of the daemon was left.
+
+
+_STALLED = r"""
+import sys, threading, grpc
+never = threading.Event()
+def nothing():
+    never.wait()
+    yield b""
+channels, calls = [], []
+for _ in range(int(sys.argv[2])):
+    ch = grpc.insecure_channel(sys.argv[1], options=[("grpc.use_local_subchannel_pool", 1)])
+    channels.append(ch)
+    calls.append(ch.stream_unary("/kvd.v1.Kvd/Echo", request_serializer=bytes, response_deserializer=bytes).future(nothing()))
+print("ready", flush=True)
+never.wait()
+"""
+
+
+def test_a_stopped_clients_calls_give_back_kvds_threads_within_the_keepalive(tmp_path):
+    """A client process stopped (SIGSTOP: paused, swapped, its host frozen) with calls started
+    and no request sent held the main pool's threads for as long as it stayed stopped (gRPC's
+    own keepalive: two hours). The server pings its connections and drops one that does not
+    answer: kvd calls are served again within about twice the keepalive."""
+    keepalive_s = 0.5
+    t = start_inproc(tmp_path, grpc_keepalive_s=keepalive_s)
+    p = subprocess.Popen([sys.executable, "-c", _STALLED, t.tcp, str(HELD)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        time.sleep(0.5)  # its calls reached the daemon's threads
+        proc_kit.stop(p.pid)
+        t0 = time.monotonic()
+        deadline = t0 + 10 * keepalive_s + 5
+        while True:
+            try:
+                _serving(t.tcp, timeout=0.5)
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+                assert time.monotonic() < deadline, f"kvd's gRPC threads still held {time.monotonic() - t0:.1f} s after the client stopped"
+        print(f"\nserved again {time.monotonic() - t0:.2f} s after the client stopped (keepalive {keepalive_s} s)")
+        t.check()
+    finally:
+        p.kill()
+        p.wait(10)
+        stop_inproc(t)
