@@ -33,7 +33,9 @@ import grpc
 __all__ = ["HEALTH_THREADS", "REFLECTION_THREADS", "Lanes", "keepalive_options"]
 
 #: Threads of the health service's lane: probes and Watch streams' updates (Watch holds none).
-HEALTH_THREADS = 4
+#: As many as the main pool had for everything: a client that holds health checks open must hold
+#: as many as before to stall the probes. The pool starts threads only as calls need them.
+HEALTH_THREADS = 16
 #: Threads of reflection's lane: at most this many reflection streams are served at once, the
 #: rest wait for one to close.
 REFLECTION_THREADS = 4
