@@ -9,9 +9,9 @@ client), and the kubelet's gRPC probe, peers' Commits and every engine call over
 Two defences, used together by :class:`~kvd.server.app.Daemon`:
 
 * **Lanes.** kvd's own services keep the main pool; the health service and reflection each get a
-  small pool of their own (grpcio's per-behaviour ``experimental_thread_pool``, which
-  ``grpc_health`` itself takes). Reflection streams then hold only reflection's threads, and a
-  health check never queues behind kvd's calls.
+  pool of their own (grpcio's per-behaviour ``experimental_thread_pool``, which ``grpc_health``
+  itself takes). Reflection streams then hold only reflection's threads, and a health check
+  never queues behind kvd's calls.
 * **Keepalive.** The server pings every connection with calls in flight each ``keepalive_s``
   and closes one whose client does not answer within as long (gRPC's default waits two hours):
   a stopped, frozen or vanished client's calls end and give their threads back.
