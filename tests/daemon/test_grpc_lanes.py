@@ -8,11 +8,13 @@ below holds more calls than the pool has threads, with real gRPC clients against
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import proc_kit
@@ -50,62 +52,80 @@ def _held_until(release: threading.Event, first: object) -> Iterator[object]:
     release.wait()
 
 
-def test_open_reflection_streams_hold_neither_kvds_calls_nor_health_checks(tmp_path):
-    """A grpcui page or a stuck grpcurl keeps a reflection stream open. Twenty of them: health
-    checks and kvd calls answer at once, reflection serves REFLECTION_THREADS of them, and once
-    they close a new reflection call is served again."""
-    t = start_inproc(tmp_path)
+@contextlib.contextmanager
+def _holding(
+    address: str, start: Callable[[grpc.Channel, Iterator[object]], Any], first: object = None
+) -> Iterator[tuple[list[Any], threading.Event]]:
+    """HELD calls, each ``start(channel, requests)`` on a connection of its own, whose request
+    streams send ``first`` (when given) and then nothing until the event is set (at the latest
+    when the block ends, before their connections close)."""
     release = threading.Event()
-    channels, calls = [], []
+    channels = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(HELD)]
     try:
-        for _ in range(HELD):
-            ch = grpc.insecure_channel(t.tcp, options=[("grpc.use_local_subchannel_pool", 1)])
-            channels.append(ch)
-            ask = reflection_pb2.ServerReflectionRequest(list_services="")
-            calls.append(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(_held_until(release, ask)))
-        answered = [next(c) for c in calls[:REFLECTION_THREADS]]  # served at once: the lane's threads
-        assert all(a.list_services_response.service for a in answered)
-        _serving(t.tcp)
-        _serving(t.unix)
-        release.set()
-        for c in calls:  # every stream, the queued ones too, is served and ends
-            assert list(c) is not None
-        with grpc.insecure_channel(t.tcp) as ch:
-            again = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=2
-            )
-            assert "kvd.v1.Kvd" in {s.name for s in next(again).list_services_response.service}
+        yield [start(ch, _held_until(release, first)) for ch in channels], release
     finally:
         release.set()
         for ch in channels:
             ch.close()
+
+
+def _services(response: Any) -> set[str]:
+    return {s.name for s in response.list_services_response.service}
+
+
+def test_open_reflection_streams_hold_neither_kvds_calls_nor_health_checks(tmp_path):
+    """A grpcui page or a stuck grpcurl keeps a reflection stream open. Twenty of them: health
+    checks and kvd calls answer at once, reflection serves REFLECTION_THREADS of them, and once
+    they close the queued ones are served and a new reflection call too."""
+    t = start_inproc(tmp_path)
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+
+    def reflect(ch: grpc.Channel, requests: Iterator[object]) -> Any:
+        return reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(requests)
+
+    try:
+        with _holding(t.tcp, reflect, ask) as (calls, release):
+            for c in calls[:REFLECTION_THREADS]:  # served at once: the lane's threads
+                assert "kvd.v1.Kvd" in _services(next(c))
+            _serving(t.tcp)
+            _serving(t.unix)
+            release.set()
+            for c in calls[:REFLECTION_THREADS]:  # released: each ends after its one answer
+                assert list(c) == []
+            for c in calls[REFLECTION_THREADS:]:  # the queued ones are served once threads are free
+                assert ["kvd.v1.Kvd" in _services(r) for r in c] == [True]
+        with grpc.insecure_channel(t.tcp) as ch:
+            again = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([ask]), timeout=2)
+            assert "kvd.v1.Kvd" in _services(next(again))
+        t.check()
+    finally:
         stop_inproc(t)
 
 
 def test_health_checks_answer_while_calls_that_never_send_their_request_hold_kvds_threads(tmp_path):
     """Unary kvd calls whose request never comes (any gRPC client can start one: a request
     stream that yields nothing) hold the main pool's threads while their client lives: the
-    kubelet's probe still answers. (kvd's own calls wait: the gap kvd.server.lanes names.)"""
+    kubelet's probe still answers. (kvd's own calls wait: the gap kvd.server.lanes names.)
+    Released, each fails as the malformed call it is, and the daemon serves on."""
+
+    def echo(ch: grpc.Channel, requests: Iterator[object]) -> Any:
+        call = ch.stream_unary("/kvd.v1.Kvd/Echo", request_serializer=bytes, response_deserializer=pb.EchoResponse.FromString)
+        return call.future(requests)
+
     t = start_inproc(tmp_path)
-    release = threading.Event()
-    channels, futures = [], []
     try:
-        for _ in range(HELD):
-            ch = grpc.insecure_channel(t.tcp, options=[("grpc.use_local_subchannel_pool", 1)])
-            channels.append(ch)
-            echo = ch.stream_unary("/kvd.v1.Kvd/Echo", request_serializer=bytes, response_deserializer=pb.EchoResponse.FromString)
-            futures.append(echo.future(_held_until(release, None)))
-        time.sleep(0.5)  # every call reached a thread
-        _health_answers(t.tcp)
-        _health_answers(t.unix)
+        with _holding(t.tcp, echo) as (futures, release):
+            time.sleep(0.5)  # every call reached a thread
+            assert not any(f.done() for f in futures)
+            _health_answers(t.tcp)
+            _health_answers(t.unix)
+            release.set()
+            for f in futures:
+                assert isinstance(f.exception(timeout=10), grpc.RpcError)
+        _serving(t.tcp)
+        t.check()
     finally:
-        release.set()
-        for f in futures:
-            f.cancel()
-        for ch in channels:
-            ch.close()
         stop_inproc(t)
-    # Released, they fail as the malformed calls they are; nothing of the daemon was left.
 
 
 _STALLED = r"""
