@@ -41,6 +41,10 @@ class Inbound(Protocol):
     def sweep(self) -> list[str]:
         """Time out silent senders and ended fences; the rids whose fence ended."""
 
+    def excuse(self, stalled_s: float) -> None:
+        """This process did not run for ``stalled_s`` (:meth:`Node.sweep`): no sender's silence
+        counts over that time."""
+
     def lapse(self, rid: str) -> None:
         """If ``rid``'s RECV lease ran out, fail its transfer now as :meth:`sweep` would (fenced
         when a sender began), before anything can forget it: :meth:`sweep` for one request."""
@@ -72,6 +76,9 @@ class NoInbound:
 
     def sweep(self) -> list[str]:
         return []
+
+    def excuse(self, stalled_s: float) -> None:
+        pass
 
     def lapse(self, rid: str) -> None:
         pass

@@ -102,6 +102,8 @@ class Node:
         self._lock = threading.RLock()
         self.stale_refusals = 0
         self.sessions_expired = 0
+        self.stalls_excused = 0  # sweeps that found this process had not run (sweep's stalled_s) ...
+        self.stalled_seconds = 0.0  # ... and for how long in all
         # Requests the engine freed while a failed sender might still write them: freed for
         # real once their fence (the RECV lease) ends.
         self._doomed: set[str] = set()
@@ -291,10 +293,18 @@ class Node:
             except Exception:  # a hook's bug must not leave the node half-changed
                 log.exception("on_ended hook")
 
-    def sweep(self) -> tuple[list[Lease], list[str]]:
+    def sweep(self, stalled_s: float = 0.0) -> tuple[list[Lease], list[str]]:
         """Expire leases past their TTL and reap sessions silent for longer than theirs.
-        Returns the expired leases and the reaped session ids."""
+        Returns the expired leases and the reaped session ids.
+
+        ``stalled_s``: how long this process did not run before this sweep (the sweeper woke that
+        much later than due: paused, CPU-throttled, descheduled). Clients' and senders' beats and
+        renewals sent meanwhile wait unread in their sockets, and a sweep that ran first would
+        take them for dead: the sessions' silences, the leases' deadlines and the inbound
+        transfers' silences are first moved on by that much, as if the clock had stopped."""
         with self._lock:
+            if stalled_s > 0:
+                self._excuse(stalled_s)
             # The inbox first: a RECV lease past its TTL under a transfer still receiving is
             # held as its fence, which it can no longer be once expire() has removed it.
             self.inbox.sweep()
@@ -306,6 +316,16 @@ class Node:
                 self._reap(s, f"its session expired (no call for {s.ttl:g} s)")
             self.sessions_expired += len(dead)
             return expired, [s.session_id for s in dead]
+
+    def _excuse(self, stalled_s: float) -> None:
+        now = self.clock()
+        for s in self._sessions.values():
+            s.last_seen = min(now, s.last_seen + stalled_s)
+        for lease in self.leases.all():
+            lease.expires_at += stalled_s  # one expired before the stall stays expired
+        self.inbox.excuse(stalled_s)
+        self.stalls_excused += 1
+        self.stalled_seconds += stalled_s
 
     def _bury(self) -> None:
         """Free doomed requests whose fence has ended (no lease pins them any more)."""

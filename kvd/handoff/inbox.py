@@ -392,6 +392,16 @@ class Inbox:
             if ib is not None and not self._leases.live(ib.lease_id):
                 self._lapsed(ib)
 
+    def excuse(self, stalled_s: float) -> None:
+        """This process did not run for ``stalled_s`` (paused, CPU-throttled, descheduled): a
+        sender's beats sent meanwhile wait unread in its socket, so that time is not its silence.
+        Each receiving transfer's silence is counted as if the clock had stopped (never past now).
+        Fences are not moved: they wait for writes on the sender's side, which did not stop."""
+        now = self._clock()
+        for ib in self._by_rid.values():
+            if ib.state is TransferState.RECEIVING:
+                ib.last_seen = min(now, ib.last_seen + stalled_s)
+
     def sweep(self) -> list[str]:
         """Fail transfers whose sender went silent or whose lease expired; end fences that ran
         out (their pages become reusable). Returns rids whose fence ended."""

@@ -16,6 +16,7 @@ import resource
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ _ARENA_KINDS = {"shm": "shm", "cuda": "cuda-vmm"}
 #: slot only when its thread next gets the GIL (ms on a busy daemon): 8 concurrent senders were
 #: at the old limit of 8. Each slot is a short-lived thread; pings carry no fds.
 _HANDLE_CLIENTS = 64
+#: A sweep this much later than due means the process did not run meanwhile (Node.sweep's
+#: stalled_s); a busy host makes sweeps late by milliseconds, a pause or a CPU quota by more.
+STALL_S = 0.1
 
 
 def validate(settings: Settings, handle_path: str | None = None, peer_path: str | None = None) -> Layout:
@@ -409,9 +413,18 @@ class Daemon:
         return self.addresses[0]
 
     def _sweep(self) -> None:
-        while not self._stop.wait(self.settings.sweep_interval_s):
+        interval = self.settings.sweep_interval_s
+        due = time.monotonic() + interval
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            # Woken much later than due: this process did not run meanwhile, and what its clients
+            # and senders sent then waits unread. The node moves their silences on by that much.
+            late = time.monotonic() - due
+            due = time.monotonic() + interval
             try:
-                leases, sessions = self.node.sweep()
+                if late >= 1.0:
+                    log.warning("the daemon did not run for %.2f s (paused, or CPU-throttled: see kvd_stalled_seconds); "
+                                "its clients' and senders' silences and deadlines are moved on by as much", late)
+                leases, sessions = self.node.sweep(late if late > STALL_S else 0.0)
                 for lease in leases:
                     log.info("%s expired", lease.label())
                 for sid in sessions:

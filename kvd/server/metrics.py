@@ -89,6 +89,10 @@ class _NodeCollector(Collector):
         yield counter("kvd_leases_expired", "Leases reclaimed after their TTL", s.leases_expired_total)
         yield gauge("kvd_sessions_live", "Client sessions alive", s.sessions_live)
         yield counter("kvd_sessions_expired", "Client sessions reaped after going silent", s.sessions_expired_total)
+        # Read off the node, not its Stats: a process-level fact, not the pool's.
+        yield counter("kvd_stalls", "Times the daemon found it had not run for a while (paused, CPU-throttled): "
+                      "silences and deadlines were moved on by that much", self.node.stalls_excused)
+        yield counter("kvd_stalled_seconds", "Seconds the daemon did not run, as its sweeper saw it", self.node.stalled_seconds)
         comp = CounterMetricFamily("kvd_compactions", "Compactions by outcome", labels=["outcome"])
         comp.add_metric(["done"], p.compactions_done)
         comp.add_metric(["refused"], p.compactions_refused)

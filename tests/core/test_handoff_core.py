@@ -392,6 +392,46 @@ def _clocked_receiver() -> tuple[Node, str, list[float], TransferRef, list]:
     return d, ds, now, ref, heard
 
 
+def test_a_stall_of_the_daemon_itself_is_nobodys_silence():
+    """Node.sweep(stalled_s): the daemon did not run for that long (paused, CPU-throttled), so its
+    sender's beats, its clients' calls and renewals waited unread. Their silences and deadlines move
+    on by the stall, as if the clock had stopped; what was silent before it stays counted, and a
+    real silence after it still fails the transfer, reaps the session and expires the lease."""
+    d, ds, now, ref, _ = _clocked_receiver()  # peer timeout 10 s; the session's TTL and the lease's 10 s too
+    lease = d.leases.get(ref.lease_id)
+    now[0] = 4.0
+    d.sweep()
+    now[0] = 34.0  # a 30 s stall: far past the peer timeout, the session's TTL and the lease's
+    d.sweep(stalled_s=30.0)
+    assert d.inbox.status("r").state is TransferState.RECEIVING
+    assert d.leases.live(ref.lease_id) and lease.expires_at == pytest.approx(40.0)
+    assert d.stats().sessions_live == 1 and d.stalls_excused == 1 and d.stalled_seconds == 30.0
+    d.check()
+    now[0] = 39.0  # 9 s of silence in all that the daemon was running to hear: not yet
+    d.sweep()
+    assert d.inbox.status("r").state is TransferState.RECEIVING and d.stats().sessions_live == 1
+    now[0] = 40.5  # 10.5 s: the sender is silent past its timeout, the session past its TTL
+    d.sweep()
+    st = d.inbox.status("r")
+    assert st.state is TransferState.FAILED and "stopped answering for 10.5 s" in st.reason, st  # 4 s before the stall, 6.5 after
+    assert d.stats().sessions_live == 0
+    now[0] = 42.0  # the RECV lease was the failed transfer's fence (1 s): gone with it
+    d.sweep()
+    assert not d.leases.live(ref.lease_id) and "r" not in d.pool.request_ids
+    d.check()
+
+
+def test_a_stall_does_not_revive_what_had_run_out_before_it():
+    """A lease whose TTL ran out before the stall stays expired once the stall is excused (its
+    deadline moves by the stall, still before now)."""
+    d, ds, now, ref, _ = _clocked_receiver()
+    other, _ = d.acquire_lease(ds, "r", LeaseKind.SEND, ttl=1.0)
+    now[0] = 3.0  # expired at 1.0, not swept yet
+    d.sweep(stalled_s=1.5)
+    assert not d.leases.live(other.lease_id) and d.leases.live(ref.lease_id)
+    d.check()
+
+
 @pytest.mark.parametrize("how", ["close", "release"])
 def test_a_receiving_request_ended_mid_transfer_is_fenced_and_its_sender_told(how):
     """Issue 13 part 3b: closing the session (or releasing the RECV lease) of a request still

@@ -157,14 +157,16 @@ def test_settle_heap_freezes_what_lives_and_still_collects_garbage():
 
     try:
         frozen = settle_heap()
-        assert frozen == gc.get_freeze_count() > 10_000  # pytest, torch, grpc: all of it
+        # Other threads of this worker (daemons of earlier tests winding down) may free frozen
+        # objects meanwhile: the count only drops that way, by a little.
+        assert frozen > 10_000 and frozen * 0.99 <= gc.get_freeze_count() <= frozen  # pytest, torch, grpc: all of it
         a, b = Node(), Node()
         a.other, b.other = b, a  # a cycle: only the collector frees it
         dead = weakref.ref(a)
         del a, b
         gc.collect()
         assert dead() is None
-        assert gc.get_freeze_count() == frozen  # collections leave the frozen alone
+        assert frozen * 0.99 <= gc.get_freeze_count() <= frozen  # collections leave the frozen alone (unfrozen: 0)
     finally:
         gc.unfreeze()
 

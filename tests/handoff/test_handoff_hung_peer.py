@@ -181,3 +181,28 @@ def test_a_hung_sender_fails_the_wait_in_time_and_wedges_nothing(procs):
     for c in (p, d, other):
         c.close()
     _settled(procs)
+
+
+def test_a_receiver_that_hung_itself_does_not_blame_its_sender(procs):
+    """The decode daemon itself stopped (SIGSTOP: CPU-throttled, paused, its VM descheduled) for
+    longer than the peer timeout, while its sender kept beating: resumed, it must not fail the
+    transfer for a silence it was not running to hear. The Send then lands."""
+    p, d = procs.prefill.connect("prefill-engine"), procs.decode.connect("decode-engine")
+    _, lease = d.allocate_recv("paused", TOKENS)
+    p.allocate("paused", TOKENS, ticket=lease.ticket)
+    dk.wait_for(lambda: d.wait_ready("paused", 0).state is TransferState.RECEIVING, 5, "the receiver to accept the ticket")
+    decode_pid = procs.decode.t.proc.pid
+    proc_kit.stop(decode_pid)
+    try:
+        time.sleep(2.5 * hk.PEER_TIMEOUT_S)
+    finally:
+        os.kill(decode_pid, signal.SIGCONT)
+    time.sleep(0.5)  # a few of its sweeps, and the sender's beats, since it resumed
+    st = d.wait_ready("paused", 0)
+    assert st.state is TransferState.RECEIVING, f"resumed, the receiver failed a live sender's transfer: {st}"
+    p.send("paused", lease.ticket, free=True)
+    assert d.wait_ready("paused", 10).state is READY
+    d.free("paused")
+    for c in (p, d):
+        c.close()
+    _settled(procs)
