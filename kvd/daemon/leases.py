@@ -105,6 +105,12 @@ class LeaseTable:
         lease.expires_at = self.clock() + lease.ttl
         return True
 
+    def postpone(self, seconds: float) -> None:
+        """Move every lease's deadline ``seconds`` later (the process did not run that long:
+        :meth:`Node.sweep`'s ``stalled_s``). One that ran out before the pause stays run out."""
+        for lease in self._leases.values():
+            lease.expires_at += seconds
+
     def release(self, lease_id: int) -> Lease:
         lease = self.get(lease_id)
         self._forget(lease)

@@ -321,8 +321,7 @@ class Node:
         now = self.clock()
         for s in self._sessions.values():
             s.last_seen = min(now, s.last_seen + stalled_s)
-        for lease in self.leases.all():
-            lease.expires_at += stalled_s  # one expired before the stall stays expired
+        self.leases.postpone(stalled_s)
         self.inbox.excuse(stalled_s)
         self.stalls_excused += 1
         self.stalled_seconds += stalled_s

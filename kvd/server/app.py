@@ -69,6 +69,8 @@ _HANDLE_CLIENTS = 64
 #: A sweep this much later than due means the process did not run meanwhile (Node.sweep's
 #: stalled_s); a busy host makes sweeps late by milliseconds, a pause or a CPU quota by more.
 STALL_S = 0.1
+#: ... and one this long is worth a warning in the log (shorter ones only count in kvd_stalls).
+STALL_WARN_S = 1.0
 
 
 def validate(settings: Settings, handle_path: str | None = None, peer_path: str | None = None) -> Layout:
@@ -418,10 +420,10 @@ class Daemon:
         while not self._stop.wait(max(0.0, due - time.monotonic())):
             # Woken much later than due: this process did not run meanwhile, and what its clients
             # and senders sent then waits unread. The node moves their silences on by that much.
-            late = time.monotonic() - due
-            due = time.monotonic() + interval
+            now = time.monotonic()
+            late, due = now - due, now + interval
             try:
-                if late >= 1.0:
+                if late >= STALL_WARN_S:
                     log.warning("the daemon did not run for %.2f s (paused, or CPU-throttled: see kvd_stalled_seconds); "
                                 "its clients' and senders' silences and deadlines are moved on by as much", late)
                 leases, sessions = self.node.sweep(late if late > STALL_S else 0.0)
