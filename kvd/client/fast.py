@@ -37,7 +37,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvd import errors as E
-from kvd.ipc.frames import EVICTED, HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
+from kvd.ipc.frames import EVICTED, HEAD, HELLO, MAX_FRAME, MAX_REQUEST, OK, frame, read_frame
 from kvd.ipc.unix_socket import recv_exact
 from kvd.memory.doorbells import DoorbellView
 from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, fast_path
@@ -120,11 +120,11 @@ def _again(method: str, request: Message, data: bytes, t0: float) -> bytes:
 
 def _body(method: str, request: Message) -> bytes:
     """The request serialised; RESOURCE_EXHAUSTED (without kvd's metadata: a transport limit, as a
-    gRPC channel refuses it) when it is over the frame limit, before anything is sent."""
+    gRPC channel refuses it) when it is over the daemon's request limit, before anything is sent."""
     body = request.SerializeToString()
-    if len(body) > MAX_FRAME:
+    if len(body) > MAX_REQUEST:
         _raise(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-               f"{method}: a request of {len(body):,d} bytes exceeds the engine socket's {MAX_FRAME:,d}-byte limit", {})
+               f"{method}: a request of {len(body):,d} bytes exceeds the daemon's {MAX_REQUEST:,d}-byte limit; send less per call", {})
     return body
 
 

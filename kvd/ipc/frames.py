@@ -4,7 +4,7 @@ The peer socket (:mod:`kvd.server.peer_socket`: a sender's calls to a receiving 
 engine socket (:mod:`kvd.server.engine_socket`: an engine's calls to its own daemon) carry the
 v1 protobuf messages of their gRPC services unchanged, one per frame, both ways::
 
-    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian, at most MAX_FRAME)
+    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian; see MAX_REQUEST, MAX_FRAME)
 
 A request's kind is its method id (each transport's table); a reply's kind is :data:`OK` (the
 rpc's response) or :data:`REFUSED` (a ``PeerStatus``: code, message and metadata of
@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 
 from kvd.ipc.unix_socket import recv_exact, recv_rest
 
-__all__ = ["HEAD", "HELLO", "OK", "REFUSED", "EVICTED", "MAX_FRAME", "frame", "read_head", "read_frame"]
+__all__ = ["HEAD", "HELLO", "OK", "REFUSED", "EVICTED", "MAX_FRAME", "MAX_REQUEST", "frame", "read_head", "read_frame"]
 
 HEAD = struct.Struct(">IB")
 #: Kind of the first frame of a connection, both ways.
@@ -34,9 +34,15 @@ OK, REFUSED = 0, 1
 #: Reply kind of a connection closed to make room (:class:`kvd.server.framed.FramedServer`): the
 #: request it answers was never read.
 EVICTED = 2
-#: The largest frame either side reads: the gRPC server's message limit, so a message that fits a
-#: gRPC call fits here too.
+#: The largest reply a client reads (and a daemon sends), on these sockets and over gRPC: a
+#: daemon's answer lists what it holds (GetActivity, GetVectors of many requests).
 MAX_FRAME = 64 << 20
+#: The largest request a daemon reads, on these sockets and over gRPC (grpc's own default
+#: receive limit), which kvd's clients check before they send. A request is ids, counts and
+#: short strings: 4 MiB is some 14,000 request ids of the longest kind. The bound is what a
+#: flood of calls can make a daemon hold: each call being read costs about five times its
+#: request in copies (transport, bytes, message, strings), and gRPC reads one per thread.
+MAX_REQUEST = 4 << 20
 
 
 def frame(kind: int, msg: Message) -> bytes:

@@ -43,13 +43,13 @@ from kvd.pool.pool import Pool
 from kvd.pool.models import load_model
 from kvd.pool.presets import load_layout
 from kvd.server.handles import ArenaHandles
-from kvd.server.lanes import Lanes, keepalive_options
+from kvd.server.lanes import FLOOD_OPTIONS, Lanes, keepalive_options
 from kvd.server.metrics import Metrics
 from kvd.server.peer_calls import PeerCalls
 from kvd.handoff.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.engine_socket import EngineSocketServer, fast_path
-from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
+from kvd.server.peer_socket import MAX_FRAME, MAX_REQUEST, PeerSocketServer
 from kvd.server.signals import StopSignals
 from kvd.server.service import GRPC_WORKERS, Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
@@ -283,8 +283,9 @@ class Daemon:
             lanes.main,
             interceptors=[lanes.interceptor(), metrics.interceptor()],
             options=[
-                ("grpc.max_receive_message_length", MAX_FRAME), ("grpc.max_send_message_length", MAX_FRAME),
+                ("grpc.max_receive_message_length", MAX_REQUEST), ("grpc.max_send_message_length", MAX_FRAME),
                 *keepalive_options(settings.grpc_keepalive_s),
+                *FLOOD_OPTIONS,
             ],
         )
         addresses: list[str] = []

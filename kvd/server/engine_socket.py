@@ -131,7 +131,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     acts for none yet (before its hello or OpenSession) is closed after ``timeout`` without a
     frame; a frame once begun must arrive within ``timeout`` (the bound:
     :class:`~kvd.server.framed.FramedServer`). A caller that sends garbage gets an
-    INVALID_ARGUMENT refusal, a frame over MAX_FRAME a RESOURCE_EXHAUSTED one, as over gRPC (and,
+    INVALID_ARGUMENT refusal, a request over MAX_REQUEST a RESOURCE_EXHAUSTED one, as over gRPC (and,
     when the stream can no longer be followed, the connection closes); neither stops the server.
     ``group``: the socket file group-writable (``group_access``), as the gRPC one
     (:class:`~kvd.server.framed.FramedServer`). A connection's state is the session it acts for."""
@@ -229,7 +229,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         """The reply frame to one call whose head was read (its body is read here), the
         session id an OpenSession opened ("" otherwise), the method's name and status code
         name for the books, and the work the handler deferred past the reply."""
-        body = self._body(conn, n)  # Close for a body over MAX_FRAME
+        body = self._body(conn, n)  # Close for a body over MAX_REQUEST
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         sid = ""

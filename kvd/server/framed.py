@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import ClassVar, Generic, TypeVar
 
 from kvd.errors import Code, Unavailable
-from kvd.ipc.frames import EVICTED, MAX_FRAME, REFUSED, frame, read_head
+from kvd.ipc.frames import EVICTED, MAX_REQUEST, REFUSED, frame, read_head
 from kvd.ipc.unix_socket import UnixServer, recv_rest
 from kvd.rpc.convert import status_to_pb
 from kvd.v1 import kvd_pb2 as pb
@@ -31,9 +31,9 @@ __all__ = ["BODY_BUDGET", "BUSY_RETRY_S", "Close", "FramedServer", "exhausted", 
 S = TypeVar("S")
 
 #: Bytes of frame bodies one server reads at once across its connections (past what each
-#: body's first recv brings): four of the largest frames. Without it every connection could
-#: park a MAX_FRAME body (256 engine-socket connections: 16 GiB).
-BODY_BUDGET = 4 * MAX_FRAME
+#: body's first recv brings): sixteen of the largest requests. Without it every connection could
+#: park a MAX_REQUEST body (256 engine-socket connections: 1 GiB).
+BODY_BUDGET = 16 * MAX_REQUEST
 
 #: A refusal for want of a connection slot says to retry after this long (Unavailable's
 #: ``retry_after_s``): the server is up, so a client keeps what it knows of it (its doorbells).
@@ -167,10 +167,10 @@ class FramedServer(UnixServer, Generic[S]):
         with): its first bytes within ``timeout`` of the head, the rest within ``timeout`` of
         those, one deadline however finely they are split (TimeoutError: the caller is dropped).
         Close (RESOURCE_EXHAUSTED, as gRPC refuses a message over its limit) for a body over
-        MAX_FRAME, or one that would pass ``body_budget``."""
-        if n > MAX_FRAME:  # refused unread, so the stream cannot be followed past it
+        MAX_REQUEST, or one that would pass ``body_budget``."""
+        if n > MAX_REQUEST:  # refused unread, so the stream cannot be followed past it
             raise Close(exhausted(
-                f"{self.label}: a frame of {n:,d} bytes exceeds the {MAX_FRAME:,d}-byte limit (gRPC's message limit too); "
+                f"{self.label}: a request of {n:,d} bytes exceeds the {MAX_REQUEST:,d}-byte limit (gRPC's too); "
                 "send less per call"))
         first = conn.recv(n) if n else b""  # under the socket's timeout, set after the head
         return first if len(first) == n else self._rest(conn, first, n)

@@ -1,4 +1,5 @@
-"""The gRPC server's threads by service, and how it drops clients that stopped answering.
+"""The gRPC server's threads by service, how it drops clients that stopped answering, and what calls
+waiting for a thread may hold.
 
 grpcio's sync server runs every call on a thread of a pool, from before its request is read to its
 last reply, so a call whose client sends nothing holds a thread for as long as the client waits.
@@ -6,7 +7,7 @@ With one pool for everything, 16 such calls took the daemon's whole gRPC surface
 streams left open (grpcurl, grpcui or any tool that browses the API keeps one per session), or 16
 unary calls whose request never came (a client stopped mid-send, or one line of any gRPC
 client), and the kubelet's gRPC probe, peers' Commits and every engine call over gRPC waited.
-Two defences, used together by :class:`~kvd.server.app.Daemon`:
+Three defences, used together by :class:`~kvd.server.app.Daemon`:
 
 * **Lanes.** kvd's own services keep the main pool; the health service and reflection each get a
   pool of their own (grpcio's per-behaviour ``experimental_thread_pool``, which ``grpc_health``
@@ -15,6 +16,13 @@ Two defences, used together by :class:`~kvd.server.app.Daemon`:
 * **Keepalive.** The server pings every connection with calls in flight each ``keepalive_s``
   and closes one whose client does not answer within as long (gRPC's default waits two hours):
   a stopped, frozen or vanished client's calls end and give their threads back.
+* **Bounded reads** (:data:`FLOOD_OPTIONS`). gRPC's transport reads a call's request before a
+  thread takes the call, as far as the stream's flow-control window lets it, and its BDP probe
+  grows that window: 400 calls of 4 MB each queued behind busy threads had a test server hold
+  1.1 GB. With the probe off a queued call holds at most its stream's first 64 KiB (0.23 GB for
+  the same 400), and the calls being served hold their requests (at most
+  :data:`~kvd.ipc.frames.MAX_REQUEST` each). kvd's messages are small: the probe is for bulk
+  streams.
 
 What these do not cover: a live client that holds calls open on purpose can still take the main
 pool's threads (the network policy in the chart is the defence there). grpcio's asyncio server
@@ -30,7 +38,7 @@ from typing import Any
 
 import grpc
 
-__all__ = ["HEALTH_THREADS", "REFLECTION_THREADS", "Lanes", "keepalive_options"]
+__all__ = ["FLOOD_OPTIONS", "HEALTH_THREADS", "REFLECTION_THREADS", "Lanes", "keepalive_options"]
 
 #: Threads of the health service's lane: probes and Watch streams' updates (Watch holds none).
 #: As many as the main pool had for everything: a client that holds health checks open must hold
@@ -39,6 +47,9 @@ HEALTH_THREADS = 16
 #: Threads of reflection's lane: at most this many reflection streams are served at once, the
 #: rest wait for one to close.
 REFLECTION_THREADS = 4
+
+#: gRPC server options that keep a queued call's request out of the daemon until a thread reads it.
+FLOOD_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 _HEALTH = "grpc.health.v1.Health"
 _REFLECTION = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")

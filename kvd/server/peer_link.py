@@ -26,10 +26,13 @@ from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 from kvd.rpc.convert import TOKEN_KEY, grpc_target, ref_to_pb
 
-__all__ = ["DaemonPeerLink", "PATHS"]
+__all__ = ["DaemonPeerLink", "HEARTBEAT_REFS", "PATHS"]
 
 #: How a call went: the label of ``kvd_peer_calls_total``.
 PATHS = ("socket", "grpc")
+#: Transfers named per Heartbeat call: as many of the longest refs (~300 bytes) take ~1.3 MB,
+#: well under the request limit a receiver reads (kvd.ipc.frames.MAX_REQUEST).
+HEARTBEAT_REFS = 4096
 
 
 class DaemonPeerLink:
@@ -147,9 +150,13 @@ class DaemonPeerLink:
         self._call(address, "AbortSend", pb.PeerAbortRequest(ref=ref_to_pb(ref), reason=clip(reason, MAX_REASON_BYTES)))
 
     def heartbeat(self, address: str, sender: str, refs: list[TransferRef], via: SocketRoute | None = None) -> list[int]:
-        req = pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs])
-        r = cast(pb.HeartbeatResponse, self._call(address, "Heartbeat", req, via))
-        return list(r.dead_lease_ids)
+        """One Heartbeat call per :data:`HEARTBEAT_REFS` of ``refs`` (one call when there are none):
+        the dead leases of them all."""
+        dead: list[int] = []
+        for i in range(0, max(len(refs), 1), HEARTBEAT_REFS):
+            req = pb.HeartbeatRequest(sender=sender, refs=[ref_to_pb(x) for x in refs[i:i + HEARTBEAT_REFS]])
+            dead.extend(cast(pb.HeartbeatResponse, self._call(address, "Heartbeat", req, via)).dead_lease_ids)
+        return dead
 
     def transfer_metadata(self, address: str, agent: str) -> bytes:
         """The receiver's data-plane metadata for ``agent`` (backend=nixl), over gRPC."""

@@ -15,7 +15,7 @@ AbortSend, from the receiver to the sender, stays on gRPC.
 Frames, both ways, carry the v1 protobuf messages of the Peer service -- no serialisation of
 their own::
 
-    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian, at most MAX_FRAME)
+    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian, a request at most MAX_REQUEST)
 
     caller                                              daemon (a thread per connection)
     ── kind 0: PeerHello {token, boot_id} ──────────▶  boot_id not ours: answer, close
@@ -60,12 +60,12 @@ from kvd.records import PeerSocketStats
 from kvd.server.framed import Close, FramedServer, refusal
 from kvd.server.peer_calls import PeerCalls
 from kvd.rpc.status import code_from_int
-from kvd.ipc.frames import HELLO, MAX_FRAME, OK, REFUSED, frame, read_head
+from kvd.ipc.frames import HELLO, MAX_FRAME, MAX_REQUEST, OK, REFUSED, frame, read_head
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import parse_request, status_to_pb
 
 __all__ = [
-    "HELLO", "OK", "REFUSED", "MAX_FRAME", "MAX_HELLO", "MAX_CONNECTIONS", "METHODS", "METHOD_IDS", "Method",
+    "HELLO", "OK", "REFUSED", "MAX_FRAME", "MAX_REQUEST", "MAX_HELLO", "MAX_CONNECTIONS", "METHODS", "METHOD_IDS", "Method",
     "PeerSocketServer", "frame", "read_head",
 ]
 
@@ -122,7 +122,7 @@ class PeerSocketServer(FramedServer[None]):
     connection is authenticated once, by its hello, then serves calls until the caller closes
     it; it may idle without limit (callers pool them), but a frame once begun must arrive within
     ``timeout``. A caller that sends garbage gets an InvalidArgument refusal, a frame over
-    MAX_FRAME a RESOURCE_EXHAUSTED one, as over gRPC (and, when the stream can no longer be
+    MAX_REQUEST a RESOURCE_EXHAUSTED one, as over gRPC (and, when the stream can no longer be
     followed, the connection closes); one that vanishes mid-frame is dropped; neither stops the
     server (:class:`~kvd.server.framed.FramedServer`).
 
@@ -180,7 +180,7 @@ class PeerSocketServer(FramedServer[None]):
     def _answer(self, conn: socket.socket, n: int, kind: int) -> tuple[bytes, Callable[[], None]]:
         """The reply frame to one call frame whose head was read (its body is read here), and
         what to run once it is sent."""
-        body = self._body(conn, n)  # Close for a body over MAX_FRAME
+        body = self._body(conn, n)  # Close for a body over MAX_REQUEST
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         then = _nothing

@@ -29,7 +29,7 @@ from kvd.server.peer_calls import PeerCalls
 from kvd.server.framed import BUSY_RETRY_S
 from kvd.server import peer_conns
 from kvd.server.peer_conns import PeerConnections
-from kvd.server.peer_socket import HELLO, MAX_FRAME, MAX_HELLO, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
+from kvd.server.peer_socket import HELLO, MAX_HELLO, MAX_REQUEST, METHOD_IDS, OK, REFUSED, PeerSocketServer, frame, read_head
 from kvd.ipc.unix_socket import recv_exact
 from kvd.v1 import kvd_pb2 as pb
 import weakref
@@ -229,12 +229,12 @@ def test_a_string_over_its_bound_is_refused_before_the_handler(node, server, req
 
 def test_an_oversized_frame_is_refused_and_the_connection_closed(server):
     s, _, _ = _raw(server)
-    s.sendall(struct.pack(">IB", MAX_FRAME + 1, COMMIT))
+    s.sendall(struct.pack(">IB", MAX_REQUEST + 1, COMMIT))
     status, body = _reply(s)
     exc = _refusal(body)
     # RESOURCE_EXHAUSTED without kvd's error class: a transport's limit, as gRPC refuses a message
     # over its limit (a plain KvdError, never CapacityError: the pool's memory is not the problem)
-    assert status == REFUSED and type(exc) is E.KvdError and f"exceeds the {MAX_FRAME:,d}-byte limit" in str(exc)
+    assert status == REFUSED and type(exc) is E.KvdError and f"exceeds the {MAX_REQUEST:,d}-byte limit" in str(exc)
     assert str(exc).startswith("RESOURCE_EXHAUSTED: ") and "send less per call" in str(exc), exc
     assert _closed(s), "the rest of the stream cannot be followed: the server closes"
     s.close()

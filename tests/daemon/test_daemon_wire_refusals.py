@@ -17,8 +17,11 @@ from daemon_kit import Target, expect, expect_rpc, rid, start_inproc, stop_inpro
 from google.protobuf.message import DecodeError
 
 from kvd import errors as E
-from kvd.records import SocketRoute
+from kvd.client import Client
+from kvd.ipc.frames import MAX_REQUEST
+from kvd.records import SocketRoute, TransferRef
 from kvd.server.peer_conns import PeerConnections
+from kvd.server.peer_link import HEARTBEAT_REFS, DaemonPeerLink
 from kvd.server.peer_socket import HELLO, METHODS, OK, REFUSED, frame, read_head
 from kvd.rpc.status import from_rpc_error
 from kvd.ipc.unix_socket import recv_exact
@@ -176,16 +179,30 @@ def test_refusals_quoting_long_strings_stay_under_the_metadata_limit(inproc):
     assert c.free(wide) == 1
 
 
-def test_grpc_own_resource_exhausted_is_a_transport_error_not_capacity(inproc):
-    """A message over the 64 MiB limit: the client's gRPC refuses to send it, the daemon's refuses
-    to read it. Both are RESOURCE_EXHAUSTED without kvd's metadata: a plain KvdError naming the
-    code, never CapacityError (an engine would wait for memory). The daemon serves on."""
-    c = inproc.connect(name="big")
-    big = b"\0" * ((64 << 20) + 1)
-    with pytest.raises(E.KvdError) as info:
-        c.echo(big)  # refused by the client's own channel
-    assert type(info.value) is E.KvdError and str(info.value).startswith("RESOURCE_EXHAUSTED: ")
-    assert isinstance(info.value.__cause__, grpc.RpcError) and info.value.__cause__.code() == C.RESOURCE_EXHAUSTED
+def test_grpc_own_resource_exhausted_is_a_transport_error_not_capacity(tmp_path):
+    """A request over the daemon's limit (MAX_REQUEST, 4 MiB): the client's gRPC refuses to send
+    it, the daemon's refuses to read it. Both are RESOURCE_EXHAUSTED without kvd's metadata: a
+    plain KvdError naming the code, never CapacityError (an engine would wait for memory). One
+    at the limit is served, over both transports; the daemon serves on."""
+    inproc = start_inproc(tmp_path)
+    try:
+        _over_the_request_limit(inproc, inproc.connect(name="big", transport="grpc"), inproc.connect(name="big-fast", transport="fast"))
+        inproc.check()
+    finally:
+        stop_inproc(inproc)
+
+
+def _over_the_request_limit(inproc: Target, c: Client, fast: Client) -> None:
+    at = pb.EchoRequest(payload=b"\1" * (MAX_REQUEST - 8))
+    while at.ByteSize() < MAX_REQUEST:
+        at.payload += b"\1"
+    assert at.ByteSize() == MAX_REQUEST and c.echo(at.payload) == at.payload and fast.echo(at.payload) == at.payload
+    big = at.payload + b"\1"
+    for client in (c, fast):
+        with pytest.raises(E.KvdError) as info:
+            client.echo(big)  # refused by the client itself
+        assert type(info.value) is E.KvdError and str(info.value).startswith("RESOURCE_EXHAUSTED: "), info.value
+    assert isinstance(info.value, E.KvdError) and "send less per call" in str(info.value)
     with grpc.insecure_channel(inproc.tcp, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
         echo = ch.unary_unary("/kvd.v1.Kvd/Echo", request_serializer=pb.EchoRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as raw:
@@ -194,4 +211,25 @@ def test_grpc_own_resource_exhausted_is_a_transport_error_not_capacity(inproc):
     assert err.code() == C.RESOURCE_EXHAUSTED and "kvd-error" not in dict(err.trailing_metadata() or ())
     back = from_rpc_error(err)
     assert type(back) is E.KvdError and not isinstance(back, E.CapacityError) and "not the pool's capacity" in str(back)
-    assert c.echo(b"still here") == b"still here"
+    assert c.echo(b"still here") == b"still here" and fast.echo(b"still here") == b"still here"
+
+
+def test_a_heartbeat_naming_more_transfers_than_one_request_holds_goes_in_parts(tmp_path):
+    """A sender with many transfers to one receiver names them all in its heartbeat; past what
+    one request may carry (MAX_REQUEST) the receiver would refuse the whole beat, and every
+    transfer would look dead to it. The link sends them HEARTBEAT_REFS at a time, and the
+    answer names the dead of them all (here every one: the receiver knows none)."""
+    refs = [TransferRef("b" * 36, i, f"{i:0250d}") for i in range(1, 15_001)]
+    whole = pb.HeartbeatRequest(sender="s" * 256, refs=[pb.TransferRef(boot_id=r.boot_id, lease_id=r.lease_id, rid=r.rid) for r in refs])
+    assert whole.ByteSize() > MAX_REQUEST
+    inproc = start_inproc(tmp_path)
+    link = DaemonPeerLink(timeout=30.0)
+    try:
+        assert sorted(link.heartbeat(inproc.tcp, "s" * 256, refs)) == [r.lease_id for r in refs]
+        assert link.calls() == {("Heartbeat", "grpc"): -(-len(refs) // HEARTBEAT_REFS)}
+        assert link.heartbeat(inproc.tcp, "s", []) == []  # none: still one beat (the sender is alive)
+        assert link.calls()[("Heartbeat", "grpc")] == -(-len(refs) // HEARTBEAT_REFS) + 1
+        inproc.check()
+    finally:
+        link.close()
+        stop_inproc(inproc)

@@ -630,7 +630,7 @@ def test_a_body_dripped_byte_by_byte_is_cut_off_within_its_deadline(inproc):
 
 
 def test_bodies_read_at_once_are_bounded_across_connections(inproc):
-    """Each connection could park a body of up to MAX_FRAME; the bytes of bodies being read in
+    """Each connection could park a body of up to MAX_REQUEST; the bytes of bodies being read in
     pieces at once have one budget across connections: a body that would pass it is refused
     RESOURCE_EXHAUSTED and its connection closed; a body that comes whole is never counted."""
     es = _short_timeout(inproc, 3.0)
@@ -743,13 +743,13 @@ def test_stop_joins_its_connections_against_one_deadline(inproc, monkeypatch):
 def test_a_frame_over_the_limit_is_resource_exhausted_as_over_grpc(inproc):
     """gRPC refuses a message over its limit RESOURCE_EXHAUSTED, and so does the client before it
     sends (kvd.client.fast); a raw caller hears the same from the daemon, told what to change."""
-    from kvd.ipc.frames import MAX_FRAME
+    from kvd.ipc.frames import MAX_REQUEST
 
     with _raw(inproc) as s:
-        s.sendall(HEAD.pack(MAX_FRAME + 1, METHOD_IDS["Allocate"]))
+        s.sendall(HEAD.pack(MAX_REQUEST + 1, METHOD_IDS["Allocate"]))
         st = _status(s)
         assert st.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], st
-        assert f"exceeds the {MAX_FRAME:,d}-byte limit" in st.message and "send less per call" in st.message, st
+        assert f"exceeds the {MAX_REQUEST:,d}-byte limit" in st.message and "send less per call" in st.message, st
         assert not st.metadata, "a transport's limit, not the pool's capacity"
         assert _closed_within(s, 3.0), "the body is not read: the stream cannot be followed past it"
 

@@ -70,7 +70,7 @@ import handoff_kit as hk  # noqa: E402
 
 from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
-from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, OK, frame, read_frame
+from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, MAX_REQUEST, OK, frame, read_frame
 from kvd.rpc.convert import SESSION_KEY, TOKEN_KEY
 from kvd.rpc.engine_wire import METHOD_IDS as ENGINE_IDS
 from kvd.rpc.engine_wire import fast_path
@@ -641,7 +641,7 @@ class SocketWire:
             body = r.randbytes(r.choice([0, 3, 64]))
             data += good(len(body), kind) + body
         elif what == "over-limit":
-            data += HEAD.pack(r.choice([MAX_FRAME + 1, 2**32 - 1]), r.choice(list(ids.values()))) + r.randbytes(16)
+            data += HEAD.pack(r.choice([MAX_REQUEST + 1, MAX_FRAME + 1, 2**32 - 1]), r.choice(list(ids.values()))) + r.randbytes(16)
         elif what == "truncated":
             f = a_frame(READ_ONLY if svc == "Kvd" else list(ids))
             data += f[: r.randrange(1, len(f))]

@@ -18,10 +18,11 @@ from typing import Any
 
 import grpc
 import proc_kit
-from daemon_kit import start_inproc, stop_inproc
+from daemon_kit import start_inproc, start_subproc, stop_inproc, stop_subproc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvd.ipc.frames import MAX_REQUEST
 from kvd.server.lanes import REFLECTION_THREADS
 from kvd.server.service import GRPC_WORKERS
 from kvd.v1 import kvd_pb2 as pb
@@ -171,3 +172,45 @@ def test_a_stopped_clients_calls_give_back_kvds_threads_within_the_keepalive(tmp
         p.kill()
         p.wait(10)
         stop_inproc(t)
+
+
+def _rss(pid: int) -> int:
+    """Resident bytes of process ``pid``."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_calls_queued_behind_busy_threads_do_not_bring_their_requests_into_the_daemon(tmp_path):
+    """gRPC reads a call's request before a thread takes it, as far as flow control lets it, and
+    its BDP probe widened the window until queued calls' whole requests sat in the daemon: a
+    flood of calls with large requests behind busy threads grew it by their sum (64 calls of
+    4 MB: ~256 MB). With the probe off each queued call holds at most its stream's first window.
+    Once the threads are free every queued call is served, its request whole."""
+    queued, size = 64, MAX_REQUEST - 64
+    t = start_subproc(tmp_path)
+    assert t.proc is not None
+
+    def echo(ch: grpc.Channel, requests: Iterator[object]) -> Any:
+        call = ch.stream_unary("/kvd.v1.Kvd/Echo", request_serializer=bytes, response_deserializer=pb.EchoResponse.FromString)
+        return call.future(requests)
+
+    channels = [grpc.insecure_channel(t.tcp, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(8)]
+    try:
+        with _holding(t.tcp, echo) as (held, release):
+            time.sleep(0.5)  # every held call reached a thread
+            before = _rss(t.proc.pid)
+            payloads = [bytes([i]) * size for i in range(queued)]
+            futures = [pb_grpc.KvdStub(channels[i % len(channels)]).Echo.future(pb.EchoRequest(payload=p), timeout=120)
+                       for i, p in enumerate(payloads)]
+            time.sleep(3.0)  # the clients send what the windows let them
+            grown = _rss(t.proc.pid) - before
+            assert not any(f.done() for f in futures), "the queued calls wait for a thread"
+            assert grown < 64 << 20, f"{queued} queued calls of {size:,d} bytes grew the daemon by {grown / 2**20:.0f} MiB"
+            release.set()
+            for i, f in enumerate(futures):
+                assert f.result(timeout=120).payload == payloads[i], f"call {i} answered with another payload"
+        print(f"\n{queued} queued calls of {size:,d} bytes grew the daemon by {grown / 2**20:.1f} MiB")
+    finally:
+        for ch in channels:
+            ch.close()
+        stop_subproc(t)
