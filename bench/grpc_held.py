@@ -42,8 +42,8 @@ from kvd.v1 import kvd_pb2_grpc as pb_grpc  # noqa: E402
 
 SCENARIOS = ("none", "reflection", "no request", "stopped")
 
-# The holding client: opens the calls, says "ready", then waits to be killed.
-_HOLDER = r"""
+# The holding client: opens the calls, says "ready", then waits to be killed (grpc_flood.py takes it too).
+HOLDER = r"""
 import sys, threading, grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 address, kind, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -93,7 +93,7 @@ def run(root: str, kind: str, held: int, window: float) -> dict[str, list[tuple[
     try:
         assert d.tcp
         if kind != "none":
-            holder = subprocess.Popen([sys.executable, "-c", _HOLDER, d.tcp, "reflection" if kind == "reflection" else "echo", str(held)],
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, d.tcp, "reflection" if kind == "reflection" else "echo", str(held)],
                                       stdout=subprocess.PIPE, text=True)
             assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
             time.sleep(0.5)  # its calls reached the daemon's threads
