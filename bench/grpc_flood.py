@@ -27,6 +27,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -51,7 +53,7 @@ def _mem(pid: int) -> tuple[float, float]:
     return d["VmRSS"], d["VmHWM"]
 
 
-def _settle(futures: list[grpc.Future]) -> dict[str, int]:
+def _settle(futures: Sequence[Any]) -> dict[str, int]:
     """How the calls ended: status code name -> count."""
     out: dict[str, int] = {}
     for f in futures:
@@ -68,6 +70,7 @@ def flood(root: str, kind: str, calls: int, mib: float) -> tuple[float, float, f
     """(RSS before, RSS when measured, peak, outcomes) of one scenario, MiB."""
     d = BenchDaemon.spawn("--listen-tcp", "127.0.0.1:0", root=root).wait_ready()
     holder = None
+    futures: list[Any]
     channels = [grpc.insecure_channel(d.tcp or "", options=_BIG) for _ in range(8)]
     try:
         time.sleep(0.5)
