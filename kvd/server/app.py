@@ -9,6 +9,7 @@ in-flight calls for ``grace_s`` and releases the arena.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -45,13 +46,13 @@ from kvd.pool.presets import load_layout
 from kvd.server.handles import ArenaHandles
 from kvd.server.lanes import FLOOD_OPTIONS, Lanes, keepalive_options
 from kvd.server.metrics import Metrics
-from kvd.server.peer_calls import PeerCalls
+from kvd.server.peer_calls import PeerCalls, token_ok
 from kvd.handoff.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.engine_socket import EngineSocketServer, fast_path
 from kvd.server.peer_socket import MAX_FRAME, MAX_REQUEST, PeerSocketServer
 from kvd.server.signals import StopSignals
-from kvd.server.service import GRPC_WORKERS, Endpoint, KvdService, PeerService, add_to_server
+from kvd.server.service import GRPC_WORKERS, TOKEN_KEY, Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
 from kvd.v1 import kvd_pb2 as pb
 
@@ -277,7 +278,7 @@ class Daemon:
             node.on_backing_change.append(handle_server.notify)
         # Health and reflection on pools of their own, and clients that stop answering dropped:
         # kvd.server.lanes says what held every gRPC thread before.
-        lanes = Lanes(GRPC_WORKERS)
+        lanes = Lanes(GRPC_WORKERS, peer=functools.partial(token_ok, settings.peer_token), token_key=TOKEN_KEY)
         _undo(undo, "the gRPC thread pools", lanes.close)
         server = grpc.server(
             lanes.main,

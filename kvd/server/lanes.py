@@ -9,10 +9,15 @@ unary calls whose request never came (a client stopped mid-send, or one line of 
 client), and the kubelet's gRPC probe, peers' Commits and every engine call over gRPC waited.
 Three defences, used together by :class:`~kvd.server.app.Daemon`:
 
-* **Lanes.** kvd's own services keep the main pool; the health service and reflection each get a
-  pool of their own (grpcio's per-behaviour ``experimental_thread_pool``, which ``grpc_health``
-  itself takes). Reflection streams then hold only reflection's threads, and a health check
-  never queues behind kvd's calls.
+* **Lanes.** kvd's engine-facing service keeps the main pool; the health service, reflection and
+  the Peer service each get a pool of their own (grpcio's per-behaviour ``experimental_thread_pool``,
+  which ``grpc_health`` itself takes). Reflection streams then hold only reflection's threads, a
+  health check never queues behind kvd's calls, and peers' Commits and heartbeats never queue
+  behind engines' calls (a client holding the main pool would otherwise fail every transfer
+  other daemons send here). A Peer call whose metadata lacks the peer token (where one is set)
+  runs on a pool of two threads of its own, where the handler refuses it as before: calls
+  without the token cannot hold the peers' threads. The lane is picked before a thread is taken
+  (from the call's metadata, which arrives before its request).
 * **Keepalive.** The server pings every connection with calls in flight each ``keepalive_s``
   and closes one whose client does not answer within as long (gRPC's default waits two hours):
   a stopped, frozen or vanished client's calls end and give their threads back.
@@ -25,20 +30,22 @@ Three defences, used together by :class:`~kvd.server.app.Daemon`:
   streams.
 
 What these do not cover: a live client that holds calls open on purpose can still take the main
-pool's threads (the network policy in the chart is the defence there). grpcio's asyncio server
-reads requests without a thread, but on this code's 2-core VMs it cost 0.3-0.9 ms more per call
+pool's threads, so engines' calls over gRPC wait (peers' calls and probes do not); and with no
+peer token set, anyone who reaches the port can hold the peer lane the same way (the chart's
+network policy and a peer token are the defences). grpcio's asyncio server reads requests
+without a thread, but on this code's 2-core VMs it cost 0.3-0.9 ms more per call
 (docs/benchmarks.md), which peers' cross-host Commits would pay on every handoff.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
-__all__ = ["FLOOD_OPTIONS", "HEALTH_THREADS", "REFLECTION_THREADS", "Lanes", "keepalive_options"]
+__all__ = ["FLOOD_OPTIONS", "HEALTH_THREADS", "PEER_THREADS", "REFLECTION_THREADS", "STRANGER_THREADS", "Lanes", "keepalive_options"]
 
 #: Threads of the health service's lane: probes and Watch streams' updates (Watch holds none).
 #: As many as the main pool had for everything: a client that holds health checks open must hold
@@ -47,11 +54,17 @@ HEALTH_THREADS = 16
 #: Threads of reflection's lane: at most this many reflection streams are served at once, the
 #: rest wait for one to close.
 REFLECTION_THREADS = 4
+#: Threads of the Peer service's lane: other daemons' CheckTicket, Commit, Heartbeat and aborts
+#: over gRPC (each a lookup; a same-host sender uses the peer socket instead).
+PEER_THREADS = 16
+#: Threads that refuse Peer calls without the peer token.
+STRANGER_THREADS = 2
 
 #: gRPC server options that keep a queued call's request out of the daemon until a thread reads it.
 FLOOD_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 _HEALTH = "grpc.health.v1.Health"
+_PEER = "kvd.v1.Peer"
 _REFLECTION = ("grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection")
 
 
@@ -73,32 +86,47 @@ def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
 
 class Lanes:
     """The gRPC server's thread pools: ``main`` (kvd's services: give it to ``grpc.server``),
-    and the health service's and reflection's own, which :meth:`interceptor` routes their calls
-    to. Shut down with :meth:`close` after the server stopped."""
+    and the health service's, reflection's and the Peer service's own, which :meth:`interceptor`
+    routes their calls to. ``peer``: whether a Peer call presenting this token (its ``token_key``
+    metadata, "" when absent) is from a peer (:func:`kvd.server.peer_calls.token_ok`); the others
+    go to ``strangers``. Shut down with :meth:`close` after the server stopped."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, *, peer: Callable[[str], bool], token_key: str) -> None:
         self.main = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvd-rpc")
         self.health = ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="kvd-rpc-health")
         self.reflection = ThreadPoolExecutor(max_workers=REFLECTION_THREADS, thread_name_prefix="kvd-rpc-reflection")
+        self.peer = ThreadPoolExecutor(max_workers=PEER_THREADS, thread_name_prefix="kvd-rpc-peer")
+        self.strangers = ThreadPoolExecutor(max_workers=STRANGER_THREADS, thread_name_prefix="kvd-rpc-stranger")
         self._by_service = {_HEALTH: self.health, **{name: self.reflection for name in _REFLECTION}}
+        self._is_peer = peer
+        self._token_key = token_key
 
     def interceptor(self) -> grpc.ServerInterceptor:
-        """The interceptor that puts each call on its service's pool. List it first in the
-        server's interceptors, so it sees the handler the others made."""
-        return _LaneInterceptor(self._by_service)
+        """The interceptor that puts each call on its lane's pool. List it first in the server's
+        interceptors, so it sees the handler the others made."""
+        return _LaneInterceptor(self)
+
+    def pool_for(self, method: str, metadata: Iterable[tuple[str, Any]]) -> ThreadPoolExecutor | None:
+        """The pool a call of ``method`` ("/service/Method") with ``metadata`` runs on; None: the
+        main pool (the server's own)."""
+        service = method.lstrip("/").split("/", 1)[0]
+        if service == _PEER:
+            token = next((v for k, v in metadata if k == self._token_key), "")
+            return self.peer if isinstance(token, str) and self._is_peer(token) else self.strangers
+        return self._by_service.get(service)
 
     def close(self) -> None:
-        for pool in (self.main, self.health, self.reflection):
+        for pool in (self.main, self.health, self.reflection, self.peer, self.strangers):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _LaneInterceptor(grpc.ServerInterceptor):
-    def __init__(self, by_service: dict[str, ThreadPoolExecutor]) -> None:
-        self._by_service = by_service
+    def __init__(self, lanes: Lanes) -> None:
+        self._lanes = lanes
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(handler_call_details)
-        pool = self._by_service.get(handler_call_details.method.lstrip("/").split("/", 1)[0])
+        pool = self._lanes.pool_for(handler_call_details.method, handler_call_details.invocation_metadata or ())
         if handler is None or pool is None:
             return handler
         return _on_pool(handler, pool)

@@ -21,7 +21,14 @@ from kvd.handoff.ticket import Issuer, Tickets
 from kvd.v1 import kvd_pb2 as pb
 from kvd.rpc.convert import TOKEN_KEY, ref_from_pb
 
-__all__ = ["PeerCalls"]
+__all__ = ["PeerCalls", "token_ok"]
+
+
+def token_ok(configured: str | None, presented: str) -> bool:
+    """Whether a caller presenting ``presented`` is a peer: it is the ``configured`` peer token,
+    or none is configured. Constant-time: the socket answers a wrong token at once, so timing
+    must not leak a prefix."""
+    return not configured or hmac.compare_digest(presented.encode(), configured.encode())
 
 
 class PeerCalls:
@@ -39,8 +46,7 @@ class PeerCalls:
     def authorize(self, presented: str) -> None:
         """PermissionDenied unless ``presented`` is the configured peer token (anything goes
         when none is configured). Changes nothing."""
-        # Constant-time: the socket answers a wrong token at once, so timing must not leak a prefix.
-        if self.token and not hmac.compare_digest(presented.encode(), self.token.encode()):
+        if not token_ok(self.token, presented):
             raise PermissionDenied(
                 f"peer call without the right peer token ({TOKEN_KEY!r} metadata over gRPC, the hello over the peer "
                 "socket); configure the same peer_token on both daemons"

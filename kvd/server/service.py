@@ -55,12 +55,13 @@ __all__ = ["GRPC_WAIT_SLOTS", "GRPC_WORKERS", "KvdService", "PeerService", "SESS
 
 log = logging.getLogger("kvd.server")
 
-#: Threads serving the gRPC server's calls (every kvd and Peer call over gRPC, health checks).
+#: Threads serving the engine-facing Kvd service over gRPC (health, reflection and Peer calls
+#: have lanes of their own: kvd.server.lanes).
 GRPC_WORKERS = 16
 #: Of those, at most this many block in a WaitReady at once. Every wait beyond them is refused
 #: (Unavailable, retry after GRPC_WAIT_RETRY_S) unless its transfer is over already: before, 16
-#: blocked waits took every thread, and health checks, heartbeats (sessions reaped for silence)
-#: and peers' calls waited behind them.
+#: blocked waits took every thread, and engines' other calls and heartbeats (sessions reaped for
+#: silence) waited behind them.
 GRPC_WAIT_SLOTS = 8
 GRPC_WAIT_RETRY_S = 0.2
 T = TypeVar("T")

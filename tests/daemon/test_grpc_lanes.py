@@ -18,13 +18,14 @@ from typing import Any
 
 import grpc
 import proc_kit
+import pytest
 from daemon_kit import start_inproc, start_subproc, stop_inproc, stop_subproc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvd.ipc.frames import MAX_REQUEST
 from kvd.server.lanes import REFLECTION_THREADS
-from kvd.server.service import GRPC_WORKERS
+from kvd.server.service import GRPC_WORKERS, TOKEN_KEY
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -214,3 +215,42 @@ def test_calls_queued_behind_busy_threads_do_not_bring_their_requests_into_the_d
         for ch in channels:
             ch.close()
         stop_subproc(t)
+
+
+def _heartbeat(address: str, token: str, timeout: float = 1.0) -> None:
+    """A peer's Heartbeat over gRPC, on a connection of its own, answered within ``timeout``."""
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
+        pb_grpc.PeerStub(ch).Heartbeat(pb.HeartbeatRequest(sender="peer"), timeout=timeout, metadata=((TOKEN_KEY, token),))
+
+
+def test_peers_calls_answer_while_engine_calls_or_calls_without_the_token_hold_threads(tmp_path):
+    """Peers' Commits and heartbeats run on a lane of their own: calls that hold the engine-facing
+    pool (a live client's calls whose request never comes) no longer hold them up, and neither do
+    Peer calls that lack the peer token, which run apart and are refused as before."""
+
+    def echo(ch: grpc.Channel, requests: Iterator[object]) -> Any:
+        call = ch.stream_unary("/kvd.v1.Kvd/Echo", request_serializer=bytes, response_deserializer=pb.EchoResponse.FromString)
+        return call.future(requests)
+
+    def stranger(ch: grpc.Channel, requests: Iterator[object]) -> Any:
+        call = ch.stream_unary("/kvd.v1.Peer/Heartbeat", request_serializer=bytes, response_deserializer=pb.HeartbeatResponse.FromString)
+        return call.future(requests, metadata=((TOKEN_KEY, "not-it"),))
+
+    t = start_inproc(tmp_path, peer_token="s3cret")
+    try:
+        for hold in (echo, stranger):
+            with _holding(t.tcp, hold) as (futures, release):
+                time.sleep(0.5)  # every call reached a thread
+                assert not any(f.done() for f in futures)
+                _heartbeat(t.tcp, "s3cret")
+                _health_answers(t.tcp)
+                release.set()
+                for f in futures:
+                    assert isinstance(f.exception(timeout=10), grpc.RpcError)
+        with grpc.insecure_channel(t.tcp) as ch, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.PeerStub(ch).Heartbeat(pb.HeartbeatRequest(sender="peer"), timeout=5, metadata=((TOKEN_KEY, "not-it"),))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED and "peer token" in (refused.value.details() or "")
+        _serving(t.tcp)
+        t.check()
+    finally:
+        stop_inproc(t)
