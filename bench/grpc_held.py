@@ -13,8 +13,9 @@ that holds ``--held`` gRPC calls open (more than the daemon's 16 gRPC threads):
 * ``stopped``: the same, then the client SIGSTOPped (paused, frozen, its host gone quiet).
 
 Meanwhile this process probes every 0.1 s for ``--window`` seconds, on a connection of its own:
-a health check (what the kubelet's gRPC probe sends) and a kvd ``Echo`` (standing for any kvd call
-over gRPC: a peer's Commit, an engine's Allocate), each with a 1 s deadline. Reported per probe:
+a health check (what the kubelet's gRPC probe sends), a kvd ``Echo`` (standing for an engine's
+call over gRPC: an Allocate, a Free) and a Peer ``Heartbeat`` (standing for another daemon's
+calls: its Commits, CheckTickets and heartbeats), each with a 1 s deadline. Reported per probe:
 the share answered within the deadline, the median of those answered, and how long after the
 hold began the first one was answered.
 """
@@ -69,14 +70,16 @@ never.wait()
 
 def probe(address: str, window: float) -> dict[str, list[tuple[float, float | None]]]:
     """(time since start, latency or None) per probe kind, every 0.1 s for ``window`` s."""
-    out: dict[str, list[tuple[float, float | None]]] = {"health": [], "kvd": []}
+    out: dict[str, list[tuple[float, float | None]]] = {"health": [], "kvd": [], "peer": []}
     with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as ch:
         check = health_pb2_grpc.HealthStub(ch).Check
         echo = pb_grpc.KvdStub(ch).Echo
+        beat = pb_grpc.PeerStub(ch).Heartbeat
         t0 = time.monotonic()
         while time.monotonic() - t0 < window:
             for name, call in (("health", lambda: check(health_pb2.HealthCheckRequest(), timeout=1)),
-                               ("kvd", lambda: echo(pb.EchoRequest(payload=b"x"), timeout=1))):
+                               ("kvd", lambda: echo(pb.EchoRequest(payload=b"x"), timeout=1)),
+                               ("peer", lambda: beat(pb.HeartbeatRequest(sender="probe"), timeout=1))):
                 s = time.monotonic()
                 try:
                     call()
@@ -109,7 +112,7 @@ def run(root: str, kind: str, held: int, window: float) -> dict[str, list[tuple[
 
 def row(tree: str, kind: str, got: dict[str, list[tuple[float, float | None]]]) -> str:
     cells = []
-    for name in ("health", "kvd"):
+    for name in ("health", "kvd", "peer"):
         xs = got[name]
         ok = [lat for _, lat in xs if lat is not None]
         first = next((t for t, lat in xs if lat is not None), None)
@@ -126,8 +129,9 @@ def main() -> None:
     args = ap.parse_args()
     trees = [("this", ROOT)] + ([("base", os.path.abspath(args.baseline_tree))] if args.baseline_tree else [])
     print(f"kvd gRPC under {args.held} held calls; probes every 0.1 s for {args.window:g} s, 1 s deadline")
-    print("| tree | held | health: answered | health: median ms | health: first after s | kvd Echo: answered | kvd Echo: median ms | kvd Echo: first after s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| tree | held | health: answered | health: median ms | health: first after s | kvd Echo: answered | kvd Echo: median ms "
+          "| kvd Echo: first after s | Peer Heartbeat: answered | Peer Heartbeat: median ms | Peer Heartbeat: first after s |")
+    print("|---|---|" + "---:|" * 9)
     for kind in args.only or SCENARIOS:
         for name, root in trees:
             window = args.window if kind == "stopped" else min(args.window, 3.0)
