@@ -143,11 +143,17 @@ class Settings(BaseSettings):
         description="the gRPC server pings each connection with calls in flight this often and drops one that does not "
         "answer within as long: a stopped or vanished client's calls end and free their threads (gRPC's default: 2 hours)",
     )
+    max_request_bytes: int = Field(
+        4 << 20, ge=2 << 20, le=64 << 20,
+        description="the largest request the daemon reads, over gRPC and its sockets (more: RESOURCE_EXHAUSTED, unread). "
+        "It bounds what a flood of calls can make the daemon hold (about six times this per call being read). Raise it "
+        "for tickets of very long requests in small pages: a ticket names ~4 bytes per page of each group",
+    )
     grace_s: float = Field(5.0, ge=0, le=300, description="on SIGTERM: seconds to drain in-flight calls before stopping")
     peer_token: str | None = Field(None, description="shared secret peer daemons must present (metadata kvd-token)")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="log verbosity")
 
-    _size = field_validator("arena_bytes", "reserve_bytes", mode="before")(lambda cls, v: None if v is None else parse_bytes(v))
+    _size = field_validator("arena_bytes", "reserve_bytes", "max_request_bytes", mode="before")(lambda cls, v: None if v is None else parse_bytes(v))
 
     @field_validator("listen_unix", "listen_tcp", "handle_socket", mode="after")
     @classmethod

@@ -31,7 +31,7 @@ import grpc
 from kvd.client.attach import Attachment, _attach
 from kvd.client.bells import Bells
 from kvd.errors import InvalidArgument, KvdError, NotFound, SessionGone, Unavailable
-from kvd.ipc.frames import MAX_FRAME, MAX_REQUEST
+from kvd.ipc.frames import MAX_FRAME
 from kvd.memory.doorbells import DoorbellView
 from kvd.pool.layout import Layout
 from kvd.records import (
@@ -539,8 +539,8 @@ def _again_or_raise(method: str, first: Any, exc: grpc.RpcError, t0: float) -> t
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_FRAME),
-    # The daemon reads no more (kvd.ipc.frames): refused here, before a byte is sent.
-    ("grpc.max_send_message_length", MAX_REQUEST),
+    # No daemon reads more (kvd.ipc.frames; its own max_request_bytes is at most this).
+    ("grpc.max_send_message_length", MAX_FRAME),
     # After the daemon restarts, a client (or a new one: by default channels share connections
     # process-wide) must reach it within a second, not after gRPC's reconnect backoff, which
     # grows to 2 minutes while the old client's heartbeats keep failing.

@@ -37,7 +37,7 @@ import grpc
 from google.protobuf.message import Message
 
 from kvd import errors as E
-from kvd.ipc.frames import EVICTED, HEAD, HELLO, MAX_FRAME, MAX_REQUEST, OK, frame, read_frame
+from kvd.ipc.frames import EVICTED, HEAD, HELLO, MAX_FRAME, OK, REFUSED, frame, read_frame
 from kvd.ipc.unix_socket import recv_exact
 from kvd.memory.doorbells import DoorbellView
 from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, fast_path
@@ -118,13 +118,26 @@ def _again(method: str, request: Message, data: bytes, t0: float) -> bytes:
     return HEAD.pack(len(body), METHOD_IDS[method]) + body
 
 
+def _last_words(s: socket.socket) -> tuple[int, bytes]:
+    """The reply kind and body a daemon sent before it closed a connection whose request it did
+    not read: a refusal (a request over its max_request_bytes, refused from its head) or
+    EVICTED; else nothing of the request was read (:data:`_UNSENT`, sent again as after EVICTED)."""
+    try:
+        s.settimeout(0.1)  # written before the close, so already here
+        kind, body = read_frame(s, MAX_FRAME)
+    except (OSError, ConnectionError):
+        return EVICTED, _UNSENT
+    return (kind, body) if kind in (REFUSED, EVICTED) else (EVICTED, _UNSENT)
+
+
 def _body(method: str, request: Message) -> bytes:
     """The request serialised; RESOURCE_EXHAUSTED (without kvd's metadata: a transport limit, as a
-    gRPC channel refuses it) when it is over the daemon's request limit, before anything is sent."""
+    gRPC channel refuses it) when it is over what any daemon reads, before anything is sent (the
+    daemon refuses one over its own ``max_request_bytes`` the same way, unread)."""
     body = request.SerializeToString()
-    if len(body) > MAX_REQUEST:
+    if len(body) > MAX_FRAME:
         _raise(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-               f"{method}: a request of {len(body):,d} bytes exceeds the daemon's {MAX_REQUEST:,d}-byte limit; send less per call", {})
+               f"{method}: a request of {len(body):,d} bytes exceeds the {MAX_FRAME:,d}-byte limit of any daemon; send less per call", {})
     return body
 
 
@@ -233,7 +246,7 @@ class FastChannel:
     def _put(self, s: socket.socket, sid: str) -> None:
         """Back to the pool after its call: only a connection of the current session, up to KEEP."""
         with self._lock:
-            if self._closed or len(self._free) >= KEEP or sid != self.session_id:
+            if self._closed or len(self._free) >= KEEP or sid != self.session_id or s.fileno() < 0:
                 s.close()
             else:
                 self._free.append((s, sid))
@@ -251,9 +264,10 @@ class FastChannel:
             s.settimeout(timeout)
             try:
                 s.sendall(data)
-            except BrokenPipeError:  # closed by the daemon before this write: nothing of it was read
+            except (BrokenPipeError, ConnectionResetError):  # closed by the daemon before it read this write
+                kind, reply = _last_words(s)
                 s.close()
-                return s, sid, EVICTED, _UNSENT
+                return s, sid, kind, reply
             kind, reply = read_frame(s, MAX_FRAME)
         except E.KvdError:
             raise

@@ -37,11 +37,13 @@ EVICTED = 2
 #: The largest reply a client reads (and a daemon sends), on these sockets and over gRPC: a
 #: daemon's answer lists what it holds (GetActivity, GetVectors of many requests).
 MAX_FRAME = 64 << 20
-#: The largest request a daemon reads, on these sockets and over gRPC (grpc's own default
-#: receive limit), which kvd's clients check before they send. A request is ids, counts and
-#: short strings: 4 MiB is some 14,000 request ids of the longest kind. The bound is what a
-#: flood of calls can make a daemon hold: each call being read costs about five times its
-#: request in copies (transport, bytes, message, strings), and gRPC reads one per thread.
+#: The largest request a daemon reads by default (its ``max_request_bytes``), on these sockets
+#: and over gRPC: gRPC's own default receive limit. A request is ids, counts, short strings and
+#: tickets (~4 bytes per page of each group): 4 MiB is some 14,000 request ids of the longest
+#: kind, or a ticket of a million pages. The bound is what a flood of calls can make a daemon
+#: hold: each call being read costs about five times its request in copies (transport, bytes,
+#: message, strings), and gRPC reads one per thread. Clients check requests against
+#: :data:`MAX_FRAME`, the most any daemon may be set to read.
 MAX_REQUEST = 4 << 20
 
 

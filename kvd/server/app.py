@@ -50,7 +50,7 @@ from kvd.server.peer_calls import PeerCalls, token_ok
 from kvd.handoff.ticket import Tickets
 from kvd.server.peer_link import DaemonPeerLink
 from kvd.server.engine_socket import EngineSocketServer, fast_path
-from kvd.server.peer_socket import MAX_FRAME, MAX_REQUEST, PeerSocketServer
+from kvd.server.peer_socket import MAX_FRAME, PeerSocketServer
 from kvd.server.signals import StopSignals
 from kvd.server.service import GRPC_WORKERS, TOKEN_KEY, Endpoint, KvdService, PeerService, add_to_server
 from kvd.ipc.unix_socket import check_path, open_to_group
@@ -276,15 +276,15 @@ class Daemon:
             _undo(undo, "the handle socket", handle_server.stop)
             # After the generation moved: watchers (peers' backends) ask again before the next write.
             node.on_backing_change.append(handle_server.notify)
-        # Health and reflection on pools of their own, and clients that stop answering dropped:
-        # kvd.server.lanes says what held every gRPC thread before.
+        # Health, reflection and peers' calls on pools of their own, clients that stop answering
+        # dropped, requests bounded: kvd.server.lanes says what held every gRPC thread before.
         lanes = Lanes(GRPC_WORKERS, peer=functools.partial(token_ok, settings.peer_token), token_key=TOKEN_KEY)
         _undo(undo, "the gRPC thread pools", lanes.close)
         server = grpc.server(
             lanes.main,
             interceptors=[lanes.interceptor(), metrics.interceptor()],
             options=[
-                ("grpc.max_receive_message_length", MAX_REQUEST), ("grpc.max_send_message_length", MAX_FRAME),
+                ("grpc.max_receive_message_length", settings.max_request_bytes), ("grpc.max_send_message_length", MAX_FRAME),
                 *keepalive_options(settings.grpc_keepalive_s),
                 *FLOOD_OPTIONS,
             ],
@@ -359,7 +359,8 @@ class Daemon:
         tickets = Tickets(node, endpoint.issuer)
         calls = PeerCalls(node, settings.peer_token, outbox, tickets)
         if peer_path:  # before any ticket can name it
-            peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s).start()
+            peer_server = PeerSocketServer(peer_path, calls, pool.boot_id, timeout=settings.peer_timeout_s,
+                                           max_request=settings.max_request_bytes).start()
             _undo(undo, "the peer socket", peer_server.stop)
             metrics.collector.peer_socket = peer_server
         if backend is not None:
@@ -377,7 +378,7 @@ class Daemon:
             engine_server = EngineSocketServer(
                 fast_path(os.path.abspath(settings.listen_unix)), kvd_service, group=settings.group_access,
                 observe=lambda method, code, s: metrics.rpc_seconds.labels(method, code).observe(s),  # one series for both transports
-                doorbells=doorbells,
+                doorbells=doorbells, max_request=settings.max_request_bytes,
             ).start()
             _undo(undo, "the engine socket", engine_server.stop)
             endpoint.engine_socket = engine_server.path  # advertised in Session and PoolInfo

@@ -46,7 +46,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError
-from kvd.ipc.frames import HELLO, OK, REFUSED, frame
+from kvd.ipc.frames import HELLO, MAX_REQUEST, OK, REFUSED, frame
 from kvd.ipc.unix_socket import hung_up
 from kvd.memory.doorbells import SLOT_BYTES, Doorbells
 from kvd.rpc.convert import IDS_KEY, IDS_LE, SESSION_KEY, parse_request, status_to_pb
@@ -131,7 +131,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
     acts for none yet (before its hello or OpenSession) is closed after ``timeout`` without a
     frame; a frame once begun must arrive within ``timeout`` (the bound:
     :class:`~kvd.server.framed.FramedServer`). A caller that sends garbage gets an
-    INVALID_ARGUMENT refusal, a request over MAX_REQUEST a RESOURCE_EXHAUSTED one, as over gRPC (and,
+    INVALID_ARGUMENT refusal, a request over ``max_request`` a RESOURCE_EXHAUSTED one, as over gRPC (and,
     when the stream can no longer be followed, the connection closes); neither stops the server.
     ``group``: the socket file group-writable (``group_access``), as the gRPC one
     (:class:`~kvd.server.framed.FramedServer`). A connection's state is the session it acts for."""
@@ -144,8 +144,9 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
 
     def __init__(self, path: str, service: KvdService, *, timeout: float = 5.0, max_connections: int = MAX_CONNECTIONS,
                  group: bool = False, observe: Callable[[str, str, float], None] | None = None,
-                 doorbells: Doorbells | None = None) -> None:
-        super().__init__(path, "fast_socket", "engine calls", timeout=timeout, max_connections=max_connections, group=group)
+                 doorbells: Doorbells | None = None, max_request: int = MAX_REQUEST) -> None:
+        super().__init__(path, "fast_socket", "engine calls", timeout=timeout, max_connections=max_connections, group=group,
+                         max_request=max_request)
         self.service = service
         self.doorbells = doorbells  # handed out read-only (kind DOORBELLS); None: refused
         #: called with (method, status code name, seconds) after each call: the daemon's RPC latency histogram
@@ -229,7 +230,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
         """The reply frame to one call whose head was read (its body is read here), the
         session id an OpenSession opened ("" otherwise), the method's name and status code
         name for the books, and the work the handler deferred past the reply."""
-        body = self._body(conn, n)  # Close for a body over MAX_REQUEST
+        body = self._body(conn, n)  # Close for a body over max_request
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         sid = ""

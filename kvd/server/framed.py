@@ -26,14 +26,14 @@ from kvd.ipc.unix_socket import UnixServer, recv_rest
 from kvd.rpc.convert import status_to_pb
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["BODY_BUDGET", "BUSY_RETRY_S", "Close", "FramedServer", "exhausted", "refusal"]
+__all__ = ["BODY_BUDGET_REQUESTS", "BUSY_RETRY_S", "Close", "FramedServer", "exhausted", "refusal"]
 
 S = TypeVar("S")
 
 #: Bytes of frame bodies one server reads at once across its connections (past what each
-#: body's first recv brings): sixteen of the largest requests. Without it every connection could
-#: park a MAX_REQUEST body (256 engine-socket connections: 1 GiB).
-BODY_BUDGET = 16 * MAX_REQUEST
+#: body's first recv brings), in its largest requests: without it every connection could park
+#: one (256 engine-socket connections of 4 MiB: 1 GiB).
+BODY_BUDGET_REQUESTS = 16
 
 #: A refusal for want of a connection slot says to retry after this long (Unavailable's
 #: ``retry_after_s``): the server is up, so a client keeps what it knows of it (its doorbells).
@@ -110,11 +110,12 @@ class FramedServer(UnixServer, Generic[S]):
     log: ClassVar[logging.Logger]
 
     def __init__(self, path: str, setting: str, serves: str, *, timeout: float, max_connections: int, group: bool = False,
-                 body_budget: int = BODY_BUDGET) -> None:
+                 max_request: int = MAX_REQUEST) -> None:
         super().__init__(path, setting, serves, group=group)
         self.timeout = timeout
         self.max_connections = max_connections
-        self.body_budget = body_budget
+        self.max_request = max_request
+        self.body_budget = BODY_BUDGET_REQUESTS * max_request
         self._reading = 0  # bytes of the bodies being read in pieces now (under _lock)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -167,11 +168,11 @@ class FramedServer(UnixServer, Generic[S]):
         with): its first bytes within ``timeout`` of the head, the rest within ``timeout`` of
         those, one deadline however finely they are split (TimeoutError: the caller is dropped).
         Close (RESOURCE_EXHAUSTED, as gRPC refuses a message over its limit) for a body over
-        MAX_REQUEST, or one that would pass ``body_budget``."""
-        if n > MAX_REQUEST:  # refused unread, so the stream cannot be followed past it
+        ``max_request``, or one that would pass ``body_budget``."""
+        if n > self.max_request:  # refused unread, so the stream cannot be followed past it
             raise Close(exhausted(
-                f"{self.label}: a request of {n:,d} bytes exceeds the {MAX_REQUEST:,d}-byte limit (gRPC's too); "
-                "send less per call"))
+                f"{self.label}: a request of {n:,d} bytes exceeds this daemon's {self.max_request:,d}-byte limit "
+                "(max_request_bytes, over gRPC too); send less per call"))
         first = conn.recv(n) if n else b""  # under the socket's timeout, set after the head
         return first if len(first) == n else self._rest(conn, first, n)
 

@@ -25,8 +25,8 @@ Three defences, used together by :class:`~kvd.server.app.Daemon`:
   thread takes the call, as far as the stream's flow-control window lets it, and its BDP probe
   grows that window: 400 calls of 4 MB each queued behind busy threads had a test server hold
   1.1 GB. With the probe off a queued call holds at most its stream's first 64 KiB (0.23 GB for
-  the same 400), and the calls being served hold their requests (at most
-  :data:`~kvd.ipc.frames.MAX_REQUEST` each). kvd's messages are small: the probe is for bulk
+  the same 400), and the calls being served hold their requests (at most the daemon's
+  ``max_request_bytes`` each, 4 MiB by default). kvd's messages are small: the probe is for bulk
   streams.
 
 What these do not cover: a live client that holds calls open on purpose can still take the main
@@ -85,7 +85,7 @@ def keepalive_options(keepalive_s: float) -> list[tuple[str, int]]:
 
 
 class Lanes:
-    """The gRPC server's thread pools: ``main`` (kvd's services: give it to ``grpc.server``),
+    """The gRPC server's thread pools: ``main`` (the engine-facing Kvd service: give it to ``grpc.server``),
     and the health service's, reflection's and the Peer service's own, which :meth:`interceptor`
     routes their calls to. ``peer``: whether a Peer call presenting this token (its ``token_key``
     metadata, "" when absent) is from a peer (:func:`kvd.server.peer_calls.token_ok`); the others

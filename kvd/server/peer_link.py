@@ -31,7 +31,7 @@ __all__ = ["DaemonPeerLink", "HEARTBEAT_REFS", "PATHS"]
 #: How a call went: the label of ``kvd_peer_calls_total``.
 PATHS = ("socket", "grpc")
 #: Transfers named per Heartbeat call: as many of the longest refs (~300 bytes) take ~1.3 MB,
-#: well under the request limit a receiver reads (kvd.ipc.frames.MAX_REQUEST).
+#: under the least request a receiver may be set to read (max_request_bytes: 2 MiB).
 HEARTBEAT_REFS = 4096
 
 

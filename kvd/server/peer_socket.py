@@ -15,7 +15,7 @@ AbortSend, from the receiver to the sender, stays on gRPC.
 Frames, both ways, carry the v1 protobuf messages of the Peer service -- no serialisation of
 their own::
 
-    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian, a request at most MAX_REQUEST)
+    [u32 n][u8 kind][n bytes: one protobuf message]          (n: big-endian, a request at most the daemon's max_request_bytes)
 
     caller                                              daemon (a thread per connection)
     ── kind 0: PeerHello {token, boot_id} ──────────▶  boot_id not ours: answer, close
@@ -122,7 +122,7 @@ class PeerSocketServer(FramedServer[None]):
     connection is authenticated once, by its hello, then serves calls until the caller closes
     it; it may idle without limit (callers pool them), but a frame once begun must arrive within
     ``timeout``. A caller that sends garbage gets an InvalidArgument refusal, a frame over
-    MAX_REQUEST a RESOURCE_EXHAUSTED one, as over gRPC (and, when the stream can no longer be
+    ``max_request`` a RESOURCE_EXHAUSTED one, as over gRPC (and, when the stream can no longer be
     followed, the connection closes); one that vanishes mid-frame is dropped; neither stops the
     server (:class:`~kvd.server.framed.FramedServer`).
 
@@ -134,8 +134,9 @@ class PeerSocketServer(FramedServer[None]):
     busy_hint = "use gRPC"
     log = log
 
-    def __init__(self, path: str, calls: PeerCalls, boot_id: str, *, timeout: float = 2.0, max_connections: int = MAX_CONNECTIONS) -> None:
-        super().__init__(path, "peer_socket", "peer calls", timeout=timeout, max_connections=max_connections)
+    def __init__(self, path: str, calls: PeerCalls, boot_id: str, *, timeout: float = 2.0, max_connections: int = MAX_CONNECTIONS,
+                 max_request: int = MAX_REQUEST) -> None:
+        super().__init__(path, "peer_socket", "peer calls", timeout=timeout, max_connections=max_connections, max_request=max_request)
         self.calls = calls
         self.boot_id = boot_id
 
@@ -180,7 +181,7 @@ class PeerSocketServer(FramedServer[None]):
     def _answer(self, conn: socket.socket, n: int, kind: int) -> tuple[bytes, Callable[[], None]]:
         """The reply frame to one call frame whose head was read (its body is read here), and
         what to run once it is sent."""
-        body = self._body(conn, n)  # Close for a body over MAX_REQUEST
+        body = self._body(conn, n)  # Close for a body over max_request
         m = METHODS.get(kind)
         name = m.name if m is not None else f"kind-{kind}"
         then = _nothing

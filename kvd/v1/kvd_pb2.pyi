@@ -19,8 +19,9 @@ Conventions
   and a proposed layout's JSON: at most 64 KiB.
   Longer is INVALID_ARGUMENT naming the field, its length and the limit. So is a request whose
   bytes do not parse as the method's message. Error messages quote at most 64 characters of any
-  caller's string and are at most 2048 bytes. A whole request is at most 4 MiB (gRPC's default
-  limit; more is RESOURCE_EXHAUSTED without "kvd-error": send less per call), a reply at most 64 MiB.
+  caller's string and are at most 2048 bytes. A whole request is at most the daemon's
+  max_request_bytes (4 MiB by default, gRPC's own limit; more is RESOURCE_EXHAUSTED without
+  "kvd-error", unread: send less per call), a reply at most 64 MiB.
 * What clients hold at once is bounded: 4,096 live sessions per daemon, 64 live leases per
   request. Beyond is RESOURCE_EXHAUSTED with "kvd-error" LimitReached (not the pool's
   CapacityError), nothing changed: close clients and release leases no longer used.

@@ -234,7 +234,7 @@ def test_an_oversized_frame_is_refused_and_the_connection_closed(server):
     exc = _refusal(body)
     # RESOURCE_EXHAUSTED without kvd's error class: a transport's limit, as gRPC refuses a message
     # over its limit (a plain KvdError, never CapacityError: the pool's memory is not the problem)
-    assert status == REFUSED and type(exc) is E.KvdError and f"exceeds the {MAX_REQUEST:,d}-byte limit" in str(exc)
+    assert status == REFUSED and type(exc) is E.KvdError and f"exceeds this daemon's {MAX_REQUEST:,d}-byte limit" in str(exc)
     assert str(exc).startswith("RESOURCE_EXHAUSTED: ") and "send less per call" in str(exc), exc
     assert _closed(s), "the rest of the stream cannot be followed: the server closes"
     s.close()

@@ -7,6 +7,7 @@ test_daemon_bad_inputs.py; the handle socket's refusals in tests/core/test_fdpas
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import struct
@@ -17,8 +18,8 @@ from daemon_kit import Target, expect, expect_rpc, rid, start_inproc, stop_inpro
 from google.protobuf.message import DecodeError
 
 from kvd import errors as E
-from kvd.client import Client
-from kvd.ipc.frames import MAX_REQUEST
+from kvd.client import AsyncClient, Client
+from kvd.ipc.frames import MAX_FRAME, MAX_REQUEST
 from kvd.records import SocketRoute, TransferRef
 from kvd.server.peer_conns import PeerConnections
 from kvd.server.peer_link import HEARTBEAT_REFS, DaemonPeerLink
@@ -180,38 +181,80 @@ def test_refusals_quoting_long_strings_stay_under_the_metadata_limit(inproc):
 
 
 def test_grpc_own_resource_exhausted_is_a_transport_error_not_capacity(tmp_path):
-    """A request over the daemon's limit (MAX_REQUEST, 4 MiB): the client's gRPC refuses to send
-    it, the daemon's refuses to read it. Both are RESOURCE_EXHAUSTED without kvd's metadata: a
-    plain KvdError naming the code, never CapacityError (an engine would wait for memory). One
-    at the limit is served, over both transports; the daemon serves on."""
+    """A request over the daemon's max_request_bytes (4 MiB by default) is refused by the daemon,
+    unread, over both transports; one over what any daemon reads (MAX_FRAME) by the client before
+    it is sent. All are RESOURCE_EXHAUSTED without kvd's metadata: a plain KvdError naming the
+    code, never CapacityError (an engine would wait for memory). One at the limit is served; the
+    daemon serves on."""
     inproc = start_inproc(tmp_path)
     try:
         _over_the_request_limit(inproc, inproc.connect(name="big", transport="grpc"), inproc.connect(name="big-fast", transport="fast"))
+        asyncio.run(_over_the_request_limit_async(inproc))
         inproc.check()
     finally:
         stop_inproc(inproc)
 
 
+def _echo_of(size: int) -> bytes:
+    """An Echo payload whose request is ``size`` bytes on the wire."""
+    req = pb.EchoRequest(payload=b"\1" * (size - 8))
+    while req.ByteSize() < size:
+        req.payload += b"\1"
+    assert req.ByteSize() == size
+    return req.payload
+
+
+def _transport_limit(call) -> E.KvdError:
+    with pytest.raises(E.KvdError) as info:
+        call()
+    assert type(info.value) is E.KvdError and str(info.value).startswith("RESOURCE_EXHAUSTED: "), info.value
+    return info.value
+
+
 def _over_the_request_limit(inproc: Target, c: Client, fast: Client) -> None:
-    at = pb.EchoRequest(payload=b"\1" * (MAX_REQUEST - 8))
-    while at.ByteSize() < MAX_REQUEST:
-        at.payload += b"\1"
-    assert at.ByteSize() == MAX_REQUEST and c.echo(at.payload) == at.payload and fast.echo(at.payload) == at.payload
-    big = at.payload + b"\1"
+    at = _echo_of(MAX_REQUEST)
+    assert c.echo(at) == at and fast.echo(at) == at
+    over = at + b"\1"
+    assert "Received message larger than max" in str(_transport_limit(lambda: c.echo(over)))  # the daemon's gRPC server
+    assert "max_request_bytes" in str(_transport_limit(lambda: fast.echo(over)))  # the engine socket, unread
+    huge = b"\1" * (MAX_FRAME + 1)
     for client in (c, fast):
-        with pytest.raises(E.KvdError) as info:
-            client.echo(big)  # refused by the client itself
-        assert type(info.value) is E.KvdError and str(info.value).startswith("RESOURCE_EXHAUSTED: "), info.value
-    assert isinstance(info.value, E.KvdError) and "send less per call" in str(info.value)
+        err = _transport_limit(lambda: client.echo(huge))  # refused by the client itself
+    assert isinstance(err.__cause__, grpc.RpcError) or "send less per call" in str(err)
     with grpc.insecure_channel(inproc.tcp, options=[("grpc.max_send_message_length", 128 << 20)]) as ch:
         echo = ch.unary_unary("/kvd.v1.Kvd/Echo", request_serializer=pb.EchoRequest.SerializeToString)
         with pytest.raises(grpc.RpcError) as raw:
-            echo(pb.EchoRequest(payload=big), timeout=30)  # refused by the daemon's server
+            echo(pb.EchoRequest(payload=over), timeout=30)  # refused by the daemon's server
     err = raw.value
     assert err.code() == C.RESOURCE_EXHAUSTED and "kvd-error" not in dict(err.trailing_metadata() or ())
     back = from_rpc_error(err)
     assert type(back) is E.KvdError and not isinstance(back, E.CapacityError) and "not the pool's capacity" in str(back)
     assert c.echo(b"still here") == b"still here" and fast.echo(b"still here") == b"still here"
+
+
+async def _over_the_request_limit_async(inproc: Target) -> None:
+    for transport in ("grpc", "fast"):
+        c = await AsyncClient.connect(inproc.unix, name=f"big-async-{transport}", transport=transport)
+        try:
+            with pytest.raises(E.KvdError) as info:
+                await c.echo(_echo_of(MAX_REQUEST) + b"\1")
+            assert type(info.value) is E.KvdError and str(info.value).startswith("RESOURCE_EXHAUSTED: "), info.value
+            assert await c.echo(b"still here") == b"still here"
+        finally:
+            await c.close()
+
+
+def test_max_request_bytes_raised_lets_larger_requests_through_both_transports(tmp_path):
+    """An operator whose tickets are larger (very long requests in small pages) raises
+    max_request_bytes: the daemon then reads requests up to it, over gRPC and the engine socket."""
+    inproc = start_inproc(tmp_path, max_request_bytes="8MiB")
+    try:
+        six = _echo_of(6 << 20)
+        for transport in ("grpc", "fast"):
+            assert inproc.connect(name=transport, transport=transport).echo(six) == six
+        inproc.check()
+    finally:
+        stop_inproc(inproc)
 
 
 def test_a_heartbeat_naming_more_transfers_than_one_request_holds_goes_in_parts(tmp_path):

@@ -87,15 +87,29 @@ def test_open_reflection_streams_hold_neither_kvds_calls_nor_health_checks(tmp_p
 
     try:
         with _holding(t.tcp, reflect, ask) as (calls, release):
-            for c in calls[:REFLECTION_THREADS]:  # served at once: the lane's threads
-                assert "kvd.v1.Kvd" in _services(next(c))
+            # Which streams reach the lane's threads first is the server's to say: read every
+            # stream's first answer on a thread of its own.
+            answers: list[set[str] | None] = [None] * len(calls)
+
+            def first(i: int) -> None:
+                answers[i] = _services(next(calls[i]))
+
+            readers = [threading.Thread(target=first, args=(i,), daemon=True) for i in range(len(calls))]
+            for r in readers:
+                r.start()
+            end = time.monotonic() + 10
+            while sum(a is not None for a in answers) < REFLECTION_THREADS and time.monotonic() < end:
+                time.sleep(0.02)
+            time.sleep(0.3)
+            assert sum(a is not None for a in answers) == REFLECTION_THREADS, "the lane serves its threads' worth at once"
             _serving(t.tcp)
             _serving(t.unix)
             release.set()
-            for c in calls[:REFLECTION_THREADS]:  # released: each ends after its one answer
+            for r in readers:  # the queued ones are served once threads are free
+                r.join(30)
+            assert all(a is not None and "kvd.v1.Kvd" in a for a in answers), answers
+            for c in calls:  # released: each ends after its one answer
                 assert list(c) == []
-            for c in calls[REFLECTION_THREADS:]:  # the queued ones are served once threads are free
-                assert ["kvd.v1.Kvd" in _services(r) for r in c] == [True]
         with grpc.insecure_channel(t.tcp) as ch:
             again = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter([ask]), timeout=2)
             assert "kvd.v1.Kvd" in _services(next(again))
