@@ -7,6 +7,8 @@ machine was while it measured (these VMs are noisy).
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import math
 import os
@@ -248,6 +250,16 @@ def _waiter_main(address: str, name: str) -> None:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(answer) + "\n")
     c.close()
+
+
+def add_baseline_tree(ap: argparse.ArgumentParser) -> None:
+    """``--baseline-tree DIR``: another checkout's kvd, run the same way in the same run."""
+    ap.add_argument("--baseline-tree", default=None, metavar="DIR", help="another checkout's kvd, run the same way")
+
+
+def trees(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(name, checkout root)`` to run: this one, then ``--baseline-tree``'s as "base"."""
+    return [("this", ROOT)] + ([("base", os.path.abspath(args.baseline_tree))] if args.baseline_tree else [])
 
 
 def cpu_set(spec: str) -> set[int]:

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
-from benchkit import BenchDaemon  # noqa: E402
+from benchkit import BenchDaemon, add_baseline_tree, trees  # noqa: E402
 from grpc_held import HOLDER  # noqa: E402
 
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
@@ -124,21 +124,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=64, help="calls per scenario (default: %(default)s)")
     ap.add_argument("--mib", type=float, default=3.9, help="MiB per request in queued and refused (default: %(default)s: under the 4 MiB limit)")
-    ap.add_argument("--baseline-tree", default=None, metavar="DIR", help="another checkout's kvd, run the same way")
+    add_baseline_tree(ap)
     ap.add_argument("--only", choices=SCENARIOS, action="append", help="run only these scenarios")
     args = ap.parse_args()
-    trees = [("this", ROOT)] + ([("base", os.path.abspath(args.baseline_tree))] if args.baseline_tree else [])
+    runs = trees(args)
     print(f"kvd gRPC under {args.calls} calls of large requests ({args.mib:g} MiB; oversized: 16 MiB); daemon memory in MiB")
     print("| tree | scenario | RSS before | grown when measured | peak over before | calls ended |")
     print("|---|---|---:|---:|---:|---|")
     for kind in args.only or SCENARIOS:
-        for name, root in trees:
+        for name, root in runs:
             before, now, peak, outcomes = flood(root, kind, args.calls, args.mib)
             ends = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
             print(f"| {name} | {kind} | {before:.0f} | {now - before:+.0f} | {peak - before:+.0f} | {ends} |", flush=True)
     print("\n| tree | 1-byte Echo over gRPC, p50 us |\n|---|---:|")
     for _ in range(2):  # in turn, twice: the VM's noise shows
-        for name, root in trees:
+        for name, root in runs:
             print(f"| {name} | {echo_p50(root):.0f} |", flush=True)
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpc  # noqa: E402
-from benchkit import BenchDaemon  # noqa: E402
+from benchkit import BenchDaemon, add_baseline_tree, trees  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
@@ -124,16 +124,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--held", type=int, default=20, help="calls the client holds (default: %(default)s; the daemon has 16 gRPC threads)")
     ap.add_argument("--window", type=float, default=25.0, help="seconds of probing per scenario (default: %(default)s: past the 10 s keepalive and its 10 s timeout)")
-    ap.add_argument("--baseline-tree", default=None, metavar="DIR", help="another checkout's kvd, run the same way")
+    add_baseline_tree(ap)
     ap.add_argument("--only", choices=SCENARIOS, action="append", help="run only these scenarios")
     args = ap.parse_args()
-    trees = [("this", ROOT)] + ([("base", os.path.abspath(args.baseline_tree))] if args.baseline_tree else [])
+    runs = trees(args)
     print(f"kvd gRPC under {args.held} held calls; probes every 0.1 s for {args.window:g} s, 1 s deadline")
     print("| tree | held | health: answered | health: median ms | health: first after s | kvd Echo: answered | kvd Echo: median ms "
           "| kvd Echo: first after s | Peer Heartbeat: answered | Peer Heartbeat: median ms | Peer Heartbeat: first after s |")
     print("|---|---|" + "---:|" * 9)
     for kind in args.only or SCENARIOS:
-        for name, root in trees:
+        for name, root in runs:
             window = args.window if kind == "stopped" else min(args.window, 3.0)
             print(row(name, kind, run(root, kind, args.held, window)), flush=True)
 
