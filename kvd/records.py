@@ -23,6 +23,7 @@ __all__ = [
     "NodeStats",
     "OutboxStats",
     "PeerLinkStats",
+    "LaneStats",
     "PeerSocketStats",
     "TransferState",
     "TransferRef",
@@ -170,6 +171,18 @@ class PeerLinkStats:
     """Calls this daemon made to peer daemons, by ``(method, path)`` (path: ``socket`` or ``grpc``)."""
 
     calls: dict[tuple[str, str], int]
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStats:
+    """One lane of the gRPC server's threads (:mod:`kvd.server.lanes`) now: its ``threads`` at
+    most, how many hold a call (``busy``: reading its request, running or replying) and how many
+    calls wait for one (``queued``)."""
+
+    lane: str
+    threads: int
+    busy: int
+    queued: int
 
 
 @dataclass(frozen=True, slots=True)

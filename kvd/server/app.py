@@ -280,6 +280,7 @@ class Daemon:
         # dropped, requests bounded: kvd.server.lanes says what held every gRPC thread before.
         lanes = Lanes(GRPC_WORKERS, peer=functools.partial(token_ok, settings.peer_token), token_key=TOKEN_KEY)
         _undo(undo, "the gRPC thread pools", lanes.close)
+        metrics.collector.lanes = lanes
         server = grpc.server(
             lanes.main,
             interceptors=[lanes.interceptor(), metrics.interceptor()],

@@ -27,6 +27,7 @@ from kvd.ipc.http_server import BoundedThreads
 
 if TYPE_CHECKING:
     from kvd.server.engine_socket import EngineSocketServer
+    from kvd.server.lanes import Lanes
     from kvd.server.peer_link import DaemonPeerLink
     from kvd.server.peer_socket import PeerSocketServer
 
@@ -52,6 +53,7 @@ class _NodeCollector(Collector):
         self.peer_socket: PeerSocketServer | None = None  # set when it serves a peer socket
         self.engine_socket: EngineSocketServer | None = None  # set when it serves an engine socket
         self.http: BoundedThreads | None = None  # set when it serves /metrics
+        self.lanes: Lanes | None = None  # set when it serves gRPC
 
     def collect(self) -> Iterator:
         s = self.node.stats()
@@ -158,6 +160,19 @@ class _NodeCollector(Collector):
             if srv is not None:
                 starved.add_metric([name], srv.starved)
         yield starved
+        if self.lanes is not None:
+            lanes = self.lanes.stats()
+            for name, doc, field in (
+                ("kvd_grpc_lane_threads", "Threads of a lane of the gRPC server (kvd: engines' calls; peer: other daemons' "
+                 "calls; health; reflection; strangers: peer calls without the peer token)", "threads"),
+                ("kvd_grpc_lane_busy_threads", "Threads of a gRPC lane holding a call: reading its request, running or "
+                 "replying (all of them for long: calls held open without a request, or an overload)", "busy"),
+                ("kvd_grpc_lane_queued_calls", "Calls waiting for a thread of their gRPC lane", "queued"),
+            ):
+                fam = GaugeMetricFamily(name, doc, labels=["lane"])
+                for ln in lanes:
+                    fam.add_metric([ln.lane], getattr(ln, field))
+                yield fam
 
 
 class _LatencyInterceptor(grpc.ServerInterceptor):

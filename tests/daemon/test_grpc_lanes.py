@@ -19,12 +19,12 @@ from typing import Any
 import grpc
 import proc_kit
 import pytest
-from daemon_kit import start_inproc, start_subproc, stop_inproc, stop_subproc
+from daemon_kit import samples, scrape, start_inproc, start_subproc, stop_inproc, stop_subproc, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvd.ipc.frames import MAX_REQUEST
-from kvd.server.lanes import REFLECTION_THREADS
+from kvd.server.lanes import PEER_THREADS, REFLECTION_THREADS
 from kvd.server.service import GRPC_WORKERS, TOKEN_KEY
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -122,23 +122,31 @@ def test_health_checks_answer_while_calls_that_never_send_their_request_hold_kvd
     """Unary kvd calls whose request never comes (any gRPC client can start one: a request
     stream that yields nothing) hold the main pool's threads while their client lives: the
     kubelet's probe still answers. (kvd's own calls wait: the gap kvd.server.lanes names.)
-    Released, each fails as the malformed call it is, and the daemon serves on."""
+    Released, each fails as the malformed call it is, and the daemon serves on. The lanes'
+    gauges show it: every kvd thread busy and the rest queued, then none."""
 
     def echo(ch: grpc.Channel, requests: Iterator[object]) -> Any:
         call = ch.stream_unary("/kvd.v1.Kvd/Echo", request_serializer=bytes, response_deserializer=pb.EchoResponse.FromString)
         return call.future(requests)
 
-    t = start_inproc(tmp_path)
+    def lane(name: str) -> tuple[float, float, float]:
+        got = samples(scrape(t.metrics_port))
+        return tuple(got[(f"kvd_grpc_lane_{what}", (("lane", name),))] for what in ("threads", "busy_threads", "queued_calls"))  # type: ignore[return-value]
+
+    t = start_inproc(tmp_path, metrics_port=0)
     try:
         with _holding(t.tcp, echo) as (futures, release):
             time.sleep(0.5)  # every call reached a thread
             assert not any(f.done() for f in futures)
             _health_answers(t.tcp)
             _health_answers(t.unix)
+            assert lane("kvd") == (GRPC_WORKERS, GRPC_WORKERS, HELD - GRPC_WORKERS)
+            assert lane("peer") == (PEER_THREADS, 0, 0)
             release.set()
             for f in futures:
                 assert isinstance(f.exception(timeout=10), grpc.RpcError)
         _serving(t.tcp)
+        wait_for(lambda: lane("kvd") == (GRPC_WORKERS, 0, 0), 5.0, "the kvd lane idle once the held calls ended")
         t.check()
     finally:
         stop_inproc(t)
