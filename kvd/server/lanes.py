@@ -138,6 +138,7 @@ class Lanes:
         self.reflection = _Lane("reflection", REFLECTION_THREADS)
         self.peer = _Lane("peer", PEER_THREADS)
         self.strangers = _Lane("strangers", STRANGER_THREADS)
+        self._all = (self.main, self.peer, self.health, self.reflection, self.strangers)
         self._by_service = {_HEALTH: self.health, **{name: self.reflection for name in _REFLECTION}}
         self._is_peer = peer
         self._token_key = token_key
@@ -158,11 +159,11 @@ class Lanes:
 
     def stats(self) -> list[LaneStats]:
         """Each lane's threads, busy threads and queued calls now (``kvd`` is the main pool)."""
-        return [lane.stats() for lane in (self.main, self.peer, self.health, self.reflection, self.strangers)]
+        return [lane.stats() for lane in self._all]
 
     def close(self) -> None:
-        for pool in (self.main, self.health, self.reflection, self.peer, self.strangers):
-            pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self._all:
+            lane.shutdown(wait=False, cancel_futures=True)
 
 
 class _LaneInterceptor(grpc.ServerInterceptor):
