@@ -197,12 +197,6 @@ def test_a_stopped_clients_calls_give_back_kvds_threads_within_the_keepalive(tmp
         stop_inproc(t)
 
 
-def _rss(pid: int) -> int:
-    """Resident bytes of process ``pid``."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def test_calls_queued_behind_busy_threads_do_not_bring_their_requests_into_the_daemon(tmp_path):
     """gRPC reads a call's request before a thread takes it, as far as flow control lets it, and
     its BDP probe widened the window until queued calls' whole requests sat in the daemon: a
@@ -221,12 +215,12 @@ def test_calls_queued_behind_busy_threads_do_not_bring_their_requests_into_the_d
     try:
         with _holding(t.tcp, echo) as (held, release):
             time.sleep(0.5)  # every held call reached a thread
-            before = _rss(t.proc.pid)
+            before = proc_kit.resident_bytes(t.proc.pid)
             payloads = [bytes([i]) * size for i in range(queued)]
             futures = [pb_grpc.KvdStub(channels[i % len(channels)]).Echo.future(pb.EchoRequest(payload=p), timeout=120)
                        for i, p in enumerate(payloads)]
             time.sleep(3.0)  # the clients send what the windows let them
-            grown = _rss(t.proc.pid) - before
+            grown = proc_kit.resident_bytes(t.proc.pid) - before
             assert not any(f.done() for f in futures), "the queued calls wait for a thread"
             assert grown < 64 << 20, f"{queued} queued calls of {size:,d} bytes grew the daemon by {grown / 2**20:.0f} MiB"
             release.set()

@@ -44,6 +44,12 @@ def open_files(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def resident_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` now (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of every thread of ``pid`` so far."""
     with open(f"/proc/{pid}/stat") as f:
