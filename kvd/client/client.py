@@ -38,6 +38,7 @@ from kvd.records import (
     Activity, AllocSpec, CompactionResult, Envelope, GroupStats, IndexVectors, LeaseKind, NodeStats, PoolStats, SendResult,
     TransferState,
 )
+from kvd.rpc.engine_wire import WAITS
 from kvd.rpc.status import from_rpc_error
 from kvd.v1 import kvd_pb2 as pb
 from kvd.v1 import kvd_pb2_grpc as pb_grpc
@@ -89,6 +90,18 @@ class TransferStatus(NamedTuple):
     @property
     def ready(self) -> bool:
         return self.state is TransferState.READY
+
+
+class Ended(NamedTuple):
+    """What :meth:`Client.wait_ended` answers: transfers that ended since the cursor given, in
+    the order they ended, and the cursor to give next."""
+
+    transfers: list[TransferStatus]
+    cursor: int
+
+
+def _status(r: Any) -> TransferStatus:
+    return TransferStatus(r.rid, state_from_pb(r.state), r.reason, r.bytes)
 
 
 class LeaseInfo(NamedTuple):
@@ -511,8 +524,17 @@ class _Surface:
         got = self._bells.state(rid)
         if got is not None and got[0] is TransferState.READY:  # final; anything else: the daemon's to say
             return self._now(TransferStatus(rid, TransferState.READY, "", got[1]))
-        req = pb.WaitRequest(rid=rid, timeout_seconds=timeout)
-        return self._call("WaitReady", req, lambda r: TransferStatus(r.rid, state_from_pb(r.state), r.reason, r.bytes))
+        return self._call("WaitReady", pb.WaitRequest(rid=rid, timeout_seconds=timeout), _status)
+
+    def wait_ended(self, after: int = 0, timeout: float = 30.0) -> Ended:
+        """Decode side: this session's inbound transfers that ended (READY or FAILED) since cursor
+        ``after`` -- as soon as one has, or none once ``timeout`` passes -- and the cursor to pass
+        next. ``after=0``: every one the daemon holds that is over. One call watches all of the
+        session's transfers, those whose RECV lease comes later included, where :meth:`wait_ready`
+        waits for one (over gRPC: a server thread each, at most 8 at once). Keeps no RECV lease
+        alive. A cursor is valid for the daemon boot that returned it (InvalidArgument past it)."""
+        req = pb.WaitEndedRequest(after=after, timeout_seconds=timeout)
+        return self._call("WaitEnded", req, lambda r: Ended([_status(t) for t in r.ended], r.cursor))
 
     def abort(self, rid: str, reason: str = "") -> bool:
         """Abort ``rid``'s transfer on this side; the other daemon learns at once. Returns whether
@@ -520,18 +542,18 @@ class _Surface:
         return self._call("Abort", pb.AbortRequest(rid=rid, reason=reason), lambda r: r.notified_peer)
 
 
-def _again_or_raise(method: str, first: Any, exc: grpc.RpcError, t0: float) -> tuple[pb.WaitRequest, float]:
+def _again_or_raise(method: str, first: Any, exc: grpc.RpcError, t0: float) -> tuple[Any, float]:
     """After a gRPC call (``first`` as first sent, at ``t0``, monotonic) failed with ``exc``: the
-    kvd error it is, raised -- unless it is a WaitReady the daemon refused for now (all its waits
+    kvd error it is, raised -- unless it is a wait (:data:`~kvd.rpc.engine_wire.WAITS`) the daemon refused for now (all its waits
     over gRPC taken: Unavailable with a retry hint). That one is sent again after the returned
     delay, waiting what is left of its timeout (at its end, one call that does not wait, which
     is never refused)."""
     err = from_rpc_error(exc)
-    if method != "WaitReady" or not isinstance(err, Unavailable) or err.retry_after_s is None:
+    if method not in WAITS or not isinstance(err, Unavailable) or err.retry_after_s is None:
         raise err from exc
     left = first.timeout_seconds - (time.monotonic() - t0)
     delay = min(err.retry_after_s, max(0.0, left))
-    again = pb.WaitRequest()
+    again = type(first)()
     again.CopyFrom(first)
     again.timeout_seconds = max(0.0, left - delay)
     return again, delay

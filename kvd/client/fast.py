@@ -25,6 +25,7 @@ the client stays on gRPC).
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import socket
 import stat
@@ -40,7 +41,7 @@ from kvd import errors as E
 from kvd.ipc.frames import EVICTED, HEAD, HELLO, MAX_FRAME, OK, REFUSED, frame, read_frame
 from kvd.ipc.unix_socket import recv_exact
 from kvd.memory.doorbells import DoorbellView
-from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, fast_path
+from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, WAITS, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.v1 import kvd_pb2 as pb
 
@@ -106,13 +107,12 @@ def fast_socket_of(address: str) -> str | None:
 
 def _again(method: str, request: Message, data: bytes, t0: float) -> bytes:
     """The frame of a call sent again after EVICTED (call begun at ``t0``, monotonic): the same
-    bytes, but a WaitReady -- whose wait the daemon may have cut short to make room -- waits only
-    what is left of its timeout."""
-    if method != "WaitReady":
+    bytes, but a wait (WaitReady, WaitEnded) -- which the daemon may have cut short to make room --
+    waits only what is left of its timeout."""
+    if method not in WAITS:
         return data
-    assert isinstance(request, pb.WaitRequest)
-    again = pb.WaitRequest()
-    again.CopyFrom(request)
+    assert isinstance(request, (pb.WaitRequest, pb.WaitEndedRequest))
+    again = copy.copy(request)
     again.timeout_seconds = max(0.0, again.timeout_seconds - (time.monotonic() - t0))
     body = again.SerializeToString()
     return HEAD.pack(len(body), METHOD_IDS[method]) + body
@@ -461,9 +461,9 @@ def advertised(address: str, transport: str, engine_socket: str) -> str | None:
 
 
 def bounded(method: str, request: Message, timeout: float | None) -> Message:
-    """The request as the engine socket sends it: a WaitReady waits no longer than the call's own
-    ``timeout`` (as gRPC's deadline bounds it on the daemon's side)."""
-    if method == "WaitReady" and timeout is not None:
-        assert isinstance(request, pb.WaitRequest)
+    """The request as the engine socket sends it: a wait (WaitReady, WaitEnded) waits no longer than
+    the call's own ``timeout`` (as gRPC's deadline bounds it on the daemon's side)."""
+    if method in WAITS and timeout is not None:
+        assert isinstance(request, (pb.WaitRequest, pb.WaitEndedRequest))
         request.timeout_seconds = min(request.timeout_seconds, max(0.0, timeout - 0.05))
     return request

@@ -343,6 +343,14 @@ class Node:
             self._touch(session_id)
             self._own(session_id, rid)
 
+    def mine(self, session_id: str) -> Callable[[str], bool]:
+        """Whether a request is ``session_id``'s now (a lookup; call it under :attr:`lock`):
+        what a wait over a session's transfers filters them by. Keeps ``session_id`` alive."""
+        with self._lock:
+            self._touch(session_id)
+        owner = self._owner
+        return lambda rid: owner.get(rid) == session_id
+
     def _own(self, session_id: str, rid: str) -> None:
         owner = self._owner.get(rid)
         if owner is None:

@@ -70,6 +70,7 @@ class _Inbound:
     fence_until: float | None = None  # FAILED with writes possibly in flight: keep the lease until then
     started: float = 0.0  # when the RECV lease was granted (kvd top's ages)
     bell: int = -1  # its doorbell slot (kvd.memory.doorbells), -1: none
+    ended: int = 0  # the inbox's count of ended transfers when this one ended (READY, FAILED); 0 before
 
 
 class Inbox:
@@ -103,6 +104,7 @@ class Inbox:
         self.fence_s = fence_s
         self._by_rid: dict[str, _Inbound] = {}
         self._cond = threading.Condition(lock)
+        self._ends = 0  # transfers that ended (READY or FAILED) so far: the cursor of wait_ended
         self.ready_total = 0
         self.failed_total = 0
         self.bytes_total = 0
@@ -226,6 +228,8 @@ class Inbox:
                 self._ring(ib)
                 return _no_wake
             ib.state = TransferState.READY
+            self._ends += 1
+            ib.ended = self._ends
             self._leases.drop(ib.lease_id)  # the sender's writes have all returned
             self.ready_total += 1
             self._ring(ib)  # an engine reading its doorbell needs no wake
@@ -330,6 +334,40 @@ class Inbox:
                 self._cond.wait(min(left, 0.1))
                 woken = True
 
+    def wait_ended(
+        self, after: int, timeout: float, mine: Callable[[str], bool], active: Callable[[], bool] | None = None
+    ) -> tuple[list[tuple[str, Status]], int]:
+        """Block until a transfer for which ``mine(rid)`` holds ended (READY or FAILED) after
+        cursor ``after``, or ``timeout`` passes. Returns those transfers (``(rid, status)``, in the
+        order they ended) and the cursor to pass next; none when the wait timed out. Cursor 0:
+        every such transfer the inbox holds that is over. A transfer ends once, so each is
+        answered once for cursors moved on this way; one forgotten (its request freed, a new
+        RECV lease) is not answered. Keeps no lease alive (:meth:`wait` does, for one transfer).
+        ``mine`` and ``active`` run under the node's lock: they must be quick (``active`` as in
+        :meth:`wait`). Changes nothing."""
+        if not (0 <= timeout <= 3600):
+            raise InvalidArgument(f"wait timeout must be in [0, 3600] seconds, got {timeout}")
+        if after < 0:
+            raise InvalidArgument(f"cursor must be 0 or one this daemon returned, got {after}")
+        deadline = time.monotonic() + timeout
+        woken = False
+        seen = after  # transfers that ended up to here were looked at: none of them is ours
+        with self._cond:
+            if after > self._ends:
+                raise InvalidArgument(f"cursor {after} is past this daemon's {self._ends} ended transfers (one from before it "
+                                      "restarted?): wait from cursor 0")
+            while True:
+                if self._ends > seen:
+                    got = sorted((ib for ib in self._by_rid.values() if ib.ended > after and mine(ib.rid)), key=lambda ib: ib.ended)
+                    if got:
+                        return [(ib.rid, Status(ib.state, ib.reason, ib.nbytes)) for ib in got], self._ends
+                    seen = self._ends
+                left = deadline - time.monotonic()
+                if left <= 0 or (woken and active is not None and not active()):
+                    return [], self._ends
+                self._cond.wait(min(left, 0.1))
+                woken = True
+
     def abort_local(self, rid: str, reason: str) -> tuple[str, TransferRef] | None:
         """The decode engine aborts. Returns ``(sender address, ref)`` to notify, if a sender began."""
         with self._cond:
@@ -372,6 +410,8 @@ class Inbox:
     def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:
         ib.state, ib.reason = TransferState.FAILED, reason
         self.failed_total += 1
+        self._ends += 1
+        ib.ended = self._ends
         self._ring(ib)
         if drained:
             if self._leases.live(ib.lease_id):  # one past its TTL is the table's to expire (and count)

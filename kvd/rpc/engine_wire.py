@@ -13,7 +13,7 @@ from google.protobuf.message import Message
 
 from kvd.v1 import kvd_pb2 as pb
 
-__all__ = ["Method", "METHODS", "METHOD_IDS", "FAST_SUFFIX", "DOORBELLS", "fast_path"]
+__all__ = ["Method", "METHODS", "METHOD_IDS", "FAST_SUFFIX", "DOORBELLS", "WAITS", "fast_path"]
 
 #: The engine socket's path is the gRPC Unix listener's with this suffix.
 FAST_SUFFIX = ".fast"
@@ -38,7 +38,7 @@ _ORDER = (
     "OpenSession", "KeepAlive", "CloseSession", "GetInfo", "GetStats", "GetActivity", "Attach",
     "Allocate", "CanAllocate", "Extend", "Free", "GetVectors", "AcquireLease", "RenewLease", "ReleaseLease",
     "Compact", "Finalize", "Offload", "Restore", "BeginSend", "Send", "SendMany", "WaitReady", "Abort", "Echo",
-    "ProposeLayout",
+    "ProposeLayout", "WaitEnded",
 )
 
 
@@ -59,3 +59,7 @@ DOORBELLS = 255
 #: What the socket serves, by frame kind.
 METHODS: dict[int, Method] = _methods(_ORDER)
 METHOD_IDS: dict[str, int] = {m.name: m.id for m in METHODS.values()}
+
+#: The rpcs that wait (their request's ``timeout_seconds``): a daemon may cut one short or refuse it
+#: for want of a wait slot, and a client sends it again for what is left of its timeout.
+WAITS = frozenset(("WaitReady", "WaitEnded"))

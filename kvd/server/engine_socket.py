@@ -50,7 +50,7 @@ from kvd.ipc.frames import HELLO, MAX_REQUEST, OK, REFUSED, frame
 from kvd.ipc.unix_socket import hung_up
 from kvd.memory.doorbells import SLOT_BYTES, Doorbells
 from kvd.rpc.convert import IDS_KEY, IDS_LE, SESSION_KEY, parse_request, status_to_pb
-from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, Method, fast_path
+from kvd.rpc.engine_wire import DOORBELLS, METHOD_IDS, METHODS, WAITS, Method, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.server.framed import Close, FramedServer, refusal
 from kvd.server.service import KvdService
@@ -244,7 +244,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
             ctx = _Context(md, conn, self._stop)
             after = ctx.after
             try:
-                if kind == _WAIT:  # a wait only reads: cut short when every slot is taken and none idles
+                if kind in _WAITS:  # a wait only reads: cut short when every slot is taken and none idles
                     self._park(conn, ctx.cut)
                     try:
                         response = self._handlers[kind](request, ctx)
@@ -269,7 +269,7 @@ class EngineSocketServer(FramedServer[tuple[tuple[str, str], ...]]):
 
 
 _OPEN = METHOD_IDS["OpenSession"]
-_WAIT = METHOD_IDS["WaitReady"]
+_WAITS = frozenset(METHOD_IDS[m] for m in WAITS)
 
 
 def session_md(sid: str) -> tuple[tuple[str, str], ...]:

@@ -532,32 +532,55 @@ class KvdService(_Base, pb_grpc.KvdServicer):
         def go():
             session = self._session(context)
             self.node.own(session, request.rid)
-            # Never wait past the caller's own deadline.
-            left = context.time_remaining()
-            timeout = request.timeout_seconds if left is None else min(request.timeout_seconds, max(0.0, left - 0.05))
             inbox = inbox_of(self.node)
-            # A wait over gRPC holds one of its GRPC_WORKERS threads; the engine socket's hold
-            # their connection's own.
-            slots = self._grpc_waits if isinstance(context, grpc.ServicerContext) and timeout > 0 else None
-            if slots is not None and not slots.acquire(blocking=False):
-                st = inbox.wait(request.rid, 0)  # a transfer over already is answered, no wait needed
-                if st.state not in (TransferState.READY, TransferState.FAILED):
-                    raise Unavailable(
-                        f"WaitReady of {quote(request.rid)}: all {GRPC_WAIT_SLOTS} of this daemon's waits over gRPC are taken "
-                        f"(the other calls keep the rest of its {GRPC_WORKERS} threads); call again after the retry hint (kvd's "
-                        "clients do so within the wait's timeout), or wait over the engine socket (transport 'fast': its "
-                        "doorbells need no call)", retry_after_s=GRPC_WAIT_RETRY_S,
-                    )
-            else:
-                try:
-                    # Ends early once nobody can hear the answer (the caller hung up, the server stops).
-                    st = inbox.wait(request.rid, timeout, context.is_active)
-                finally:
-                    if slots is not None:
-                        slots.release()
+            st = self._wait(
+                context, request.timeout_seconds, lambda t, active: inbox.wait(request.rid, t, active),
+                lambda st: st.state in (TransferState.READY, TransferState.FAILED), f"WaitReady of {quote(request.rid)}",
+            )
             return pb.TransferStatus(rid=request.rid, state=state_to_pb(st.state), reason=st.reason, bytes=st.nbytes)
 
         return self._run(context, go)
+
+    def WaitEnded(self, request: pb.WaitEndedRequest, context):
+        def go():
+            session = self._session(context)
+            mine = self.node.mine(session)
+            inbox = inbox_of(self.node)
+            ended, cursor = self._wait(
+                context, request.timeout_seconds, lambda t, active: inbox.wait_ended(request.after, t, mine, active),
+                lambda got: bool(got[0]), "WaitEnded",
+            )
+            return pb.WaitEndedResponse(
+                ended=[pb.TransferStatus(rid=rid, state=state_to_pb(st.state), reason=st.reason, bytes=st.nbytes) for rid, st in ended],
+                cursor=cursor,
+            )
+
+        return self._run(context, go)
+
+    def _wait(self, context, timeout: float, wait: Callable[[float, Callable[[], bool]], T], over: Callable[[T], bool], what: str) -> T:
+        """``wait(timeout, active)`` -- never past the caller's own deadline, ended early once
+        nobody can hear the answer (the caller hung up, the server stops). Over gRPC a wait holds
+        one of its GRPC_WORKERS threads, so at most GRPC_WAIT_SLOTS block at once: beyond them a
+        call is answered without waiting if ``over`` its answer so, else refused Unavailable with
+        a retry hint. The engine socket's waits hold their connection's own thread."""
+        left = context.time_remaining()
+        timeout = timeout if left is None else min(timeout, max(0.0, left - 0.05))
+        slots = self._grpc_waits if isinstance(context, grpc.ServicerContext) and timeout > 0 else None
+        if slots is not None and not slots.acquire(blocking=False):
+            got = wait(0, context.is_active)
+            if not over(got):
+                raise Unavailable(
+                    f"{what}: all {GRPC_WAIT_SLOTS} of this daemon's waits over gRPC are taken "
+                    f"(the other calls keep the rest of its {GRPC_WORKERS} threads); call again after the retry hint (kvd's "
+                    "clients do so within the wait's timeout), or wait over the engine socket (transport 'fast': its "
+                    "doorbells need no call)", retry_after_s=GRPC_WAIT_RETRY_S,
+                )
+            return got
+        try:
+            return wait(timeout, context.is_active)
+        finally:
+            if slots is not None:
+                slots.release()
 
     def Abort(self, request: pb.AbortRequest, context):
         def go():

@@ -1887,6 +1887,61 @@ class TransferStatus(_message.Message):
 Global___TransferStatus: _TypeAlias = TransferStatus  # noqa: Y015
 
 @_typing.final
+class WaitEndedRequest(_message.Message):
+    """Decode engine -> its daemon: the calling session's inbound transfers that ended (READY or
+    FAILED) after cursor `after`, as soon as one has (or none once timeout_seconds pass), and the
+    cursor to send next. after = 0: every such transfer the daemon holds that is over. One call
+    watches all of a session's transfers, those whose RECV lease comes later included: a WaitReady
+    waits for one, and over gRPC each holds a server thread. Keeps no RECV lease alive (a lease
+    lives its TTL, or RenewLease). Over gRPC it shares WaitReady's 8 waits, refused the same way.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    after: _builtins.int
+    timeout_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        after: _builtins.int = ...,
+        timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitEndedRequest: _TypeAlias = WaitEndedRequest  # noqa: Y015
+
+@_typing.final
+class WaitEndedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENDED_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    @_builtins.property
+    def ended(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferStatus]:
+        """in the order they ended"""
+
+    def __init__(
+        self,
+        *,
+        ended: _abc.Iterable[Global___TransferStatus] | None = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "ended", b"ended"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WaitEndedResponse: _TypeAlias = WaitEndedResponse  # noqa: Y015
+
+@_typing.final
 class AbortRequest(_message.Message):
     """Either engine -> its daemon: abort rid's transfer; the other daemon learns at once."""
 

@@ -154,6 +154,11 @@ class KvdStub:
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.WaitRequest.SerializeToString,
                 response_deserializer=kvd_dot_v1_dot_kvd__pb2.TransferStatus.FromString,
                 _registered_method=True)
+        self.WaitEnded = channel.unary_unary(
+                '/kvd.v1.Kvd/WaitEnded',
+                request_serializer=kvd_dot_v1_dot_kvd__pb2.WaitEndedRequest.SerializeToString,
+                response_deserializer=kvd_dot_v1_dot_kvd__pb2.WaitEndedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvd.v1.Kvd/Abort',
                 request_serializer=kvd_dot_v1_dot_kvd__pb2.AbortRequest.SerializeToString,
@@ -313,6 +318,12 @@ class KvdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitEnded(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -448,6 +459,11 @@ def add_KvdServicer_to_server(servicer, server):
                     servicer.WaitReady,
                     request_deserializer=kvd_dot_v1_dot_kvd__pb2.WaitRequest.FromString,
                     response_serializer=kvd_dot_v1_dot_kvd__pb2.TransferStatus.SerializeToString,
+            ),
+            'WaitEnded': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitEnded,
+                    request_deserializer=kvd_dot_v1_dot_kvd__pb2.WaitEndedRequest.FromString,
+                    response_serializer=kvd_dot_v1_dot_kvd__pb2.WaitEndedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -1108,6 +1124,33 @@ class Kvd:
             '/kvd.v1.Kvd/WaitReady',
             kvd_dot_v1_dot_kvd__pb2.WaitRequest.SerializeToString,
             kvd_dot_v1_dot_kvd__pb2.TransferStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitEnded(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Kvd/WaitEnded',
+            kvd_dot_v1_dot_kvd__pb2.WaitEndedRequest.SerializeToString,
+            kvd_dot_v1_dot_kvd__pb2.WaitEndedResponse.FromString,
             options,
             channel_credentials,
             insecure,

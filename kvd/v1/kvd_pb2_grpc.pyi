@@ -79,6 +79,7 @@ class KvdStub:
     Send: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]
     SendMany: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.SendManyRequest, _kvd_pb2.SendManyResponse]
     WaitReady: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]
+    WaitEnded: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.WaitEndedRequest, _kvd_pb2.WaitEndedResponse]
     Abort: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.AbortRequest, _kvd_pb2.AbortResponse]
     Echo: _grpc.UnaryUnaryMultiCallable[_kvd_pb2.EchoRequest, _kvd_pb2.EchoResponse]
     """A bare round trip through the same server: the baseline for control-plane benchmarks."""
@@ -110,6 +111,7 @@ class KvdAsyncStub(KvdStub):
     Send: _aio.UnaryUnaryMultiCallable[_kvd_pb2.SendRequest, _kvd_pb2.SendResponse]  # type: ignore[assignment]
     SendMany: _aio.UnaryUnaryMultiCallable[_kvd_pb2.SendManyRequest, _kvd_pb2.SendManyResponse]  # type: ignore[assignment]
     WaitReady: _aio.UnaryUnaryMultiCallable[_kvd_pb2.WaitRequest, _kvd_pb2.TransferStatus]  # type: ignore[assignment]
+    WaitEnded: _aio.UnaryUnaryMultiCallable[_kvd_pb2.WaitEndedRequest, _kvd_pb2.WaitEndedResponse]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_kvd_pb2.AbortRequest, _kvd_pb2.AbortResponse]  # type: ignore[assignment]
     Echo: _aio.UnaryUnaryMultiCallable[_kvd_pb2.EchoRequest, _kvd_pb2.EchoResponse]  # type: ignore[assignment]
     """A bare round trip through the same server: the baseline for control-plane benchmarks."""
@@ -282,6 +284,13 @@ class KvdServicer(metaclass=_abc_1.ABCMeta):
         request: _kvd_pb2.WaitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvd_pb2.TransferStatus, _abc.Awaitable[_kvd_pb2.TransferStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def WaitEnded(
+        self,
+        request: _kvd_pb2.WaitEndedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvd_pb2.WaitEndedResponse, _abc.Awaitable[_kvd_pb2.WaitEndedResponse]]: ...
 
     @_abc_1.abstractmethod
     def Abort(
