@@ -1,7 +1,7 @@
 """The decode side's ticket book (the connector's scheduler role): tickets minted on the decode
 daemon for requests the decode vLLM has not admitted yet (allocate + RECV lease, several asked for
-at once minted in one call), their transfers watched (one thread reads every doorbell; over gRPC a
-WaitReady each), matched to the vLLM request that comes with the ticket's prompt, and handed to the
+at once minted in one call), their transfers watched (one thread reads every doorbell; over gRPC one
+thread's WaitEnded calls answer them all), matched to the vLLM request that comes with the ticket's prompt, and handed to the
 workers as loads. The ticket server (:mod:`kvd.connectors.vllm_ticket_server`) serves :meth:`TicketBook.mint`
 over HTTP; :class:`kvd.connectors.vllm.KvdConnector` drives the rest.
 
@@ -27,7 +27,7 @@ from kvd.connectors.vllm_stats import TicketStats
 from kvd.errors import FailedPrecondition, InvalidArgument, KvdError, SessionGone
 from kvd.pool.layout import Layout
 
-__all__ = ["ALIVE_S", "BELL_POLL_S", "TicketBook", "token_ids"]
+__all__ = ["ALIVE_S", "BELL_POLL_S", "CALL_WAIT_S", "TicketBook", "token_ids"]
 
 log = logging.getLogger("kvd.connectors.vllm")
 T = TypeVar("T")
@@ -36,6 +36,9 @@ T = TypeVar("T")
 BELL_POLL_S = 0.002
 #: How often, while transfers are pending, the decode side checks its daemon still answers.
 ALIVE_S = 0.5
+#: The longest one WaitEnded of the gRPC watcher waits: how late a transfer past its deadline may
+#: fail, and the book's close may take.
+CALL_WAIT_S = 1.0
 
 
 def token_ids(ids: Iterable[int]) -> array.array:
@@ -99,11 +102,18 @@ class TicketBook:
         self._reaper.start()
         # Transfers whose doorbell this client reads: one thread polls them all, no call per
         # transfer (a blocking WaitReady each would hold a thread and an engine-socket connection
-        # per pending request). Without a doorbell (gRPC) a transfer gets a waiting thread.
+        # per pending request).
         self._rung: set[str] = set()
         self._ring = threading.Event()  # set when _rung gains a transfer
         self._bells = threading.Thread(target=self._watch_bells, name="kvd-ticket-doorbells", daemon=True)
         self._bells.start()
+        # Transfers with no doorbell to read (gRPC): one thread's WaitEnded calls answer them all
+        # (a WaitReady each held a thread here and one of the daemon's 8 gRPC waits, the rest
+        # refused and sent again every 0.2 s). Started with the first such transfer.
+        self._called: set[str] = set()
+        self._call_ring = threading.Event()  # set when _called gains a transfer
+        self._rescan = False  # a transfer that may have ended before the watcher's cursor joined _called
+        self._caller: threading.Thread | None = None
 
     def mint(self, prompt: object) -> dict:
         """A ticket for ``prompt`` (the ``prompt_token_ids`` of a ticket request, unchecked JSON)."""
@@ -131,7 +141,7 @@ class TicketBook:
                 self._rung.add(rid)
             self._ring.set()
         else:
-            threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
+            self._call(rid, fresh=True)
         return {"kvd_rid": rid, "kvd_tokens": n, "kvd_ticket": base64.b64encode(lease.ticket).decode()}
 
     def _allocate_recv(self, rid: str, n: int) -> Any:
@@ -227,37 +237,64 @@ class TicketBook:
         self._free(rid)
         return 200, "freed"
 
-    def _watch(self, rid: str) -> None:
+    def _call(self, rid: str, *, fresh: bool) -> None:
+        """Watch ``rid``'s transfer with WaitEnded calls (:meth:`_watch_calls`). ``fresh``: its
+        ticket is not out yet, so it cannot have ended; otherwise the watcher looks from cursor 0
+        once, lest it ended before it joined (its end already behind the watcher's cursor)."""
+        with self.lock:
+            self._called.add(rid)
+            self._rescan |= not fresh
+            if self._caller is None:
+                self._caller = threading.Thread(target=self._watch_calls, name="kvd-ticket-waits", daemon=True)
+                self._caller.start()
+        self._call_ring.set()
+
+    def _watch_calls(self) -> None:
+        """Transfers with no doorbell (:attr:`_called`): one WaitEnded at a time, at most
+        :data:`CALL_WAIT_S` long, answers every transfer of this client's session that ended
+        since the last; those watched take their state from it, and one past its deadline fails
+        here. A call that fails (the daemon gone, restarted: the session or the cursor is not
+        its) fails every transfer watched, as their waits would have."""
+        cursor = 0
         while not self._stop.is_set():
             with self.lock:
-                p = self.pending.get(rid)
-                if p is None:
-                    return
-                left = p.xfer_deadline - time.monotonic()
-                if left <= 0:
-                    if p.state == "WAITING":
-                        p.state, p.reason = "FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket"
-                    return
+                waiting = bool(self._called)
+                after = 0 if self._rescan else cursor
+                self._rescan = False
+            if not waiting:
+                self._call_ring.wait(0.5)
+                self._call_ring.clear()
+                continue
+            ends: dict[str, tuple[str, str]] = {}
+            gone = ""
             try:
-                st = self.kv.wait_ready(rid, timeout=min(left, 5.0))
+                got = self.kv.wait_ended(after, CALL_WAIT_S)
             except KvdError as exc:
-                state, reason = "FAILED", f"{type(exc).__name__}: {exc}"
+                gone, cursor = f"{type(exc).__name__}: {exc}", 0
             else:
-                if st.state.name not in ("READY", "FAILED"):
-                    continue
-                state, reason = st.state.name, st.reason
+                cursor = got.cursor
+                ends = {t.rid: (t.state.name, t.reason) for t in got.transfers}
+            now = time.monotonic()
             with self.lock:
-                p = self.pending.get(rid)
-                if p is not None and p.state == "WAITING":
-                    p.state, p.reason = state, reason
-            return
+                for rid in list(self._called):
+                    p = self.pending.get(rid)
+                    end = ("FAILED", gone) if gone else ends.get(rid)
+                    if end is None and p is not None and now < p.xfer_deadline:
+                        continue
+                    if end is None:
+                        end = ("FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket")
+                    if p is not None and p.state == "WAITING":
+                        p.state, p.reason = end
+                    self._called.discard(rid)
+            if gone:
+                self._stop.wait(0.1)  # a daemon that does not answer is not asked in a tight loop
 
     def _watch_bells(self) -> None:
         """Every :data:`BELL_POLL_S`, the doorbell of each transfer in :attr:`_rung`: READY is
         taken as it is; FAILED is asked of the daemon for its reason; a transfer past its
         deadline fails here. A transfer whose doorbell this client no longer reads (the daemon
         gone or restarted: the client's heartbeat drops the board) is asked of the daemon too,
-        and one still pending there goes to a waiting thread. Every :data:`ALIVE_S` while any is
+        and one still pending there is watched with calls (:meth:`_call`). Every :data:`ALIVE_S` while any is
         pending, one Echo: a daemon that stopped answering fails them all at once (its board
         would show them pending for ever). The RECV lease needs no renewal meanwhile: it was
         taken for ``admit_ttl``, the deadline's length."""
@@ -300,8 +337,8 @@ class TicketBook:
                     p = self.pending.get(rid)
                     if p is not None and p.state == "WAITING" and state in ("READY", "FAILED"):
                         p.state, p.reason = state, reason
-                if state not in ("READY", "FAILED"):  # pending, but no doorbell to read: a waiter of its own
-                    threading.Thread(target=self._watch, args=(rid,), name=f"kvd-watch-{rid}", daemon=True).start()
+                if state not in ("READY", "FAILED"):  # pending, but no doorbell to read: watched with calls
+                    self._call(rid, fresh=False)
             self._stop.wait(BELL_POLL_S)
 
     def _reap(self) -> None:
@@ -528,3 +565,4 @@ class TicketBook:
     def close(self) -> None:
         self._stop.set()
         self._ring.set()
+        self._call_ring.set()

@@ -23,7 +23,7 @@ from daemon_kit import start_inproc, stop_inproc  # noqa: E402
 
 from kvd.connectors.vllm import CopyStats, KvdConnector  # noqa: E402
 from kvd.connectors.vllm_meta import KvdWorkerMetadata, Load  # noqa: E402
-from kvd.connectors.vllm_ticket_book import TicketBook  # noqa: E402
+from kvd.connectors.vllm_ticket_book import CALL_WAIT_S, TicketBook  # noqa: E402
 
 
 def _worker(block: int = 32) -> KvdConnector:
@@ -458,3 +458,66 @@ def test_the_counts_vllm_logs_and_exports_are_what_grew_summed_over_workers():
     assert KvdConnectorStats(data={"loads": 0}).is_empty()
     total.reset()
     assert total.is_empty()
+
+
+def test_over_grpc_one_thread_watches_every_pending_transfer_with_a_few_calls(tmp_path):
+    """A decode scheduler whose client has no doorbells (gRPC) watched each pending transfer with a
+    WaitReady of its own (a thread each here; at most 8 waited in the daemon, the rest were refused
+    and sent again every 0.2 s). Now one thread's WaitEnded calls answer them all: 24 tickets, more
+    than the daemon's gRPC waits, 16 sent and 8 aborted, each READY or FAILED as it happened, with
+    at most a call per transfer that ended and one per CALL_WAIT_S while nothing did."""
+    import threading
+
+    import handoff_kit as hk
+
+    from kvd.server.service import GRPC_WAIT_SLOTS
+
+    pair = hk.make_pair(tmp_path, "local", "inproc")
+    try:
+        kv = pair.decode.connect("scheduler", transport="grpc")
+        seen: list[str] = []
+        raw = kv._raw
+
+        def spy(method, request, timeout):
+            seen.append(method)
+            return raw(method, request, timeout)
+
+        kv._raw = spy
+        layout = kv.info().layout
+        t0 = time.monotonic()
+        book = TicketBook(kv, 30.0, layout.page_size, layout)
+        prefill = pair.prefill.connect("prefill")
+        try:
+            prompt = list(range(1, 2 * layout.page_size + 2))
+            tks = [book.mint(prompt) for _ in range(3 * GRPC_WAIT_SLOTS)]
+            sent, aborted = tks[: 2 * GRPC_WAIT_SLOTS], tks[2 * GRPC_WAIT_SLOTS :]
+            time.sleep(0.2)
+            assert all(book.status(tk["kvd_rid"])["state"] == "WAITING" for tk in tks)
+            assert not [t.name for t in threading.enumerate() if t.name.startswith("kvd-watch-")]
+            for tk in sent:
+                ticket = __import__("base64").b64decode(tk["kvd_ticket"])
+                prefill.allocate(tk["kvd_rid"], tk["kvd_tokens"], ticket=ticket)
+                prefill.send(tk["kvd_rid"], ticket, last=True, free=True)
+            for tk in aborted:
+                kv.abort(tk["kvd_rid"], "the test gave up")
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(book.status(tk["kvd_rid"])["state"] == "WAITING" for tk in tks):
+                time.sleep(0.02)
+            assert [book.status(tk["kvd_rid"])["state"] for tk in sent] == ["READY"] * len(sent)
+            states = [book.status(tk["kvd_rid"]) for tk in aborted]
+            assert all(s["state"] == "FAILED" and "gave up" in s["reason"] for s in states), states
+            assert "WaitReady" not in seen
+            assert [t.name for t in threading.enumerate()].count("kvd-ticket-waits") == 1
+            # A call per end at most (one answers all that ended while it waited), one a second idle.
+            idle = (time.monotonic() - t0) / CALL_WAIT_S
+            assert 1 <= seen.count("WaitEnded") <= len(tks) + idle + 1, (seen.count("WaitEnded"), idle)
+            for tk in tks:
+                assert book.cancel(tk["kvd_rid"])[0] == 200
+            assert kv.stats().pool.requests_live == 0
+        finally:
+            book.close()
+            prefill.close()
+            kv.close()
+    finally:
+        for s in pair.sides:
+            s.stop()
