@@ -23,7 +23,7 @@ the decode vLLM admits the request; the prefill side never waits for decode's fr
              (vLLM's stream waits for the copy), reports it done in build_connector_worker_meta
              (the scheduler frees the kvd request) or failed in get_block_ids_with_load_errors
              (vLLM fails the request). Else (L, load_async=True); one watcher thread reads every
-             pending transfer's doorbell (no call; over gRPC: a WaitReady per transfer); once
+             pending transfer's doorbell (no call; over gRPC: one thread's WaitEnded calls); once
              READY the worker copies kvd pages into vLLM's blocks
              (start_load_kv) and reports the request in get_transfer_results; FAILED: in
              failed_recving (vLLM's load-error path: the request fails, never garbage)
