@@ -70,10 +70,10 @@ import handoff_kit as hk  # noqa: E402
 
 from kvd.client import Client
 from kvd.v1 import kvd_pb2 as pb  # noqa: E402
-from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, MAX_REQUEST, OK, frame, read_frame
+from kvd.ipc.frames import HEAD, HELLO, MAX_FRAME, MAX_REQUEST, OK, REFUSED, frame, read_frame
 from kvd.rpc.convert import SESSION_KEY, TOKEN_KEY
 from kvd.rpc.engine_wire import METHOD_IDS as ENGINE_IDS
-from kvd.rpc.engine_wire import fast_path
+from kvd.rpc.engine_wire import WAITS, fast_path
 from kvd.rpc.status import code_from_int
 from kvd.server.peer_socket import METHOD_IDS as PEER_IDS
 
@@ -81,7 +81,7 @@ from kvd.server.peer_socket import METHOD_IDS as PEER_IDS
 SEED = int(os.environ.get("FUZZ_SEED", "20240613"))
 CASES = int(os.environ.get("FUZZ_CASES", "10000"))
 TOKEN = "fuzz-peer-token"
-#: every call's deadline; WaitReady's is short (a valid wait would block until its timeout)
+#: every call's deadline; a wait's (WaitReady, WaitEnded) is short (a valid one would block until its timeout)
 CALL_TIMEOUT_S = 3.0
 WAIT_TIMEOUT_S = 0.1
 #: the share of cases (sockets only) that send bytes no client sends: unknown kinds, heads over the
@@ -598,11 +598,21 @@ class SocketWire:
         conn = self.conns.pop(k, None) or self._open(side, svc.name, key, timeout)
         try:
             conn.settimeout(timeout)
-            conn.sendall(HEAD.pack(len(body), self.ids[svc.name][m.name]) + body)
+            try:
+                conn.sendall(HEAD.pack(len(body), self.ids[svc.name][m.name]) + body)
+            except (BrokenPipeError, ConnectionResetError):
+                # A request over the daemon's max_request_bytes is refused from its head, and the
+                # connection closed before the rest is read: its refusal is on the socket already.
+                conn.settimeout(1.0)
+                kind, reply = read_frame(conn)
+                conn.close()
+                if kind != REFUSED:
+                    raise
+                raise _refused(reply) from None
             kind, reply = read_frame(conn)
         except TimeoutError:
             conn.close()
-            if m.name == "WaitReady":
+            if m.name in WAITS:
                 raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED, "waited past the caller's patience: abandoned") from None
             raise Dropped(f"{svc.name}.{m.name}: no reply within {timeout}s") from None
         except OSError as exc:
@@ -794,7 +804,7 @@ def test_fuzz(world, wire):
             body = _bad_utf8(msg.SerializeToString())
             if kind == "mutated":
                 body = gen.mutate(body)
-        timeout = WAIT_TIMEOUT_S if m.name == "WaitReady" else CALL_TIMEOUT_S
+        timeout = WAIT_TIMEOUT_S if m.name in WAITS else CALL_TIMEOUT_S
         try:
             reply = wire.call(side, svc, m, body, md, timeout)
             code = grpc.StatusCode.OK
