@@ -59,7 +59,7 @@ from kvd.rpc.convert import (
 )
 
 __all__ = [
-    "Client", "AsyncClient", "PoolInfo", "LeaseInfo", "TransferStatus", "SendResult", "SendSpec", "SendOutcomes",
+    "Client", "AsyncClient", "Ended", "PoolInfo", "LeaseInfo", "TransferStatus", "SendResult", "SendSpec", "SendOutcomes",
     "TransferState",
 ]
 

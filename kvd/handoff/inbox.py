@@ -39,6 +39,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -83,6 +84,9 @@ class Inbox:
     ``doorbells``: the board on which every state change of a transfer is written as it
     happens, for engines that read it instead of asking (None: no board)."""
 
+    #: Ends remembered for :meth:`wait_ended`; a cursor older than these is served by a scan.
+    LOG_ENDS = 4096
+
     def __init__(
         self,
         lock: threading.RLock,
@@ -105,6 +109,9 @@ class Inbox:
         self._by_rid: dict[str, _Inbound] = {}
         self._cond = threading.Condition(lock)
         self._ends = 0  # transfers that ended (READY or FAILED) so far: the cursor of wait_ended
+        # The latest ends, (count, rid): a wait looks at those since it last looked, not at
+        # every transfer (one watcher per engine, each woken by every end).
+        self._log: deque[tuple[int, str]] = deque(maxlen=self.LOG_ENDS)
         self.ready_total = 0
         self.failed_total = 0
         self.bytes_total = 0
@@ -228,8 +235,7 @@ class Inbox:
                 self._ring(ib)
                 return _no_wake
             ib.state = TransferState.READY
-            self._ends += 1
-            ib.ended = self._ends
+            self._ended(ib)
             self._leases.drop(ib.lease_id)  # the sender's writes have all returned
             self.ready_total += 1
             self._ring(ib)  # an engine reading its doorbell needs no wake
@@ -358,7 +364,7 @@ class Inbox:
                                       "restarted?): wait from cursor 0")
             while True:
                 if self._ends > seen:
-                    got = sorted((ib for ib in self._by_rid.values() if ib.ended > after and mine(ib.rid)), key=lambda ib: ib.ended)
+                    got = self._ours_since(seen, mine)
                     if got:
                         return [(ib.rid, Status(ib.state, ib.reason, ib.nbytes)) for ib in got], self._ends
                     seen = self._ends
@@ -367,6 +373,22 @@ class Inbox:
                     return [], self._ends
                 self._cond.wait(min(left, 0.1))
                 woken = True
+
+    def _ours_since(self, seen: int, mine: Callable[[str], bool]) -> list[_Inbound]:
+        """The transfers held that ended after count ``seen`` and are ``mine``, in the order they
+        ended: from the log of ends where it reaches back that far, else by a scan."""
+        log = self._log
+        if log and log[0][0] <= seen + 1:
+            got = []
+            for n, rid in reversed(log):
+                if n <= seen:
+                    break
+                ib = self._by_rid.get(rid)
+                if ib is not None and ib.ended == n and mine(rid):  # not forgotten, nor under a later lease
+                    got.append(ib)
+            got.reverse()
+            return got
+        return sorted((ib for ib in self._by_rid.values() if ib.ended > seen and mine(ib.rid)), key=lambda ib: ib.ended)
 
     def abort_local(self, rid: str, reason: str) -> tuple[str, TransferRef] | None:
         """The decode engine aborts. Returns ``(sender address, ref)`` to notify, if a sender began."""
@@ -407,11 +429,15 @@ class Inbox:
         elif ib.state is TransferState.RECEIVING:
             self._fail(ib, "the RECV lease expired mid-transfer", drained=False)
 
+    def _ended(self, ib: _Inbound) -> None:
+        self._ends += 1
+        ib.ended = self._ends
+        self._log.append((self._ends, ib.rid))
+
     def _fail(self, ib: _Inbound, reason: str, drained: bool) -> None:
         ib.state, ib.reason = TransferState.FAILED, reason
         self.failed_total += 1
-        self._ends += 1
-        ib.ended = self._ends
+        self._ended(ib)
         self._ring(ib)
         if drained:
             if self._leases.live(ib.lease_id):  # one past its TTL is the table's to expire (and count)

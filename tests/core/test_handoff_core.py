@@ -459,3 +459,49 @@ def test_a_receiving_request_ended_mid_transfer_is_fenced_and_its_sender_told(ho
         d.free(ds, ["r"])
     assert "r" not in d.pool.request_ids and len(d.leases) == 0
     d.check()
+
+
+@pytest.mark.parametrize("log_ends", [Inbox.LOG_ENDS, 2])
+def test_wait_ended_answers_a_sessions_ends_once_in_order_whatever_the_cursor(monkeypatch, log_ends):
+    """Inbox.wait_ended: the transfers of one session that ended after a cursor, in the order they
+    ended, none of another session's, none forgotten (freed; an id allocated again ends anew); the
+    same from the log of recent ends
+    as from a scan of every transfer (a log of 2 ends: most cursors are older than it)."""
+    import random
+
+    monkeypatch.setattr(Inbox, "LOG_ENDS", log_ends)
+    s = pk.sizings()["two-group"]
+    d = Node(Pool(s.layout, pk.arena_for(s)))
+    Inbox.attach(d)
+    sessions = [d.open_session(f"decode-{i}").session_id for i in range(2)]
+    rnd = random.Random(7)
+    owner: dict[str, str] = {}
+    for i in range(24):
+        sid = sessions[i % 2]
+        rid = f"r{i}"
+        d.allocate(sid, [AllocSpec(rid, 4, receive=True)])
+        d.acquire_lease(sid, rid, LeaseKind.RECV)
+        owner[rid] = sid
+    order = list(owner)
+    rnd.shuffle(order)
+    ended: list[tuple[int, str]] = []  # (the inbox's count of ends, rid), in the order they ended
+    for n, rid in enumerate(order[:18], start=1):
+        d.inbox.abort_local(rid, "test")
+        ended.append((n, rid))
+    freed = ended[3][1]  # ended, then freed: forgotten; then its id allocated again, and that one ends
+    assert d.free(owner[freed], [freed]) == 1
+    ended.remove(ended[3])
+    d.allocate(owner[freed], [AllocSpec(freed, 4, receive=True)])
+    d.acquire_lease(owner[freed], freed, LeaseKind.RECV)
+    d.inbox.abort_local(freed, "again, test")
+    ended.append((19, freed))
+    for sid in sessions:
+        mine = d.mine(sid)
+        for c in range(20):
+            got, cursor = d.inbox.wait_ended(c, 0, mine)
+            want = [r for n, r in ended if n > c and owner[r] == sid]
+            assert [r for r, _ in got] == want and cursor == 19, (sid, c)
+            assert all(st.state is TransferState.FAILED and st.reason.endswith("test") for _, st in got)
+    with pytest.raises(InvalidArgument, match="wait from cursor 0"):
+        d.inbox.wait_ended(20, 0, d.mine(sessions[0]))
+    d.check()
