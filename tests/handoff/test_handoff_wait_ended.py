@@ -5,6 +5,7 @@ WaitReady's bounded waits and is never refused what it can answer at once."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -13,7 +14,7 @@ import grpc
 import pytest
 
 from kvd import errors as E
-from kvd.client import TransferState
+from kvd.client import AsyncClient, TransferState
 from kvd.server.service import GRPC_WAIT_SLOTS
 
 
@@ -86,6 +87,28 @@ def test_another_sessions_transfers_are_not_answered(hp, watcher):
     assert [s.rid for s in hp.d.c.wait_ended(c0, 0).transfers] == [theirs]
     watcher.abort(mine, "test over")
     assert watcher.free(mine) == 1 and hp.d.free(theirs) == 1
+    hp.check()
+
+
+@pytest.mark.parametrize("transport", ["fast", "grpc"])
+def test_the_asyncio_client_waits_for_ends_the_same_way(hp, transport):
+    rid = dk.rid("we-async")
+    hp.p.alloc(rid, 24)
+
+    async def go() -> None:
+        async with await AsyncClient.connect(hp.pair.decode.t.unix, name="async-watcher", transport=transport) as kv:
+            _, lease = await kv.allocate_recv(rid, 24)
+            c0 = (await kv.wait_ended(0, 0)).cursor
+            waiting = asyncio.ensure_future(kv.wait_ended(c0, 10))
+            await asyncio.sleep(0.3)
+            assert not waiting.done(), "answered before the transfer ended"
+            nbytes = await asyncio.to_thread(_send, hp, rid, lease.ticket)
+            got = await asyncio.wait_for(waiting, 5)
+            assert [(t.rid, t.state, t.nbytes) for t in got.transfers] == [(rid, TransferState.READY, nbytes)], got
+            assert got.cursor > c0 and (await kv.wait_ended(got.cursor, 0)).transfers == []
+            assert await kv.free(rid) == 1
+
+    asyncio.run(go())
     hp.check()
 
 
