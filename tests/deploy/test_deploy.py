@@ -61,7 +61,8 @@ def _proxy_metrics(tmp: Path) -> str:
 
 def _waits_over_grpc(t: dk.Target) -> None:
     """One more WaitReady over gRPC than the daemon blocks for (its series with code OK and
-    UNAVAILABLE): the waits end as their transfers are aborted here."""
+    UNAVAILABLE), and a WaitEnded while they block (refused too, then answered without a wait):
+    the waits end as their transfers are aborted here."""
     import threading
 
     from kvd.handoff.inbox import inbox_of
@@ -77,6 +78,9 @@ def _waits_over_grpc(t: dk.Target) -> None:
             th.start()
         refused = 'kvd_rpc_duration_seconds_count{code="UNAVAILABLE",method="WaitReady"}'
         dk.wait_for(lambda: refused in dk.scrape(t.metrics_port), 10, "a WaitReady over gRPC refused")
+        assert c.wait_ended(c.wait_ended(0, 0).cursor, 0.5).transfers == []  # refused for want of a slot, sent again
+        refused = 'kvd_rpc_duration_seconds_count{code="UNAVAILABLE",method="WaitEnded"}'
+        dk.wait_for(lambda: refused in dk.scrape(t.metrics_port), 10, "a WaitEnded over gRPC refused")
         for r in rids:
             inbox_of(t.node).abort_local(r, "the deploy test is done waiting")
         for th in ths:
