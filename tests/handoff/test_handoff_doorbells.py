@@ -10,19 +10,6 @@ import grpc
 from kvd import errors as E
 from kvd.client import TransferState
 
-def counted(client) -> list[str]:
-    """The names of the calls ``client`` makes from now on (its transport's own entry, so a call
-    answered from the doorbell never shows)."""
-    seen: list[str] = []
-    raw = client._raw
-
-    def spy(method, request, timeout):
-        seen.append(method)
-        return raw(method, request, timeout)
-
-    client._raw = spy
-    return seen
-
 
 def test_a_ready_transfer_is_read_on_its_doorbell_without_a_call(hp):
     rid = dk.rid("bell")
@@ -31,7 +18,7 @@ def test_a_ready_transfer_is_read_on_its_doorbell_without_a_call(hp):
     hp.d.live.add(rid)
     assert hp.d.c.transport == "fast" and lease.bell > 0, lease
     assert hp.d.c.doorbell(rid) is TransferState.WAITING and hp.d.c.doorbell("not-" + rid) is None
-    calls = counted(hp.d.c)
+    calls = dk.counted(hp.d.c)
     assert hp.d.c.wait_ready(rid, 0).state is TransferState.WAITING  # not ready: the daemon answers
     assert calls == ["WaitReady"]
     r = hp.p.c.send(rid, lease.ticket, free=True)
@@ -52,7 +39,7 @@ def test_a_failed_transfer_is_told_by_the_daemon_with_its_reason(hp):
     assert lease.bell > 0
     assert hp.d.c.abort(rid, "the decode engine gave up") is False  # no sender began
     assert hp.d.c.doorbell(rid) is TransferState.FAILED
-    calls = counted(hp.d.c)
+    calls = dk.counted(hp.d.c)
     st = hp.d.c.wait_ready(rid, 5)
     assert st.state is TransferState.FAILED and "gave up" in st.reason, st
     assert calls == ["WaitReady"]
@@ -69,7 +56,7 @@ def test_a_client_without_the_board_asks_the_daemon(hp):
     assert lease.bell > 0 and g.doorbell(rid) is None  # the slot is named, but gRPC maps no board
     r = hp.p.c.send(rid, lease.ticket, free=True)
     hp.p.live.discard(rid)
-    calls = counted(g)
+    calls = dk.counted(g)
     st = g.wait_ready(rid, 5)
     assert st.state is TransferState.READY and st.nbytes == r.nbytes
     assert calls == ["WaitReady"]

@@ -55,6 +55,21 @@ def rid(prefix: str = "r") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
+def counted(client: Client) -> list[str]:
+    """The names of the calls ``client`` makes from now on, at its transport's own entry (a call
+    answered from a doorbell never shows; a wait a gRPC daemon refused and the client sent again
+    shows once)."""
+    seen: list[str] = []
+    raw = client._raw
+
+    def spy(method: str, request: Any, timeout: float | None) -> Any:
+        seen.append(method)
+        return raw(method, request, timeout)
+
+    client._raw = spy  # type: ignore[method-assign]
+    return seen
+
+
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
     """Poll ``pred`` until it returns something truthy; fail the test naming ``what`` otherwise."""
     deadline = time.monotonic() + timeout

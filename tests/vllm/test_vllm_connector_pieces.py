@@ -468,6 +468,7 @@ def test_over_grpc_one_thread_watches_every_pending_transfer_with_a_few_calls(tm
     at most a call per transfer that ended and one per CALL_WAIT_S while nothing did."""
     import threading
 
+    import daemon_kit as dk
     import handoff_kit as hk
 
     from kvd.server.service import GRPC_WAIT_SLOTS
@@ -475,14 +476,7 @@ def test_over_grpc_one_thread_watches_every_pending_transfer_with_a_few_calls(tm
     pair = hk.make_pair(tmp_path, "local", "inproc")
     try:
         kv = pair.decode.connect("scheduler", transport="grpc")
-        seen: list[str] = []
-        raw = kv._raw
-
-        def spy(method, request, timeout):
-            seen.append(method)
-            return raw(method, request, timeout)
-
-        kv._raw = spy
+        seen = dk.counted(kv)
         layout = kv.info().layout
         t0 = time.monotonic()
         book = TicketBook(kv, 30.0, layout.page_size, layout)
