@@ -20,6 +20,7 @@ the daemon frees its requests after the session TTL.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -544,17 +545,16 @@ class _Surface:
 
 def _again_or_raise(method: str, first: Any, exc: grpc.RpcError, t0: float) -> tuple[Any, float]:
     """After a gRPC call (``first`` as first sent, at ``t0``, monotonic) failed with ``exc``: the
-    kvd error it is, raised -- unless it is a wait (:data:`~kvd.rpc.engine_wire.WAITS`) the daemon refused for now (all its waits
-    over gRPC taken: Unavailable with a retry hint). That one is sent again after the returned
-    delay, waiting what is left of its timeout (at its end, one call that does not wait, which
-    is never refused)."""
+    kvd error it is, raised -- unless it is a wait (:data:`~kvd.rpc.engine_wire.WAITS`) the daemon
+    refused for now (all its waits over gRPC taken: Unavailable with a retry hint). That one is
+    sent again after the returned delay, waiting what is left of its timeout (at its end, one
+    call that does not wait, which is never refused)."""
     err = from_rpc_error(exc)
     if method not in WAITS or not isinstance(err, Unavailable) or err.retry_after_s is None:
         raise err from exc
     left = first.timeout_seconds - (time.monotonic() - t0)
     delay = min(err.retry_after_s, max(0.0, left))
-    again = type(first)()
-    again.CopyFrom(first)
+    again = copy.copy(first)
     again.timeout_seconds = max(0.0, left - delay)
     return again, delay
 

@@ -1,8 +1,8 @@
 """The decode side's ticket book (the connector's scheduler role): tickets minted on the decode
 daemon for requests the decode vLLM has not admitted yet (allocate + RECV lease, several asked for
 at once minted in one call), their transfers watched (one thread reads every doorbell; over gRPC one
-thread's WaitEnded calls answer them all), matched to the vLLM request that comes with the ticket's prompt, and handed to the
-workers as loads. The ticket server (:mod:`kvd.connectors.vllm_ticket_server`) serves :meth:`TicketBook.mint`
+thread's WaitEnded calls answer them all), matched to the vLLM request that comes with the
+ticket's prompt, and handed to the workers as loads. The ticket server (:mod:`kvd.connectors.vllm_ticket_server`) serves :meth:`TicketBook.mint`
 over HTTP; :class:`kvd.connectors.vllm.KvdConnector` drives the rest.
 
 kvd imports: :mod:`kvd.client` (``Client``), :mod:`kvd.errors`, :mod:`kvd.pool.layout`.

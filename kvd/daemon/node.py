@@ -344,8 +344,9 @@ class Node:
             self._own(session_id, rid)
 
     def mine(self, session_id: str) -> Callable[[str], bool]:
-        """Whether a request is ``session_id``'s now (a lookup; call it under :attr:`lock`):
-        what a wait over a session's transfers filters them by. Keeps ``session_id`` alive."""
+        """A test of whether a request is ``session_id``'s, reading the owners as they are when it
+        is called (call it under :attr:`lock`): what a wait over a session's transfers filters
+        them by. Keeps ``session_id`` alive (SessionGone for one that is not)."""
         with self._lock:
             self._touch(session_id)
         owner = self._owner

@@ -557,11 +557,12 @@ class KvdService(_Base, pb_grpc.KvdServicer):
 
         return self._run(context, go)
 
-    def _wait(self, context, timeout: float, wait: Callable[[float, Callable[[], bool]], T], over: Callable[[T], bool], what: str) -> T:
+    def _wait(self, context: grpc.ServicerContext, timeout: float, wait: Callable[[float, Callable[[], bool]], T],
+              over: Callable[[T], bool], what: str) -> T:
         """``wait(timeout, active)`` -- never past the caller's own deadline, ended early once
         nobody can hear the answer (the caller hung up, the server stops). Over gRPC a wait holds
-        one of its GRPC_WORKERS threads, so at most GRPC_WAIT_SLOTS block at once: beyond them a
-        call is answered without waiting if ``over`` its answer so, else refused Unavailable with
+        one of its GRPC_WORKERS threads, so at most GRPC_WAIT_SLOTS block at once: beyond them, a
+        call whose answer now is final (``over``) gets it; the others are refused Unavailable with
         a retry hint. The engine socket's waits hold their connection's own thread."""
         left = context.time_remaining()
         timeout = timeout if left is None else min(timeout, max(0.0, left - 0.05))
