@@ -249,6 +249,10 @@ class TicketBook:
                 self._caller.start()
         self._call_ring.set()
 
+    def _late(self) -> str:
+        """Why a transfer past its deadline failed (both watchers say it the same way)."""
+        return f"no KV arrived within {self.admit_ttl:.1f} s of the ticket"
+
     def _watch_calls(self) -> None:
         """Transfers with no doorbell (:attr:`_called`): one WaitEnded at a time, at most
         :data:`CALL_WAIT_S` long, answers every transfer of this client's session that ended
@@ -282,7 +286,7 @@ class TicketBook:
                     if end is None and p is not None and now < p.xfer_deadline:
                         continue
                     if end is None:
-                        end = ("FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket")
+                        end = ("FAILED", self._late())
                     if p is not None and p.state == "WAITING":
                         p.state, p.reason = end
                     self._called.discard(rid)
@@ -322,7 +326,7 @@ class TicketBook:
                         if p is not None and now < p.xfer_deadline:
                             continue
                         if p is not None and p.state == "WAITING":
-                            p.state, p.reason = "FAILED", f"no KV arrived within {self.admit_ttl:.1f} s of the ticket"
+                            p.state, p.reason = "FAILED", self._late()
                         self._rung.discard(rid)
                     continue
                 state, reason = ("READY", "") if st is not None and st.name == "READY" else ("FAILED", gone)
