@@ -178,13 +178,14 @@ class _Daemon:
         ]
         if speculative:
             cmd.append("--speculative")
+        # A heartbeat starved for a second must not fail a healthy transfer: on a GPU the first
+        # compaction or Send JIT-compiles Triton kernels in the daemon (seconds, GIL held), and on a
+        # 2-core machine also running tests the warm-up's first-use costs starved one past the 1 s
+        # default. Only failure detection gets slower, and no demo fault is a peer failure.
+        cmd += ["--peer-timeout-s", "30"]
         env = None
         if device.type == "cuda":  # the daemon owns a CUDA virtual-memory arena on that GPU
             cmd += ["--arena", "cuda", "--cuda-device", str(device.index or 0)]
-            # The first compaction or Send JIT-compiles Triton kernels in the daemon (seconds on a cold
-            # cache, GIL held); a heartbeat starved that long must not fail a healthy transfer.
-            # Only failure detection gets slower, and the demo injects no peer failure.
-            cmd += ["--peer-timeout-s", "30"]
             env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)}
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, stdin=subprocess.DEVNULL, env=env)
