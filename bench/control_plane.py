@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -302,6 +303,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8", help="client process counts, comma-separated (default: %(default)s)")
     ap.add_argument("--calls", type=int, default=None, help="calls per single-call row over all clients (default 3072; --quick 512)")
     ap.add_argument("--no-tcp", action="store_true", help="Unix socket only")
+    ap.add_argument("--json", metavar="PATH", help="also write every row's p50/p99 (us) and ops/s, and the sweep's calls/s, here")
     args = ap.parse_args()
 
     client_counts = [int(c) for c in args.clients.split(",")]
@@ -363,6 +365,14 @@ def main() -> None:
           f"batches {len(results[0][f'allocate x{args.batch}'].lat_ns):,d} (pooled over clients); "
           f"total {time.perf_counter() - t_all:.0f} s")
     print(others)
+    if args.json:
+        rows = [{"call": name, "transport": r.transport, "clients": r.clients, "p50_us": r.pct(0.5), "p99_us": r.pct(0.99), "ops": r.ops}
+                for res in results for name, r in res.items()]
+        agg = [{"transport": next(iter(res.values())).transport, "clients": next(iter(res.values())).clients,
+                "echo_calls_s": aggregate(res, ("echo",)), "engine_calls_s": aggregate(res, ENGINE_CALLS)} for res in results]
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "layout": args.layout, "tokens": args.tokens, "others": others, "rows": rows,
+                       "aggregate": agg}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 #
 #   bash bench/gpu_check.sh                  # tests, demo, bench (~6 min on an H200)
 #   bash bench/gpu_check.sh tests bench      # any of: tests tests-handoff bench bench-quick transfer transfer01
-#                                            #   nvlink wake demo demo-quick demo2 demo2-quick mooncake mooncake-probe vllm
+#                                            #   targets nvlink wake demo demo-quick demo2 demo2-quick mooncake mooncake-probe vllm
+#   targets: issue 16's targets in one run (bench/control_targets.py --quick --gpu: CPU control path + same-GPU transfer)
 #
 # Python packages the GPU image lacks travel as wheels in .whl/ (see docs/benchmarks.md, GPU);
 # system libraries Mooncake needs and the host lacks come from its wheel (bench/mooncake_wheel.py libdir).
@@ -64,6 +65,7 @@ for what in "${STEPS[@]}"; do
     bench-quick) step bench 120 python3 bench/gpu.py --quick --json "$OUT/bench.json" ;;
     transfer) step transfer 180 python3 bench/gpu_transfer.py --both --json "$OUT/transfer.json" ;;
     transfer01) step transfer01 150 python3 bench/gpu_transfer.py --devices 0,1 --json "$OUT/transfer01.json" ;;
+    targets) step targets 420 python3 bench/control_targets.py --quick --gpu --keep "$OUT/targets" ;;
     nvlink) step nvlink 60 python3 bench/nvlink_streams.py ;;
     wake) step wake 60 python3 bench/wake_probe.py ;;
     demo) step demo 200 python3 -m kvd.cli demo --device cuda --backend local --json "$OUT/demo.json" ;;
@@ -79,7 +81,7 @@ for what in "${STEPS[@]}"; do
     vllm)  # the vLLM connector's GPU layouts (issue 15): round trip through two cuda daemons, then the copy bench
       step vllm-tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rs tests/gpu/test_vllm_gpu_blocks.py tests/gpu/test_vllm_kernel.py tests/core/test_vllm_blocks.py
       step vllm-copy 180 python3 bench/vllm_gpu_copy.py ;;
-    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, transfer01, nvlink, wake, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe, vllm)"; rc=2 ;;
+    *) echo "unknown step $what (tests, tests-handoff, bench, bench-quick, transfer, transfer01, targets, nvlink, wake, demo, demo-quick, demo2, demo2-quick, mooncake, mooncake-probe, vllm)"; rc=2 ;;
   esac
 done
 exit $rc

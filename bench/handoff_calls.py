@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import sys
@@ -98,6 +99,7 @@ def main() -> None:
                     help="also split each flow's time by the daemons' own clocks (implies --block 25 unless given)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="another kvd checkout: its daemons run the old and new fast flows too, in the same run")
+    ap.add_argument("--json", metavar="PATH", help="also write each flow's median and p99 (ms) here (bench/control_targets.py reads it)")
     args = ap.parse_args()
     n = args.repeats or (100 if args.quick else 400)
     block = max(1, args.block if args.block is not None else 25 if args.where else 1)
@@ -293,7 +295,13 @@ def main() -> None:
         print(f"| {k:<{w}} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")
     if args.where:
         where(lat, inside, laps, commits)
-    print(others_line(cpu0, own0))
+    others = others_line(cpu0, own0)
+    print(others)
+    if args.json:
+        flows = {k: {"calls": calls[k], "median_ms": pct(xs, 0.5), "p99_ms": pct(xs, 0.99), "n": len(xs)} for k, xs in lat.items()}
+        with open(args.json, "w") as f:
+            json.dump({"machine": cpu_model(), "layout": args.layout, "tokens": args.tokens, "bytes": nbytes[0], "block": block,
+                       "others": others, "flows": flows}, f, indent=1)
 
 
 #: The calls of each fast flow, in order, labelled "<daemon> <client method>": what ``--where`` splits.
