@@ -49,8 +49,10 @@ MODULES = sorted(m for m in PATHS if not (m == GENERATED or m.startswith(GENERAT
 #: Modules that import an optional dependency at the top, and a submodule of it that shows it is
 #: installed (bare ``vllm`` would import tests/vllm as a namespace package). vllm: only in
 #: .venv-vllm, where `PYTHONPATH=. .venv-vllm/bin/python -m pytest tests/core/test_package_surface.py` runs these.
+_VLLM = ("vllm", "vllm_layout", "vllm_loader", "vllm_meta", "vllm_saver", "vllm_scheduler", "vllm_stats", "vllm_ticket_book",
+         "vllm_worker")
 NEEDS = {
-    **{f"kvd.connectors.{m}": "vllm.distributed" for m in ("vllm", "vllm_layout", "vllm_meta", "vllm_stats", "vllm_ticket_book")},
+    **{f"kvd.connectors.{m}": "vllm.distributed" for m in _VLLM},
     "kvd.connectors.vllm_proxy": "aiohttp.web",
 }
 

@@ -115,7 +115,8 @@ def main() -> None:
         if job.get("scheduler"):  # what the scheduler saw: preemptions, the ticket book's stats (decode side)
             from dataclasses import asdict
 
-            book = getattr(sched.connector, "_book", None)
+            side = getattr(sched.connector, "sched", None)  # KvdConnector's scheduler side
+            book = getattr(side, "book", None)
             pool = sched.kv_cache_manager.block_pool
             print("RESULT " + json.dumps({"ticket_stats": asdict(book.stats) if book is not None else None,
                                           "preemptions": PREEMPTIONS[0], "requests": len(sched.requests),

@@ -22,15 +22,22 @@ pytest.importorskip("vllm.config", reason="the vLLM tier runs in .venv-vllm (mak
 from daemon_kit import start_inproc, stop_inproc  # noqa: E402
 
 from kvd.connectors.vllm import CopyStats, KvdConnector  # noqa: E402
+from kvd.connectors.vllm_loader import Loader  # noqa: E402
+from kvd.connectors.vllm_saver import Saver  # noqa: E402
+from kvd.connectors.vllm_worker import Worker  # noqa: E402
 from kvd.connectors.vllm_meta import KvdWorkerMetadata, Load  # noqa: E402
 from kvd.connectors.vllm_ticket_book import CALL_WAIT_S, TicketBook  # noqa: E402
 
 
-def _worker(block: int = 32) -> KvdConnector:
-    """The worker-side state the load hooks keep (no vLLM config, no daemon)."""
-    c = KvdConnector.__new__(KvdConnector)
-    c._bs, c._failed, c._invalid, c._sync_loads, c.copy_stats = block, set(), set(), {}, CopyStats()
-    return c
+def _loader(block: int = 32) -> Loader:
+    """A worker's loads, over what they read of the worker (its block size, its counts): no vLLM
+    config, no daemon."""
+    return Loader(SimpleNamespace(bs=block, copy_stats=CopyStats()))  # type: ignore[arg-type]
+
+
+def _saver(kv: Any) -> Saver:
+    """A producer worker's saves over client ``kv`` (no KV caches registered: the opens only)."""
+    return Saver(Worker(kv, "unix:test", "prefill-worker", None, kv.info().layout, {}), producer=True)
 
 
 @contextmanager
@@ -59,9 +66,9 @@ def test_a_failed_sync_load_reports_its_blocks_and_is_reported_done():
     """Tokens [32, 100) of a request in blocks [5, 6, 7, 8] (32 a block): blocks 6-8 hold them
     (5 is vLLM's own prefix-cache hit), reported once; the load is reported done (its kvd request
     freed) and never in failed_recving, which vLLM 0.32 asserts only of a request it holds back."""
-    c = _worker()
-    c._load_failed(Load("req-0", ([5, 6, 7, 8],), 32, 100, sync=True))
-    assert c._failed == set() and c.copy_stats.sync_failed == 1
+    c = _loader()
+    c.load_failed(Load("req-0", ([5, 6, 7, 8],), 32, 100, sync=True))
+    assert c.failed == set() and c.w.copy_stats.sync_failed == 1
     assert c.get_block_ids_with_load_errors() == {6, 7, 8}
     assert c.get_block_ids_with_load_errors() == set()
     meta = c.build_connector_worker_meta()
@@ -70,9 +77,9 @@ def test_a_failed_sync_load_reports_its_blocks_and_is_reported_done():
 
 
 def test_a_failed_async_load_goes_to_failed_recving():
-    c = _worker()
-    c._load_failed(Load("req-1", ([5, 6],), 0, 64))
-    assert c._failed == {"req-1"} and c.get_block_ids_with_load_errors() == set() and c.build_connector_worker_meta() is None
+    c = _loader()
+    c.load_failed(Load("req-1", ([5, 6],), 0, 64))
+    assert c.failed == {"req-1"} and c.get_block_ids_with_load_errors() == set() and c.build_connector_worker_meta() is None
 
 
 def test_workers_reports_add_up():
@@ -136,9 +143,9 @@ def test_a_request_ended_while_it_waits_for_its_kv_is_reported_aborted_then_free
         (load,) = book.ready_loads()
         assert load.req_id == "req-0" and load.aborted and load.error and load.block_ids == ([4, 5],)
         assert book.ready_loads() == []  # dispatched once
-        c = _worker()
-        c._load_failed(load)
-        assert c._failed == {"req-0"}  # reported in finished_recving (and failed_recving)
+        c = _loader()
+        c.load_failed(load)
+        assert c.failed == {"req-0"}  # reported in finished_recving (and failed_recving)
         book.finished({"req-0"}, failed={"req-0"})  # the scheduler hears it (in both sets): the kvd request goes
         assert kv.stats().pool.requests_live == 0
         assert book.by_req == {} and book.pending == {}, "an ended request is still known by its ticket"
@@ -267,15 +274,14 @@ def test_an_open_whose_reply_was_lost_is_carried_on_and_a_duplicate_refused_with
         _, lease = dec.allocate_recv("kvd-x", 40)
         pre.allocate_many([("kvd-x", 40)], tickets=[lease.ticket])  # applied; its reply "lost"
         want = pre.vectors("kvd-x")
-        c = KvdConnector.__new__(KvdConnector)
-        c._kv, c._vecs, c._bad_saves, c.copy_stats = pre, {}, set(), CopyStats()
+        c = _saver(pre)
         first = Save("req-a", "kvd-x", lease.ticket, 40, ([1, 2],), 0, 40, True)
         v = c._open(first)
-        assert v is not None and v["full"] == want.full.tolist() and c.copy_stats.adopted == 1
+        assert v is not None and v["full"] == want.full.tolist() and c.w.copy_stats.adopted == 1
         dup = Save("req-b", "kvd-x", lease.ticket, 40, ([3, 4],), 0, 40, True)
-        assert c._open(dup) is None and "req-b" in c._bad_saves and c.copy_stats.adopted == 1
+        assert c._open(dup) is None and "req-b" in c.bad_saves and c.w.copy_stats.adopted == 1
         assert pre.vectors("kvd-x").full.tolist() == want.full.tolist()  # still open, the same pages
-        assert c._vecs == {"req-a": v}
+        assert c.vecs == {"req-a": v}
         for side in pair.sides:
             side.t.check()
     finally:
@@ -299,9 +305,7 @@ def test_a_steps_new_requests_are_opened_ahead_of_its_forward_on_the_opener_thre
     try:
         dec, pre = pair.decode.t.connect(name="decode"), pair.prefill.t.connect(name="prefill-worker")
         (_, la), (_, lb) = dec.allocate_recv("kvd-a", 40), dec.allocate_recv("kvd-b", 40)
-        c = KvdConnector.__new__(KvdConnector)
-        c._kv, c._vecs, c._bad_saves, c.copy_stats = pre, {}, set(), CopyStats()
-        c._producer, c._opener, c._opening, c._probe_at, c._renew_at = True, None, None, 0.0, 0.0
+        c = _saver(pre)
         calls: list[tuple[str, str]] = []
         for name in ("allocate", "allocate_many"):
             real = getattr(pre, name)
@@ -313,17 +317,17 @@ def test_a_steps_new_requests_are_opened_ahead_of_its_forward_on_the_opener_thre
             setattr(pre, name, spy)
         step = [Save("req-a", "kvd-a", la.ticket, 40, ([1, 2],), 0, 32, False), Save("req-b", "kvd-b", lb.ticket, 40, ([3, 4],), 0, 32, False)]
         c.handle_preemptions(SimpleNamespace(saves=step))
-        c._opened()
+        c.opened()
         assert [n for n, _ in calls] == ["allocate_many"] and calls[0][1].startswith("kvd-opener"), calls
-        assert {r: v["full"] for r, v in c._vecs.items()} == {"req-a": pre.vectors("kvd-a").full.tolist(),
+        assert {r: v["full"] for r, v in c.vecs.items()} == {"req-a": pre.vectors("kvd-a").full.tolist(),
                                                                "req-b": pre.vectors("kvd-b").full.tolist()}
-        assert c.copy_stats.opens == 1 and c.copy_stats.opened == 2
+        assert c.w.copy_stats.opens == 1 and c.w.copy_stats.opened == 2
         c.handle_preemptions(SimpleNamespace(saves=[replace(sv, start=32, end=40, last=True) for sv in step]))
-        assert c._opening is None and len(calls) == 1  # their next chunks: nothing new to open
+        assert c.opening is None and len(calls) == 1  # their next chunks: nothing new to open
         bad = Save("req-c", "kvd-c", b"not a ticket", 40, ([5, 6],), 0, 40, True)
         c.handle_preemptions(SimpleNamespace(saves=[bad]))
-        c._opened()
-        assert "req-c" in c._bad_saves and "req-c" not in c._vecs and calls[-1][0] == "allocate"
+        c.opened()
+        assert "req-c" in c.bad_saves and "req-c" not in c.vecs and calls[-1][0] == "allocate"
         for rid in ("kvd-a", "kvd-b"):  # as the worker does with a request vLLM ended before its last chunk
             pre.abort(rid, "the test is done")
             pre.free(rid)
@@ -333,8 +337,8 @@ def test_a_steps_new_requests_are_opened_ahead_of_its_forward_on_the_opener_thre
         for side in pair.sides:
             side.t.check()
     finally:
-        if getattr(c, "_opener", None) is not None:
-            c._opener.shutdown()
+        if c.opener is not None:
+            c.opener.shutdown()
         for side in pair.sides:
             side.stop()
 
@@ -350,15 +354,15 @@ def test_an_overdue_session_is_probed_once_a_second_not_once_a_layer(tmp_path):
     t = start_inproc(tmp_path)
     kv = Client.connect(t.unix, name="worker", ttl=1.0)
     kv.attach()
+    layout = kv.info().layout
     stop_inproc(t)  # its heartbeat fails from here on
     time.sleep(0.6)
-    c = KvdConnector.__new__(KvdConnector)
-    c._kv, c._probe_at, c.copy_stats = kv, 0.0, CopyStats()
+    w = Worker(kv, t.unix, "worker", 1.0, layout, {})
     try:
         assert kv.overdue
         for _ in range(8):  # a step's layers
-            c._gone()
-        assert c.copy_stats.session_probes == 1
+            w.gone()
+        assert w.copy_stats.session_probes == 1
     finally:
         kv.close()
 
@@ -444,13 +448,13 @@ def test_the_counts_vllm_logs_and_exports_are_what_grew_summed_over_workers():
     (and the scheduler's) and logs the sum."""
     from kvd.connectors.vllm_stats import KvdConnectorStats, grown
 
-    c = _worker()
+    stats = CopyStats()
     seen: dict = {}
-    c.copy_stats.loads, c.copy_stats.load_bytes, c.copy_stats.load_s = 2, 4096, 0.0015
-    assert grown(c.copy_stats, seen) == {"loads": 2, "load_bytes": 4096, "load_s": 0.0015}
-    assert grown(c.copy_stats, seen) == {}
-    c.copy_stats.loads += 1
-    a = KvdConnectorStats(data=grown(c.copy_stats, seen))
+    stats.loads, stats.load_bytes, stats.load_s = 2, 4096, 0.0015
+    assert grown(stats, seen) == {"loads": 2, "load_bytes": 4096, "load_s": 0.0015}
+    assert grown(stats, seen) == {}
+    stats.loads += 1
+    a = KvdConnectorStats(data=grown(stats, seen))
     b = KvdConnector.build_kv_connector_stats({"loads": 2, "load_bytes": 100, "load_s": 0.25})
     total = a.aggregate(b)
     assert total.data == {"loads": 3, "load_bytes": 100, "load_s": 0.25} and not total.is_empty()

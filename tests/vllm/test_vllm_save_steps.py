@@ -14,18 +14,17 @@ pytest.importorskip("vllm.config", reason="the vLLM tier runs in .venv-vllm (mak
 
 from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput  # noqa: E402
 
-from kvd.connectors.vllm import KvdConnector  # noqa: E402
+from kvd.connectors.vllm_scheduler import Scheduler  # noqa: E402
 
 R = "req-0"
 TOKENS = 200  # block 32: 7 blocks
 
 
-def _producer() -> KvdConnector:
+def _producer() -> Scheduler:
     """The scheduler-side state ``build_connector_meta`` reads: a request with a ticket, as
-    ``update_state_after_alloc`` records it."""
-    c = KvdConnector.__new__(KvdConnector)  # the hook alone: no vLLM config, no daemon
-    c._book = None
-    c._saving = {R: {"ticket": b"t", "rid": "kvd-0", "tokens": TOKENS, "blocks": None, "params": {}}}
+    ``update_state_after_alloc`` records it (the hook alone: no vLLM config, no daemon)."""
+    c = Scheduler(producer=True, book=None)
+    c.saving = {R: {"ticket": b"t", "rid": "kvd-0", "tokens": TOKENS, "blocks": None, "params": {}}}
     return c
 
 
@@ -47,7 +46,7 @@ def _cached(new_blocks: list[int] | None, computed: int, scheduled: int, *, resu
     return _step([], cached, scheduled)
 
 
-def _saves(c: KvdConnector, out: SchedulerOutput) -> list[tuple[int, int, bool, int, list[int]]]:
+def _saves(c: Scheduler, out: SchedulerOutput) -> list[tuple[int, int, bool, int, list[int]]]:
     return [(s.start, s.end, s.last, s.cached, s.block_ids[0]) for s in c.build_connector_meta(out).saves]
 
 
