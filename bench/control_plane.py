@@ -5,7 +5,8 @@
 
 A daemon is started in its own process (``python -m kvd.cli serve``, the ``gemma-4-31b-it-tp2``
 layout by default) listening on a Unix socket (the engine's default path) and on TCP loopback.
-Transports: ``fast`` (the engine socket beside the Unix listener, :mod:`kvd.client.fast`), ``unix``
+Transports: ``fast`` (the engine socket beside the Unix listener, :mod:`kvd.client.fast`; with
+``--no-spin`` also ``fast0``, the same with clients that sleep at once for each reply), ``unix``
 (gRPC on the Unix socket), ``tcp`` (gRPC on loopback). Clients are separate processes, each with its own :class:`kvd.client.Client` (own session,
 channel and GIL): 1 client, then 8 clients at once. Nothing is shared with the daemon's GIL.
 
@@ -97,6 +98,7 @@ class Plan:
     round_steps: int  # steps of `cycle` rounds per client
     batch_steps: int  # allocate_many + free per client
     warmup: int
+    spin_us: float | None = None  # the fast clients' reply spin (None: the client's default)
 
 
 def worker(wid: int, address: str, plan: Plan, barrier, out, transport: str = "unix") -> None:
@@ -129,7 +131,8 @@ def worker(wid: int, address: str, plan: Plan, barrier, out, transport: str = "u
         win.setdefault(name, []).append((t_start, t_end))
         return res
 
-    kv = Client.connect(address, name=f"bench-{wid}", transport="fast" if transport == "fast" else "grpc")
+    spin = {"spin_us": 0.0} if transport == "fast0" else {} if plan.spin_us is None else {"spin_us": plan.spin_us}
+    kv = Client.connect(address, name=f"bench-{wid}", transport="fast" if transport.startswith("fast") else "grpc", **spin)
     try:
         tok, recv = plan.tokens, plan.receive
 
@@ -303,6 +306,10 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8", help="client process counts, comma-separated (default: %(default)s)")
     ap.add_argument("--calls", type=int, default=None, help="calls per single-call row over all clients (default 3072; --quick 512)")
     ap.add_argument("--no-tcp", action="store_true", help="Unix socket only")
+    ap.add_argument("--spin-us", type=float, default=None, metavar="US",
+                    help="how long the engine-socket clients look for a reply before they sleep (default: the client's, 200; 0: at once)")
+    ap.add_argument("--no-spin", action="store_true",
+                    help="also run the engine socket with clients that sleep at once for each reply (transport fast0), right after fast")
     ap.add_argument("--json", metavar="PATH", help="also write every row's p50/p99 (us) and ops/s, and the sweep's calls/s, here")
     args = ap.parse_args()
 
@@ -313,6 +320,8 @@ def main() -> None:
     batches = 8 if args.quick else 48
     # fast: the engine socket (<unix>.fast, kvd.client.fast); unix: gRPC on the Unix socket; tcp: gRPC on loopback
     transports = ["fast", "unix"] if (args.quick or args.no_tcp) else ["fast", "unix", "tcp"]
+    if args.no_spin:
+        transports.insert(1, "fast0")
 
     per_req = request_bytes(args.layout, args.tokens, args.receive)
     live = max(client_counts) * (max(cycle, args.batch) + 2)
@@ -338,7 +347,7 @@ def main() -> None:
                 plan = Plan(
                     tokens=args.tokens, receive=args.receive, batch=args.batch, cycle=cycle,
                     single_cycles=max(1, -(-calls // (cycle * n))), round_steps=max(1, -(-rounds // (cycle * n))),
-                    batch_steps=max(1, -(-batches // n)), warmup=200 if args.quick else 400,
+                    batch_steps=max(1, -(-batches // n)), warmup=200 if args.quick else 400, spin_us=args.spin_us,
                 )
                 t0, c0, o0 = time.perf_counter(), cpu_snap(), own_cpu() + proc_cpu(d.proc.pid)
                 results.append(run_config(address, transport, n, plan))  # type: ignore[arg-type]

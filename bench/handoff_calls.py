@@ -29,6 +29,9 @@ the last free:
 * ``4 bare round trips``: the short flow's four engine-socket calls as ``Echo`` calls, to the same
   daemons in the same order (decode, prefill, prefill, decode): the floor of the short flow when
   the daemons' handlers cost nothing (the peer calls between the daemons not counted).
+* ``new fast, no spin`` and ``4 bare round trips, no spin``: the same on clients that sleep at once
+  for each reply (``Client.connect(spin_us=0)``); the engine socket's clients look for a reply for
+  200 us first (:data:`kvd.client.fast.SPIN_S`).
 * ``memcpy``: the same bytes (every page the Send moves) copied between two buffers here.
 * with ``--prompt-ms T`` (a prompt computing T ms between the prefill engine's Allocate and its
   Send, as in a real engine; the decode side's calls come before, untimed), three more rows time
@@ -99,6 +102,8 @@ def main() -> None:
                     help="also split each flow's time by the daemons' own clocks (implies --block 25 unless given)")
     ap.add_argument("--baseline-tree", default=None, metavar="DIR",
                     help="another kvd checkout: its daemons run the old and new fast flows too, in the same run")
+    ap.add_argument("--spin-us", type=float, default=None, metavar="US",
+                    help="how long the engine-socket clients look for a reply before they sleep (default: the client's, 200)")
     ap.add_argument("--json", metavar="PATH", help="also write each flow's median and p99 (ms) here (bench/control_targets.py reads it)")
     args = ap.parse_args()
     n = args.repeats or (100 if args.quick else 400)
@@ -124,8 +129,14 @@ def main() -> None:
     try:
         apart.wait_started()
         cl = {}
+        spin = {} if args.spin_us is None else {"spin_us": args.spin_us}
         for tr, (p_, d_) in (("grpc", (gp, gd)), ("fast", (dp, dd))):
-            cl[tr] = (Client.connect(p_.unix, name=f"prefill-{tr}", transport=tr), Client.connect(d_.unix, name=f"decode-{tr}", transport=tr))
+            cl[tr] = (Client.connect(p_.unix, name=f"prefill-{tr}", transport=tr, **spin),
+                      Client.connect(d_.unix, name=f"decode-{tr}", transport=tr, **spin))
+        # the same daemons, clients that sleep at once for each reply (the engine socket's clients
+        # look for it for SPIN_S first: kvd.ipc.frames.read_frame)
+        cl["fast0"] = (Client.connect(dp.unix, name="prefill-fast0", transport="fast", spin_us=0),
+                       Client.connect(dd.unix, name="decode-fast0", transport="fast", spin_us=0))
         if bp is not None and bd is not None:
             cl["base"] = (Client.connect(bp.unix, name="prefill-base", transport="fast"), Client.connect(bd.unix, name="decode-base", transport="fast"))
         tok = args.tokens
@@ -198,7 +209,7 @@ def main() -> None:
             return recv_s + mid + apart.free([rid])
 
         fns = {"old grpc": lambda: old("grpc"), "old fast": lambda: old("fast"), "new fast": lambda: new("fast"), "new grpc": lambda: new("grpc"),
-               "new fast, decode apart": new_apart}
+               "new fast, decode apart": new_apart, "new fast, no spin": lambda: new("fast0")}
         def prefill(way: str) -> float:
             """The prefill engine's calls around a prompt of ``--prompt-ms`` (not counted)."""
             p, d = cl["fast"]
@@ -244,7 +255,15 @@ def main() -> None:
             p.echo()
             d.echo()
 
+        def bare0() -> None:
+            p, d = cl["fast0"]
+            d.echo()
+            p.echo()
+            p.echo()
+            d.echo()
+
         fns["4 bare round trips"] = bare
+        fns["4 bare round trips, no spin"] = bare0
         fns["memcpy"] = memcpy
         lat: dict[str, list[float]] = {k: [] for k in fns}
         laps.clear()
@@ -289,7 +308,8 @@ def main() -> None:
     print(f"| {'flow':<{w}} | calls | {'median ms':>9} | {'p99 ms':>7} | median / old grpc |")
     print(f"|{'-' * (w + 2)}|-------|-----------|---------|-------------------|")
     base = statistics.median(lat["old grpc"])
-    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "memcpy": 0, "4 bare round trips": 4,
+    calls = {"old grpc": 8, "old fast": 8, "new fast": 5, "new grpc": 5, "new fast, decode apart": 5, "new fast, no spin": 5, "memcpy": 0,
+             "4 bare round trips": 4, "4 bare round trips, no spin": 4,
              "old fast @base": 8, "new fast @base": 5, "prefill, check in Send": 2, "prefill, begin_send": 3, "prefill, allocate(ticket)": 2}
     for k, xs in lat.items():
         print(f"| {k:<{w}} | {calls[k]:>5} | {pct(xs, 0.5):>9.3f} | {pct(xs, 0.99):>7.3f} | {statistics.median(xs) / base:>16.2f}x |")

@@ -7,6 +7,9 @@ Same messages as gRPC, same errors: a refusal comes back as the kvd exception
 looks at the cause of a kvd error sees the same thing over either transport. A connection that
 breaks mid-call is UNAVAILABLE, as a gRPC call to a stopped daemon is.
 
+A blocking call looks for its reply for up to :data:`SPIN_S` before it sleeps (a wait at once);
+the asyncio channel never spins (it would hold the event loop).
+
 A call blocks its connection until the reply (WaitReady until the transfer is ready), so each
 client keeps a small pool: a call takes a free connection or opens one (its hello names the
 client's session) and puts it back after the reply. A full daemon may evict an idle connection
@@ -54,6 +57,10 @@ _RESPONSES: dict[str, type[Message]] = {m.name: m.response for m in METHODS.valu
 KEEP = 8
 #: Times a call is sent again after its connection was evicted unread (then its Unavailable is raised).
 RESENDS = 3
+#: How long a blocking call looks for its reply before it sleeps, by default (``Client.connect(spin_us=)``):
+#: most engine calls are answered within it, and a thread asleep in recv is woken across virtual
+#: CPUs, which on the VMs measured cost 30-50 us a call (docs/benchmarks.md, the twenty-fifth round).
+SPIN_S = 200e-6
 # What a call whose write the daemon refused (EPIPE: it closed the connection, idle in the pool,
 # before the request went out) gets in place of a reply: sent again, as after EVICTED.
 _UNSENT = pb.PeerStatus(code=grpc.StatusCode.UNAVAILABLE.value[0], message=(
@@ -172,9 +179,12 @@ class FastChannel:
     each with that session, and only those of the current one (:attr:`session_id`) are used again:
     a connection of a session the daemon forgot is closed, never pooled (:meth:`reset`)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, spin_s: float = SPIN_S) -> None:
         self.path = path
         self.session_id = ""
+        #: How long a call looks for its reply before it sleeps (:func:`kvd.ipc.frames.read_frame`);
+        #: a wait (WaitReady, WaitEnded) sleeps at once.
+        self.spin_s = spin_s
         self._free: list[tuple[socket.socket, str]] = []  # (idle connection, the session it acts for)
         self._lock = threading.Lock()
         self._closed = False
@@ -268,7 +278,7 @@ class FastChannel:
                 kind, reply = _last_words(s)
                 s.close()
                 return s, sid, kind, reply
-            kind, reply = read_frame(s, MAX_FRAME)
+            kind, reply = read_frame(s, MAX_FRAME, 0.0 if method in WAITS else self.spin_s)
         except E.KvdError:
             raise
         except OSError as exc:  # broken, closed or timed out mid-call: this connection is done

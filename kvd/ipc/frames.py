@@ -22,7 +22,7 @@ import struct
 
 from google.protobuf.message import Message
 
-from kvd.ipc.unix_socket import recv_exact, recv_rest
+from kvd.ipc.unix_socket import recv_exact, recv_rest, spin_readable
 
 __all__ = ["HEAD", "HELLO", "OK", "REFUSED", "EVICTED", "MAX_FRAME", "MAX_REQUEST", "frame", "read_head", "read_frame"]
 
@@ -66,9 +66,14 @@ def read_head(sock: socket.socket, timeout: float | None = None) -> tuple[int, i
     return n, kind
 
 
-def read_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[int, bytes]:
+def read_frame(sock: socket.socket, limit: int = MAX_FRAME, spin_s: float = 0.0) -> tuple[int, bytes]:
     """``(kind, body)`` of the next frame (a caller reading a reply). ConnectionError when the
-    peer closed, or sent a frame over ``limit`` bytes (the stream cannot be followed past it)."""
+    peer closed, or sent a frame over ``limit`` bytes (the stream cannot be followed past it).
+
+    ``spin_s``: first look for the reply without sleeping, for up to that long
+    (:func:`~kvd.ipc.unix_socket.spin_readable`), then wait as the socket's timeout says: up to
+    ``spin_s`` of this thread's CPU for a wake-up saved."""
+    spin_readable(sock, spin_s)
     # One recv usually brings head and body together (replies are small): read what is there.
     buf = sock.recv(65536)
     if not buf:
@@ -83,3 +88,4 @@ def read_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[int, bytes]
         raise ConnectionError(f"{have - n} bytes past the end of a {n:,d}-byte frame: the stream is out of step")
     body = buf[HEAD.size:] if have == n else buf[HEAD.size:] + recv_exact(sock, n - have)
     return kind, body
+
