@@ -11,9 +11,11 @@ their numbers as JSON (kept with ``--keep DIR``):
    two daemons; the short flow over the engine socket (``new fast``, 5 calls) and today's 8-call
    flow over gRPC (``old grpc``, the baseline) and over the engine socket (``old fast``), with
    four bare engine-socket round trips;
-2. ``bench/control_plane.py --no-tcp``: single engine calls over the engine socket, one client,
-   against a bare ``Echo`` on the same socket (``gemma-4-31b-it-tp2``, a 4,096-token computed
-   request); then 1, 2, 4 and 8 client processes' aggregate engine calls/s (``--quick``: 1 and 8);
+2. ``bench/control_plane.py --no-tcp --no-spin``: single engine calls over the engine socket, one
+   client, against a bare ``Echo`` on the same socket (``gemma-4-31b-it-tp2``, a 4,096-token
+   computed request), from clients as they come (a reply looked for 200 us before the thread
+   sleeps) and from clients that sleep at once (``no spin``); then 1, 2, 4 and 8 client processes'
+   aggregate engine calls/s (``--quick``: 1 and 8);
 3. with ``--gpu`` (a CUDA host): ``bench/gpu_transfer.py --devices 0,0 --no-batched``: a lone
    32k-token gemma request and ``mixed seq`` (32 requests one at a time), wall time with the
    decode engine in its own process, against ``dst.copy_(src)`` of the same bytes.
@@ -108,14 +110,19 @@ def handoff_targets(h: dict | None) -> list[Target]:
 def call_targets(c: dict | None) -> list[Target]:
     rows = {(r["call"], r["transport"], r["clients"]): r for r in (c or {}).get("rows", [])}
 
-    def p50(call: str) -> float | None:
-        r = rows.get((call, "fast", 1))
+    def p50(call: str, transport: str = "fast") -> float | None:
+        r = rows.get((call, transport, 1))
         return r["p50_us"] if r else None
 
-    echo = p50("echo")
-    out = [Target(f"engine socket, 1 client: {label} p50", "<=", goal, p50(call), "us", "bare Echo", echo)
-           for label, call, goal in (("lease", "lease SEND", 100.0), ("release", "release", 100.0),
-                                     ("vectors", "vectors", 100.0), ("allocate 4,096 tokens", "allocate", 200.0))]
+    out = []
+    # fast0: the same calls from clients that sleep at once for each reply (what the spin is worth)
+    for transport, how in (("fast", ""), ("fast0", ", no spin")):
+        if transport == "fast0" and p50("echo", transport) is None:
+            continue
+        echo = p50("echo", transport)
+        out += [Target(f"engine socket{how}, 1 client: {label} p50", "<=", goal, p50(call, transport), "us", "bare Echo", echo)
+                for label, call, goal in (("lease", "lease SEND", 100.0), ("release", "release", 100.0),
+                                          ("vectors", "vectors", 100.0), ("allocate 4,096 tokens", "allocate", 200.0))]
     agg = sorted((a["clients"], a["engine_calls_s"]) for a in (c or {}).get("aggregate", []) if a["transport"] == "fast")
     if agg:
         one = agg[0][1]
@@ -155,7 +162,7 @@ def main() -> int:
     py = sys.executable
     quick = ["--quick"] if args.quick else []
     ok = run([py, "bench/handoff_calls.py", "--block", "25", *quick, "--json", f"{out}/handoff.json"], f"{out}/handoff.log", 900)
-    ok &= run([py, "bench/control_plane.py", "--no-tcp", *quick, "--clients", "1,8" if args.quick else "1,2,4,8",
+    ok &= run([py, "bench/control_plane.py", "--no-tcp", "--no-spin", *quick, "--clients", "1,8" if args.quick else "1,2,4,8",
                "--json", f"{out}/calls.json"], f"{out}/calls.log", 900)
     if args.gpu:
         ok &= run([py, "bench/gpu_transfer.py", "--devices", "0,0", "--no-batched", "--json", f"{out}/gpu.json"], f"{out}/gpu.log", 900)
