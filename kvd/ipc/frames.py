@@ -88,4 +88,3 @@ def read_frame(sock: socket.socket, limit: int = MAX_FRAME, spin_s: float = 0.0)
         raise ConnectionError(f"{have - n} bytes past the end of a {n:,d}-byte frame: the stream is out of step")
     body = buf[HEAD.size:] if have == n else buf[HEAD.size:] + recv_exact(sock, n - have)
     return kind, body
-
