@@ -248,22 +248,15 @@ def main() -> None:
         def memcpy() -> None:
             dst[:] = src
 
-        def bare() -> None:
-            p, d = cl["fast"]
+        def bare(tr: str) -> None:
+            p, d = cl[tr]
             d.echo()
             p.echo()
             p.echo()
             d.echo()
 
-        def bare0() -> None:
-            p, d = cl["fast0"]
-            d.echo()
-            p.echo()
-            p.echo()
-            d.echo()
-
-        fns["4 bare round trips"] = bare
-        fns["4 bare round trips, no spin"] = bare0
+        fns["4 bare round trips"] = lambda: bare("fast")
+        fns["4 bare round trips, no spin"] = lambda: bare("fast0")
         fns["memcpy"] = memcpy
         lat: dict[str, list[float]] = {k: [] for k in fns}
         laps.clear()
