@@ -155,6 +155,17 @@ def _decode(method: str, kind: int, body: bytes) -> Any:
     _raise(st.code, st.message, dict(st.metadata))
 
 
+def _closed_after(kind: int, body: bytes) -> bool:
+    """Whether the daemon closes the connection after this reply: a refusal at the transport's
+    limit (RESOURCE_EXHAUSTED without kvd's metadata, ``server/framed.py: exhausted``), whose
+    request was left unread, so the stream cannot be followed past it. Such a connection is
+    closed here, never pooled: the next call on it would meet the close."""
+    if kind != REFUSED:
+        return False
+    st = pb.PeerStatus.FromString(body)
+    return st.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and E.ERROR_KEY not in st.metadata
+
+
 def _between_sessions(method: str) -> NoReturn:
     """A call while the client opens a new session (:meth:`FastChannel.reset` forgot the old
     one): the old session is gone, as the call would have heard from the daemon."""
@@ -245,7 +256,10 @@ class FastChannel:
             s.close()  # it acts for a session its daemon no longer knows
             raise
         except BaseException:
-            self._put(s, sid)
+            if _closed_after(kind, reply):
+                s.close()
+            else:
+                self._put(s, sid)
             raise
         if method == "OpenSession":
             with self._lock:
@@ -355,7 +369,10 @@ class AsyncFastChannel:
             conn[1].close()  # it acts for a session its daemon no longer knows
             raise
         except BaseException:
-            self._put(conn, sid)
+            if _closed_after(kind, reply):
+                conn[1].close()
+            else:
+                self._put(conn, sid)
             raise
         if method == "OpenSession":
             sid = self.session_id = got.session_id

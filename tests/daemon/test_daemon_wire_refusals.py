@@ -216,7 +216,11 @@ def _over_the_request_limit(inproc: Target, c: Client, fast: Client) -> None:
     assert c.echo(at) == at and fast.echo(at) == at
     over = at + b"\1"
     assert "Received message larger than max" in str(_transport_limit(lambda: c.echo(over)))  # the daemon's gRPC server
+    pooled = len(fast._fast._free)
     assert "max_request_bytes" in str(_transport_limit(lambda: fast.echo(over)))  # the engine socket, unread
+    # The daemon closed that connection after its refusal: the client closed it too, not pooled
+    # (a later call on it would meet the close: Unavailable, intermittently).
+    assert len(fast._fast._free) == pooled - 1 and all(s.fileno() >= 0 for s, _ in fast._fast._free)
     huge = b"\1" * (MAX_FRAME + 1)
     for client in (c, fast):
         err = _transport_limit(lambda: client.echo(huge))  # refused by the client itself
@@ -236,9 +240,12 @@ async def _over_the_request_limit_async(inproc: Target) -> None:
     for transport in ("grpc", "fast"):
         c = await AsyncClient.connect(inproc.unix, name=f"big-async-{transport}", transport=transport)
         try:
+            pooled = len(c._fast._free) if c._fast is not None else 0
             with pytest.raises(E.KvdError) as info:
                 await c.echo(_echo_of(MAX_REQUEST) + b"\1")
             assert type(info.value) is E.KvdError and str(info.value).startswith("RESOURCE_EXHAUSTED: "), info.value
+            if c._fast is not None:  # the connection the daemon closed is not pooled (as above)
+                assert len(c._fast._free) == pooled - 1
             assert await c.echo(b"still here") == b"still here"
         finally:
             await c.close()
