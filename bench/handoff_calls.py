@@ -31,7 +31,7 @@ the last free:
   the daemons' handlers cost nothing (the peer calls between the daemons not counted).
 * ``new fast, no spin`` and ``4 bare round trips, no spin``: the same on clients that sleep at once
   for each reply (``Client.connect(spin_us=0)``); the engine socket's clients look for a reply for
-  200 us first (:data:`kvd.client.fast.SPIN_S`).
+  200 us first (:data:`kvd.client.fast.SPIN_US`).
 * ``memcpy``: the same bytes (every page the Send moves) copied between two buffers here.
 * with ``--prompt-ms T`` (a prompt computing T ms between the prefill engine's Allocate and its
   Send, as in a real engine; the decode side's calls come before, untimed), three more rows time
@@ -134,7 +134,7 @@ def main() -> None:
             cl[tr] = (Client.connect(p_.unix, name=f"prefill-{tr}", transport=tr, **spin),
                       Client.connect(d_.unix, name=f"decode-{tr}", transport=tr, **spin))
         # the same daemons, clients that sleep at once for each reply (the engine socket's clients
-        # look for it for SPIN_S first: kvd.ipc.frames.read_frame)
+        # look for it for SPIN_US first: kvd.ipc.frames.read_frame)
         cl["fast0"] = (Client.connect(dp.unix, name="prefill-fast0", transport="fast", spin_us=0),
                        Client.connect(dd.unix, name="decode-fast0", transport="fast", spin_us=0))
         if bp is not None and bd is not None:

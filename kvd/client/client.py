@@ -106,7 +106,7 @@ class Client(Surface):
     @classmethod
     def connect(
         cls, address: str, *, name: str = "", ttl: float | None = None, timeout: float | None = 30.0, transport: str = "auto",
-        spin_us: float = _fast.SPIN_S * 1e6,
+        spin_us: float = _fast.SPIN_US,
     ) -> Client:
         """Open a session on the daemon at ``address``. ``transport``: "auto" uses the daemon's
         engine socket when it serves one beside a ``unix:`` address (the same calls, several times

@@ -7,7 +7,7 @@ Same messages as gRPC, same errors: a refusal comes back as the kvd exception
 looks at the cause of a kvd error sees the same thing over either transport. A connection that
 breaks mid-call is UNAVAILABLE, as a gRPC call to a stopped daemon is.
 
-A blocking call looks for its reply for up to :data:`SPIN_S` before it sleeps (a wait at once);
+A blocking call looks for its reply for up to :data:`SPIN_US` before it sleeps (a wait at once);
 the asyncio channel never spins (it would hold the event loop).
 
 A call blocks its connection until the reply (WaitReady until the transfer is ready), so each
@@ -57,10 +57,10 @@ _RESPONSES: dict[str, type[Message]] = {m.name: m.response for m in METHODS.valu
 KEEP = 8
 #: Times a call is sent again after its connection was evicted unread (then its Unavailable is raised).
 RESENDS = 3
-#: How long a blocking call looks for its reply before it sleeps, by default (``Client.connect(spin_us=)``):
+#: Microseconds a blocking call looks for its reply before it sleeps, by default (``Client.connect(spin_us=)``):
 #: most engine calls are answered within it, and a thread asleep in recv is woken across virtual
 #: CPUs, which on the VMs measured cost 30-50 us a call (docs/benchmarks.md, the twenty-fifth round).
-SPIN_S = 200e-6
+SPIN_US = 200.0
 # What a call whose write the daemon refused (EPIPE: it closed the connection, idle in the pool,
 # before the request went out) gets in place of a reply: sent again, as after EVICTED.
 _UNSENT = pb.PeerStatus(code=grpc.StatusCode.UNAVAILABLE.value[0], message=(
@@ -190,7 +190,7 @@ class FastChannel:
     each with that session, and only those of the current one (:attr:`session_id`) are used again:
     a connection of a session the daemon forgot is closed, never pooled (:meth:`reset`)."""
 
-    def __init__(self, path: str, spin_s: float = SPIN_S) -> None:
+    def __init__(self, path: str, spin_s: float = SPIN_US / 1e6) -> None:
         self.path = path
         self.session_id = ""
         #: How long a call looks for its reply before it sleeps (:func:`kvd.ipc.frames.read_frame`);
